@@ -1,0 +1,1 @@
+"""`sfguard` commands. Thin: parse arguments, call supervisor or policy, print."""

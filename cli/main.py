@@ -1,0 +1,76 @@
+"""Entry point of the `sfguard` console script.
+
+Each command lives in its own module with a `register(subparsers)` function that adds its
+parser and sets `func(args) -> int`. Errors that a user can act on are raised as `CliError`
+and printed as one line; nothing else prints a traceback unless SFGUARD_DEBUG=1.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+# Order is the order in `sfguard --help`.
+COMMAND_MODULES = (
+    "cli.start_cmd",
+    "cli.status_cmd",
+    "cli.proxy_cmd",
+    "cli.policy_cmd",
+    "cli.profiles_cmd",
+    "cli.audit_cmd",
+    "cli.sweep_cmd",
+    "cli.validate_cmd",
+    "cli.demo_cmd",
+    "cli.doctor_cmd",
+)
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed without a traceback."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sfguard",
+        description="Lend pipeline stages a guarded, logged-in browser.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"sfguard {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # never a traceback for a user, unless asked for
+        if os.environ.get("SFGUARD_DEBUG") == "1":
+            raise
+        print(
+            f"sfguard {args.command}: internal error: {type(exc).__name__}: {exc} "
+            "(set SFGUARD_DEBUG=1 for details)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

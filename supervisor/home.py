@@ -1,0 +1,88 @@
+"""The guard home and the private runtime folder: the only place paths are rooted.
+
+Home: `--home` flag, else `$SFGUARD_HOME`, else `~/.stageflow/guard`. Folders 0700, files 0600.
+Runtime: a short private folder for sockets and unsealed profiles (unix sockets have a
+103-byte path limit), preferably on a non-persistent file system.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+DEFAULT_HOME = Path("~/.stageflow/guard")
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+class HomeError(Exception):
+    """The guard home or runtime folder cannot be used safely."""
+
+
+def resolve_home(flag: str | os.PathLike | None = None) -> Path:
+    """The guard home path (not created): the flag wins over $SFGUARD_HOME."""
+    raw = flag if flag not in (None, "") else os.environ.get("SFGUARD_HOME") or DEFAULT_HOME
+    return Path(raw).expanduser().absolute()
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and parents) and make it 0700; refuse symlinks and foreign owners."""
+    path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise HomeError(f"{path} is not a plain directory")
+    if st.st_uid != os.getuid():
+        raise HomeError(f"{path} belongs to another user (uid {st.st_uid})")
+    if stat.S_IMODE(st.st_mode) != DIR_MODE:
+        os.chmod(path, DIR_MODE)
+    return path
+
+
+def ensure_home(flag: str | os.PathLike | None = None) -> Path:
+    """Resolve and create the guard home with mode 0700."""
+    return private_dir(resolve_home(flag))
+
+
+def runtime_dir(home: Path) -> Path:
+    """A short private folder for this home's sockets and unsealed profiles.
+
+    $XDG_RUNTIME_DIR (tmpfs, per user) when usable, else the system temp dir. The name is
+    derived from the home so two homes never share one, and stays short for socket paths.
+    """
+    tag = hashlib.sha256(str(home).encode()).hexdigest()[:10]
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.path.isdir(base) or not os.access(base, os.W_OK):
+        base = tempfile.gettempdir()
+    return private_dir(Path(base) / f"sfg-{os.getuid()}-{tag}")
+
+
+def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Write `data` to `path` so a crash leaves either the old or the new file, never half.
+
+    temp file in the same folder (created with `mode`), write, fsync, rename, fsync folder.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
