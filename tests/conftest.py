@@ -1,0 +1,40 @@
+"""Fixtures shared by every test folder. Folder-specific fixtures live in that folder's conftest."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SFGUARD = [sys.executable, "-m", "cli.main"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def guard_home(tmp_path, monkeypatch) -> Path:
+    """A fresh guard home; also exported as $SFGUARD_HOME for subprocesses."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SFGUARD_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def browser_env() -> dict[str, str]:
+    """Env for real agent-browser + Chromium runs on this machine (root needs --no-sandbox)."""
+    from supervisor import tools
+    ab, br = tools.find_agent_browser(), tools.find_browser()
+    if not (ab.found and br.found):
+        pytest.fail("agent-browser or Chromium missing: run ./dev setup")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
+           "AGENT_BROWSER_EXECUTABLE_PATH": br.path, "SFGUARD_AGENT_BROWSER_BIN": ab.path}
+    if os.geteuid() == 0:
+        env["AGENT_BROWSER_ARGS"] = "--no-sandbox"
+    return env
