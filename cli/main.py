@@ -73,4 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the importable module so `CliError` raised by command modules (which import
+    # `cli.main`) is the same class that main() catches.
+    from cli.main import main as _main
+    sys.exit(_main())

@@ -1,0 +1,169 @@
+"""`sfguard policy validate|explain`: check a site policy and explain its decisions.
+
+    sfguard policy validate [FILE]
+        exit 0 with a one-line summary when FILE (default: the shipped policy) is valid,
+        exit 1 with every error (file:line:col: field: message (hint: ...)) when it is not.
+    sfguard policy explain HOST[:PORT] ... [--allow PATTERNS] [--policy FILE] [--json]
+        for each host: the normalised host and port, the decision, the reason code and the rule
+        that decided. Exit 0 when every host was explained (denials included), 2 for bad
+        arguments or an invalid policy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import policy
+from policy.hosts import parse_port, printable_host, split_host_port_raw
+
+
+class _Usage(Exception):
+    """A bad argument or an unusable policy: printed as one message, exit status 2.
+
+    (Not cli.main.CliError: under `python -m cli.main` that module runs as __main__, and an
+    error class imported from `cli.main` would be a different class from the one it catches.)
+    """
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("policy", help="validate the site policy and explain its decisions",
+                            description="Validate the site policy and explain its decisions.")
+    psub = parser.add_subparsers(dest="policy_command", metavar="SUBCOMMAND")
+    psub.required = True
+
+    val = psub.add_parser("validate", help="check a policy file",
+                          description="Check a policy file; exit 0 when valid, 1 with every error when not.")
+    val.add_argument("file", nargs="?", help="policy file (default: the shipped policy/sites.yaml)")
+    val.set_defaults(func=cmd_validate)
+
+    exp = psub.add_parser(
+        "explain", help="explain the decision for hosts",
+        description=("Explain the policy's decision for each HOST[:PORT]: the normalised host, the "
+                     "decision, the reason code and the rule (file:line) that decided. Address checks "
+                     "that need DNS are made by the proxy."))
+    exp.add_argument("hosts", nargs="+", metavar="HOST[:PORT]",
+                     help="a host, optionally with a port; IPv6 with a port as [2001:db8::1]:443")
+    exp.add_argument("--allow", action="append", default=[], metavar="PATTERNS",
+                     help="a run's allow_domains, comma-separated (may be repeated)")
+    exp.add_argument("--policy", metavar="FILE", help="policy file (default: the shipped one)")
+    exp.add_argument("--json", action="store_true", help="one JSON object per host per line")
+    exp.set_defaults(func=cmd_explain)
+
+
+def _summary(p: policy.SitePolicy) -> str:
+    ports = ", ".join(str(x) for x in sorted(p.ports))
+    return (f"{p.source}: valid (version {p.version}, mode {p.mode}; ports {ports}; "
+            f"{len(p.allow_always)} allow_always, {len(p.block)} block, {len(p.quiet)} quiet, "
+            f"{len(p.private_networks)} private_networks.allow; tab_quota {p.tab_quota})")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        p = policy.load_policy(args.file)
+    except policy.PolicyError as exc:
+        for issue in exc.issues:
+            print(issue)
+        count = len(exc.issues) + exc.more
+        if exc.more:
+            print(f"... and {exc.more} more")
+        print(f"{count} error{'s' if count != 1 else ''}: the policy is not valid", file=sys.stderr)
+        return 1
+    print(_summary(p))
+    return 0
+
+
+def _split_allow(values: list[str]) -> list[str]:
+    out: list[str] = []
+    for value in values:
+        parts = [part.strip() for part in value.split(",")]
+        out += [part for part in parts if part]
+        if not any(parts):
+            raise _Usage("--allow needs at least one pattern, e.g. --allow '*.example.com'")
+    return out
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    try:
+        return _explain(args)
+    except _Usage as exc:
+        print(f"sfguard policy explain: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _explain(args: argparse.Namespace) -> int:
+    try:
+        p = policy.load_policy(args.policy)
+    except policy.PolicyError as exc:
+        raise _Usage("the policy is not valid:\n" + str(exc) +
+                       "\n(run `sfguard policy validate` for details)") from None
+    allow = None
+    patterns = _split_allow(args.allow)
+    if patterns or args.allow:
+        try:
+            allow = policy.compile_patterns(patterns, source="--allow")
+        except policy.PolicyError as exc:
+            raise _Usage("bad --allow pattern:\n" + str(exc)) from None
+
+    for i, text in enumerate(args.hosts):
+        decision = explain_one(p, text, allow)
+        if args.json:
+            print(json.dumps(decision.as_dict(), ensure_ascii=False))
+        else:
+            if i:
+                print()
+            print(_human(p, decision, text))
+    return 0
+
+
+def explain_one(p: policy.SitePolicy, text: str, allow: policy.RuleSet | None) -> policy.Decision:
+    """The decision for one HOST[:PORT] argument, with the address check for IP literals (the
+    only addresses known without DNS)."""
+    try:
+        raw_host, raw_port = split_host_port_raw(text)
+        port = parse_port(raw_port) if raw_port is not None else None
+    except policy.MalformedHost as exc:
+        # Explain the whole argument as a (malformed) host, with the reason about its port.
+        decision = p.decide(text, None, allow)
+        return policy.engine.replace(
+            decision, explanation=f"'{printable_host(text)}' is not a valid HOST[:PORT]: {exc.reason}.")
+    decision = p.decide(raw_host, port, allow)
+    if decision.allowed and not decision.would_deny and decision.normalized_host:
+        host = decision.normalized_host
+        if ":" in host or host.replace(".", "").isdigit():
+            decision = p.check_address(decision, host)
+    return decision
+
+
+def _human(p: policy.SitePolicy, d: policy.Decision, asked: str) -> str:
+    port = str(d.port) if d.port is not None else f"not given (checked as for ports {', '.join(map(str, sorted(p.ports)))})"
+    lines = [
+        printable_host(asked),
+        f"  normalised: {d.normalized_host if d.normalized_host is not None else '(malformed)'}",
+        f"  port:       {port}",
+        f"  decision:   {d.decision.upper()} ({d.reason})",
+        f"  rule:       {d.rule or '(none: ' + _no_rule(d) + ')'}",
+        f"  why:        {d.explanation}",
+    ]
+    if d.quiet:
+        lines.append("  note:       a quiet host: its denials are counted, not logged one by one")
+    if d.allowed and not d.would_deny:
+        if d.allowed_by_ip:
+            lines.append(f"  note:       allowed by an IP pattern: connections go only to addresses in {d.network}")
+        else:
+            lines.append("  note:       the proxy still checks the addresses it resolves to "
+                         "(private, loopback and link-local addresses are refused unless "
+                         "private_networks.allow lists them)")
+    if p.mode == "report":
+        lines.append("  note:       the policy is in report mode: nothing is denied, would-be denials are logged")
+    return "\n".join(lines)
+
+
+def _no_rule(d: policy.Decision) -> str:
+    code = d.reason.split(":", 1)[-1]
+    return {
+        "malformed_host": "the host itself is refused",
+        "port_not_allowed": "the port is not in the policy's ports",
+        "not_allowed": "no rule allows it",
+        "private_address": "the address check",
+    }.get(code, "built-in check")

@@ -1,0 +1,51 @@
+"""`sfguard status`: what the running guard holds (the same data as GET /v1/status)."""
+from __future__ import annotations
+
+import json
+
+from cli.main import CliError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("status", help="show runs, leases, queues, browsers, proxies and policy state")
+    p.add_argument("--home", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    p.add_argument("--json", action="store_true", help="print the /v1/status answer as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from supervisor.client import GuardClient, GuardUnavailable
+    from supervisor.home import resolve_home
+    try:
+        status, body = GuardClient(resolve_home(args.home), timeout=10).call("GET", "/v1/status")
+    except GuardUnavailable as exc:
+        raise CliError(str(exc), 1) from None
+    if status != 200:
+        raise CliError(f"the guard answered {status}: {body}", 1)
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    g, pol = body["guard"], body["policy"]
+    print(f"guard   pid {g['pid']} since {g['since']}, home {g['home']}, keys: {g['key_provider']}")
+    line = f"policy  {pol['file']} mode {pol['mode']}"
+    if pol["state"] != "ok":
+        line += f"  INVALID EDIT, last good policy kept: {pol['error']}"
+    print(line)
+    for r in body["runs"]:
+        proxy = r["proxy"]
+        print(f"run     {r['run_id']} {r['state']}" + (f" ({r['outcome']})" if r["outcome"] else "")
+              + (f", proxy :{proxy['port']} {'up' if proxy['alive'] else 'DOWN'}" if proxy else ""))
+        for s in r["stages"]:
+            extra = f" waiting for run {s['holder_run']}" if s["holder_run"] else ""
+            print(f"  stage {s['stage_id']} attempt {s['attempt']} {s['state']}"
+                  f" profile={s['profile'] or '-'}{extra}")
+        for b in r["browsers"]:
+            print(f"  browser {'profile ' + b['profile'] if b['profile'] else 'throw-away'}"
+                  f" {'headed' if b['headed'] else 'headless'} stages={','.join(b['stages']) or '-'}")
+    for lease in body["leases"]:
+        if lease["holder_run"] or lease["queue"]:
+            q = ", ".join(x["run"] for x in lease["queue"]) or "-"
+            print(f"lease   {lease['profile']} held by {lease['holder_run'] or '-'}; queue: {q}")
+    if not body["runs"]:
+        print("runs    none")
+    return 0

@@ -1,0 +1,31 @@
+"""`sfguard sweep`: clean up after a crashed guard (the same sweep `sfguard start` runs)."""
+from __future__ import annotations
+
+import json
+
+from cli.main import CliError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("sweep", help="end processes, reseal profiles and release leases left by dead runs")
+    p.add_argument("--home", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    p.add_argument("--policy", metavar="FILE", help="site policy (default: the shipped one)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from supervisor.daemon import Guard, GuardAlreadyRunning, sweep
+    from supervisor.home import resolve_home
+    guard = Guard(resolve_home(args.home), args.policy)
+    try:
+        guard.acquire_instance_lock()
+    except GuardAlreadyRunning:
+        raise CliError("a guard is running on this home; it swept at start and owns its runs", 3) from None
+    report = sweep(guard)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"swept {len(report['runs'])} dead run(s): {report['processes'] + report['orphans']} process(es) "
+              f"ended, {len(report['resealed'])} profile(s) resealed, {len(report['leases'])} lease(s) released")
+    return 0

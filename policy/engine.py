@@ -1,0 +1,298 @@
+"""Decisions: may this host be reached, and why.
+
+Order (DESIGN.md 4.1), first answer wins:
+
+1. malformed host                      -> deny  malformed_host
+2. port not allowed                    -> deny  port_not_allowed
+   (allowed: the policy's `ports`, default 80 and 443, or a pattern with that explicit port in
+   the run's allow list or allow_always that matches the host)
+3. host matches `block`                -> deny  blocked_by_policy
+4. host matches the run's allow list   -> allow allowed_by_run
+   host matches `allow_always`         -> allow allowed_by_policy
+5. anything else                       -> deny  not_allowed
+
+After DNS the proxy calls `check_address` for every resolved address (private_address), and it
+refuses SNI or Host header mismatches itself through `refuse`. In `mode: report` every denial
+becomes decision "allow" with reason "would_deny:<code>"; that happens in one place, `_finish`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from dataclasses import dataclass
+from typing import Iterable
+
+from .errors import MalformedHost
+from .hosts import normalize_host_ex, printable_host
+from .patterns import Match, RuleSet, suffixes
+
+DEFAULT_PORTS = frozenset({80, 443})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One answer of the policy, with what is needed to explain and log it (no secrets)."""
+
+    host: str                  # as asked (control characters escaped, user info redacted)
+    port: int | None
+    normalized_host: str | None  # None when malformed
+    decision: str              # "allow" | "deny"
+    reason: str                # reason code; "would_deny:<code>" in report mode
+    rule: str | None           # "sites.yaml:12 *.example.com" | "--allow *.example.com" | None
+    allowed_by_ip: bool        # the allowing pattern was an IP literal or CIDR
+    quiet: bool                # a denial not worth logging one by one
+    explanation: str           # one readable sentence
+    network: str | None = None  # for allowed_by_ip: the network of the allowing pattern
+    mode: str = "enforce"
+
+    @property
+    def allowed(self) -> bool:
+        return self.decision == "allow"
+
+    @property
+    def would_deny(self) -> bool:
+        """True in report mode when enforce mode would have denied."""
+        return self.reason.startswith("would_deny:")
+
+    def as_dict(self) -> dict:
+        """The fields as a JSON-ready dict (the shape of `sfguard policy explain --json`)."""
+        return {
+            "host": self.host, "port": self.port, "normalized_host": self.normalized_host,
+            "decision": self.decision, "reason": self.reason, "rule": self.rule,
+            "allowed_by_ip": self.allowed_by_ip, "quiet": self.quiet,
+            "explanation": self.explanation, "mode": self.mode,
+        }
+
+
+# Special-purpose address ranges, most specific first. Addresses that embed an IPv4 address
+# (IPv4-mapped, NAT64, 6to4) are also judged by that IPv4 address.
+_SPECIAL_RANGES: list[tuple[ipaddress._BaseNetwork, str]] = [
+    (ipaddress.ip_network(n), label) for n, label in [
+        ("169.254.169.254/32", "link-local (cloud metadata)"),
+        ("0.0.0.0/8", "unspecified ('this network')"),
+        ("10.0.0.0/8", "private (RFC 1918)"),
+        ("100.64.0.0/10", "carrier-grade NAT (RFC 6598)"),
+        ("127.0.0.0/8", "loopback"),
+        ("169.254.0.0/16", "link-local"),
+        ("172.16.0.0/12", "private (RFC 1918)"),
+        ("192.0.0.0/24", "IETF protocol assignment"),
+        ("192.0.2.0/24", "documentation"),
+        ("192.88.99.0/24", "6to4 relay anycast"),
+        ("192.168.0.0/16", "private (RFC 1918)"),
+        ("198.18.0.0/15", "benchmarking"),
+        ("198.51.100.0/24", "documentation"),
+        ("203.0.113.0/24", "documentation"),
+        ("224.0.0.0/4", "multicast"),
+        ("240.0.0.0/4", "reserved"),
+        ("::/128", "unspecified"),
+        ("::1/128", "loopback"),
+        ("::/96", "IPv4-compatible (deprecated)"),
+        ("64:ff9b:1::/48", "local-use NAT64"),
+        ("100::/64", "discard-only"),
+        ("2001::/32", "Teredo tunnel"),
+        ("2001:db8::/32", "documentation"),
+        ("2001::/23", "IETF protocol assignment"),
+        ("fc00::/7", "unique local (ULA)"),
+        ("fe80::/10", "link-local"),
+        ("fec0::/10", "site-local (deprecated)"),
+        ("ff00::/8", "multicast"),
+    ]
+]
+
+
+def _embedded_ipv4(addr: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    if addr.sixtofour is not None:
+        return addr.sixtofour
+    if addr in _NAT64:
+        return ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
+    return None
+
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def special_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """The kind of special-purpose range `addr` is in ("loopback", "private (RFC 1918)", ...),
+    or None for an ordinary global address."""
+    if isinstance(addr, ipaddress.IPv6Address):
+        inner = _embedded_ipv4(addr)
+        if inner is not None:
+            label = special_address(inner)
+            if label:
+                return f"{label}, embedded in IPv6"
+            if addr.ipv4_mapped is not None:
+                return None
+    for net, label in _SPECIAL_RANGES:
+        if addr.version == net.version and addr in net:
+            return label
+    if not addr.is_global:
+        return "special-purpose"
+    return None
+
+
+class SitePolicy:
+    """A loaded site policy. Build with `policy.load_policy` / `policy.parse_policy`."""
+
+    def __init__(self, *, source: str, mode: str = "enforce", ports: Iterable[int] = DEFAULT_PORTS,
+                 tab_quota: int = 8, block: RuleSet | None = None,
+                 allow_always: RuleSet | None = None, quiet: RuleSet | None = None,
+                 private_networks: Iterable[str] = (), version: int = 1):
+        if mode not in ("enforce", "report"):
+            raise ValueError("mode is 'enforce' or 'report'")
+        self.source = source
+        self.version = version
+        self.mode = mode
+        self.ports = frozenset(ports)
+        self.tab_quota = tab_quota
+        label = source.replace("\\", "/").rsplit("/", 1)[-1] or source
+        self.block = block if block is not None else RuleSet(label)
+        self.allow_always = allow_always if allow_always is not None else RuleSet(label)
+        self.quiet = quiet if quiet is not None else RuleSet(label)
+        self.private_networks = tuple(ipaddress.ip_network(n) for n in private_networks)
+
+    def __repr__(self) -> str:
+        return (f"SitePolicy(source={self.source!r}, mode={self.mode!r}, ports={sorted(self.ports)}, "
+                f"block={len(self.block)}, allow_always={len(self.allow_always)}, quiet={len(self.quiet)})")
+
+    def summary(self) -> dict:
+        return {"source": self.source, "mode": self.mode, "ports": sorted(self.ports),
+                "tab_quota": self.tab_quota, "allow_always": len(self.allow_always),
+                "block": len(self.block), "quiet": len(self.quiet),
+                "private_networks": [str(n) for n in self.private_networks]}
+
+    # -- the one place where mode is applied ------------------------------------------------
+    def _finish(self, host: str, port: int | None, normalized: str | None, allow: bool,
+                reason: str, rule: str | None, explanation: str, is_ip: bool = False,
+                match: Match | None = None, parents: list[str] | None = None) -> Decision:
+        quiet = False
+        if not allow:
+            if normalized is not None and self.quiet._count:
+                quiet = self.quiet.match(normalized, is_ip, port, parents=parents) is not None
+            if self.mode == "report":
+                return _make(host, port, normalized, "allow", "would_deny:" + reason, rule, False,
+                             quiet, "report mode, would deny: " + explanation, None, self.mode)
+            return _make(host, port, normalized, "deny", reason, rule, False, quiet, explanation,
+                         None, self.mode)
+        network = match.network if match is not None else None
+        return _make(host, port, normalized, "allow", reason, rule, network is not None, False,
+                     explanation, network, self.mode)
+
+    # -- first stage: the host ----------------------------------------------------------------
+    def decide(self, host: str, port: int | None, allow: RuleSet | None = None) -> Decision:
+        """Decide for a host (no port in it) and port; `allow` is the run's allow_domains."""
+        try:
+            normalized, is_ip = normalize_host_ex(host)
+        except MalformedHost as exc:
+            shown = printable_host(host)
+            return self._finish(shown, port, None, False, "malformed_host", None,
+                                f"'{shown}' is not a valid host: {exc.reason}.")
+        if port is not None and (port.__class__ is not int or not 1 <= port <= 65535):
+            return self._finish(host, None, normalized, False, "port_not_allowed", None,
+                                f"port {port!r} is not a valid port.", is_ip)
+        parents = None if is_ip else suffixes(normalized)
+
+        port_match: Match | None = None
+        port_reason = ""
+        if port is not None and port not in self.ports:
+            if allow is not None:
+                port_match = allow.match(normalized, is_ip, port, True, parents)
+                port_reason = "allowed_by_run"
+            if port_match is None:
+                port_match = self.allow_always.match(normalized, is_ip, port, True, parents)
+                port_reason = "allowed_by_policy"
+            if port_match is None:
+                ports = ", ".join(str(p) for p in sorted(self.ports)) or "none"
+                return self._finish(
+                    host, port, normalized, False, "port_not_allowed", None,
+                    (f"port {port} is not allowed for {normalized} (allowed ports: {ports}; "
+                     f"a pattern such as {normalized}:{port} allows one more)."), is_ip, None, parents)
+
+        blocked = self.block.match(normalized, is_ip, port, False, parents)
+        if blocked is not None:
+            why = f": {blocked.reason.rstrip('.')}" if blocked.reason else ""
+            return self._finish(
+                host, port, normalized, False, "blocked_by_policy", blocked.rule,
+                (f"{normalized} is blocked by the site policy{why}. "
+                 "A run's allow_domains cannot override the block list."), is_ip, None, parents)
+
+        if port_match is not None:
+            return self._allowed(host, port, normalized, port_reason, port_match)
+        if allow is not None:
+            found = allow.match(normalized, is_ip, port, False, parents)
+            if found is not None:
+                return self._allowed(host, port, normalized, "allowed_by_run", found)
+        found = self.allow_always.match(normalized, is_ip, port, False, parents)
+        if found is not None:
+            return self._allowed(host, port, normalized, "allowed_by_policy", found)
+        return self._finish(
+            host, port, normalized, False, "not_allowed", None,
+            (f"{normalized} is not in this run's allow_domains nor in the site policy's "
+             "allow_always; ask the pipeline owner to add it to allow_domains."), is_ip, None, parents)
+
+    def _allowed(self, host: str, port: int | None, normalized: str, reason: str,
+                 match: Match) -> Decision:
+        where = "this run's allow_domains" if reason == "allowed_by_run" else "the site policy's allow_always"
+        return self._finish(host, port, normalized, True, reason, match.rule,
+                            f"{normalized} is allowed by {where} ({match.pattern}).", False, match)
+
+    # -- second stage: the resolved address ---------------------------------------------------
+    def check_address(self, decision: Decision, address: str) -> Decision:
+        """Judge one resolved address of an allowed host. Returns `decision` unchanged when the
+        address is fine (or the decision is already a denial or a report-mode would-deny), or a
+        private_address denial (honouring report mode). Pure: no DNS here."""
+        if not decision.allowed or decision.would_deny:
+            return decision
+        text = address.strip("[]") if isinstance(address, str) else ""
+        try:
+            if "%" in text:
+                raise ValueError("zone id")
+            addr = ipaddress.ip_address(text)
+        except ValueError:
+            return self.refuse(decision, "invalid_address",
+                               f"{decision.normalized_host} resolved to something that is not an IP address.")
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        label = special_address(addr)
+        if label is None:
+            return decision
+        for net in self.private_networks:
+            if addr.version == net.version and addr in net:
+                return decision
+        if decision.allowed_by_ip and decision.network:
+            net = ipaddress.ip_network(decision.network)
+            if addr.version == net.version and addr in net:
+                return decision
+        return self.refuse(
+            decision, "private_address",
+            (f"{decision.normalized_host} resolves to {addr}, a {label} address; the guard does not "
+             "connect to such addresses unless private_networks.allow lists them."))
+
+    def refuse(self, decision: Decision, reason: str, explanation: str) -> Decision:
+        """A denial for a check the proxy makes itself (sni_mismatch, host_header_mismatch, ...)
+        about the host of `decision`; honours report mode."""
+        normalized = decision.normalized_host
+        is_ip = False
+        if normalized is not None:
+            is_ip = ":" in normalized or normalized.replace(".", "").isdigit()
+        return self._finish(decision.host, decision.port, normalized, False, reason, None,
+                            explanation, is_ip)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Decision))
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _make(*values) -> Decision:
+    """A Decision without the frozen dataclass __init__ (one setattr per field is the largest
+    cost of a decision); same object, same fields."""
+    d = _new(Decision)
+    _set(d, "__dict__", dict(zip(_FIELDS, values)))
+    return d
+
+
+def replace(decision: Decision, **changes) -> Decision:
+    """A copy of `decision` with some fields changed."""
+    return dataclasses.replace(decision, **changes)

@@ -1,0 +1,40 @@
+"""AddressGuard addon: every server connection goes to the address that was checked.
+
+`ConnectGuard` resolved the host and checked every address with `policy.check_address`; it
+remembered the allowed target per client connection. At `server_connect` this addon replaces
+the server address with that checked IP, so the socket layer never looks the name up a second
+time (no DNS-rebinding window). A destination that was not checked is refused (fail closed).
+"""
+from __future__ import annotations
+
+import logging
+
+from mitmproxy.proxy import server_hooks
+
+import policy
+
+from .state import GuardState
+
+logger = logging.getLogger("sfguard.proxy.address")
+
+
+class AddressGuard:
+    def __init__(self, state: GuardState) -> None:
+        self.s = state
+
+    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        if data.server.error:
+            return
+        conn = self.s.conns.get(data.client.id)
+        target = None
+        if conn is not None and data.server.address is not None:
+            host, port = data.server.address[0], data.server.address[1]
+            try:
+                target = conn.targets.get((policy.normalize_host(host), port))
+            except policy.MalformedHost:
+                target = None
+        if target is None:
+            logger.warning("refused a server connection that the guard did not check")
+            data.server.error = "sfguard: destination not checked"
+            return
+        data.server.address = (target.address, data.server.address[1])

@@ -1,0 +1,123 @@
+"""ConnectGuard addon: identifies the client and asks `policy` about each request.
+
+Hooks:
+- `http_connect` (CONNECT host:port): credentials, `policy.decide`, then DNS and
+  `policy.check_address` for every address. Allowed: the checked address is remembered for
+  `AddressGuard`; denied: 403 with the decision header and a one-line explanation.
+- `requestheaders` (plain HTTP, absolute-form URL): the same, plus the Host header must name
+  the same host and port as the URL (else `host_header_mismatch`). The client's
+  `Proxy-Authorization` header is removed before the request goes anywhere, and bodies are
+  streamed (never buffered).
+- `responseheaders`: stream response bodies too.
+"""
+from __future__ import annotations
+
+import logging
+
+from mitmproxy import http
+
+import policy
+
+from .state import GuardState, Target, auth_required_response, deny_response
+
+logger = logging.getLogger("sfguard.proxy.connect")
+
+
+class ConnectGuard:
+    def __init__(self, state: GuardState) -> None:
+        self.s = state
+
+    def _authenticate(self, flow: http.HTTPFlow):
+        value = flow.request.headers.get("Proxy-Authorization")
+        client = self.s.registry.authenticate(value)
+        if client is None:
+            flow.response = auth_required_response()
+            if value is not None:
+                # Wrong credentials: worth a line (never the name claimed or the token).
+                self.s.decision_log.write(
+                    run=self.s.run, client=None, method=flow.request.method,
+                    host=flow.request.host, port=flow.request.port, decision="deny",
+                    reason="proxy_auth_failed", rule=None, addr=None)
+        return client
+
+    async def _decide(self, flow: http.HTTPFlow, client, host: str, port: int,
+                      host_header: str | None = None, check_host_header: bool = False):
+        """Decide, check addresses, answer denials; return (decision, address) or None."""
+        site = self.s.policy
+        d = site.decide(host, port, client.allow)
+        if d.allowed and check_host_header:
+            d = self._check_host_header(site, d, host_header)
+        addr = None
+        if d.allowed:
+            d, addr = await self.s.check_addresses(d)
+        method = flow.request.method
+        if not d.allowed:
+            self.s.log_decision(d, client=client, method=method)
+            flow.response = deny_response(d)
+            return None
+        if addr is None:  # report mode let an unresolvable name pass: nothing to connect to
+            self.s.log_decision(d, client=client, method=method)
+            flow.response = http.Response.make(
+                502, f"sfguard: {d.normalized_host} did not resolve.\n".encode(),
+                {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
+            return None
+        self.s.log_decision(d, client=client, method=method, addr=addr)
+        return d, addr
+
+    @staticmethod
+    def _check_host_header(site, d, host_header: str | None):
+        if host_header is None:
+            return d
+        try:
+            hh_host, hh_port = policy.split_host_port(host_header, default_port=80)
+        except policy.MalformedHost:
+            hh_host, hh_port = None, None
+        if (hh_host, hh_port) != (d.normalized_host, d.port):
+            shown = host_header[:100].encode("ascii", "backslashreplace").decode("ascii")
+            return site.refuse(
+                d, "host_header_mismatch",
+                f"The guard refused this request: its Host header ({shown}) does not name "
+                f"the host in the URL ({d.normalized_host}:{d.port}).")
+        return d
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        # The head-read timeout stays armed until the tunnel's first message was judged.
+        conn = self.s.conn(flow.client_conn.id)
+        client = self._authenticate(flow)
+        if client is None:
+            return
+        conn.client = client
+        result = await self._decide(flow, client, flow.request.host, flow.request.port)
+        if result is None:
+            return
+        d, addr = result
+        key = (d.normalized_host, d.port)
+        conn.tunnel = key
+        conn.targets[key] = Target(d, addr)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        conn = self.s.conn(flow.client_conn.id)
+        conn.head_done = True
+        client = self._authenticate(flow)
+        # The credential is for the guard only: never forward it.
+        flow.request.headers.pop("Proxy-Authorization", None)
+        if client is None:
+            return
+        conn.client = client
+        if flow.request.scheme != "http":
+            flow.response = http.Response.make(
+                400, b"sfguard: only http:// URLs can be sent as plain proxy requests; "
+                     b"use CONNECT for https.\n",
+                {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
+            return
+        result = await self._decide(flow, client, flow.request.host, flow.request.port,
+                                    flow.request.headers.get("Host"), check_host_header=True)
+        if result is None:
+            return
+        d, addr = result
+        conn.targets[(d.normalized_host, d.port)] = Target(d, addr)
+        flow.request.stream = True
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            flow.response.stream = True

@@ -1,0 +1,51 @@
+"""ConnectionGuard addon: per-connection bookkeeping and the head-read timeout.
+
+mitmproxy closes a connection only after 10 minutes without any traffic, so a client that
+trickles a request head byte by byte could hold a connection forever. The guard gives each new
+connection `head_timeout` seconds to complete its first request head (and, for a CONNECT
+tunnel, its first message inside the tunnel); after that it is closed. Other clients are not
+affected. The per-connection state is dropped when the client disconnects.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from mitmproxy import connection
+
+from .state import GuardState
+
+logger = logging.getLogger("sfguard.proxy.connections")
+
+
+class ConnectionGuard:
+    def __init__(self, state: GuardState) -> None:
+        self.s = state
+        self._proxyserver = None
+
+    def load(self, loader) -> None:
+        from mitmproxy import ctx
+        self._proxyserver = ctx.master.addons.get("proxyserver")
+
+    def client_connected(self, client: connection.Client) -> None:
+        conn = self.s.conn(client.id)
+        loop = asyncio.get_running_loop()
+        conn.timer = loop.call_later(self.s.head_timeout, self._expire, client.id)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        conn = self.s.conns.pop(client.id, None)
+        if conn is not None and conn.timer is not None:
+            conn.timer.cancel()
+
+    def _expire(self, client_id: str) -> None:
+        conn = self.s.conns.get(client_id)
+        if conn is None or conn.head_done:
+            return
+        handler = self._proxyserver.connections.get(client_id) if self._proxyserver else None
+        if handler is None:
+            return
+        io = handler.transports.get(handler.client)
+        if io is not None and io.handler is not None:
+            logger.info("closed a connection that did not finish its request head in %.0f s",
+                        self.s.head_timeout)
+            io.handler.cancel("sfguard: request head timeout")

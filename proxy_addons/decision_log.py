@@ -1,0 +1,119 @@
+"""The decision log: one JSON object per line for every decision the guard enforces.
+
+Fields: `ts, run, client, method, host, port, decision, reason, rule, addr`. Never a path, a
+query, a header value or a body: the writer only accepts these fields.
+
+Quiet denials (`Decision.quiet`, e.g. Chromium's background calls to Google) are counted and
+written as one aggregate line (`"reason": "quiet_denials"`) every `aggregate_interval` seconds
+and when the log is closed.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import sys
+import threading
+from collections import Counter
+from typing import IO
+
+logger = logging.getLogger("sfguard.proxy.decisions")
+
+#: Bound on distinct hosts kept in the quiet-denial counter between two aggregate lines.
+MAX_QUIET_HOSTS = 256
+#: Longest host text written to the log (a malformed host can be arbitrary garbage).
+MAX_HOST_CHARS = 255
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _clean_host(host: str | None) -> str | None:
+    if host is None:
+        return None
+    return host[:MAX_HOST_CHARS]
+
+
+class DecisionLog:
+    """Writes decision lines to a stream (stdout) or a file opened for append with mode 0600.
+
+    `target` is None (no log), "-" (stdout) or a path. Thread-safe.
+    """
+
+    def __init__(self, target: str | None = None) -> None:
+        self._lock = threading.Lock()
+        self._own_file = False
+        self._stream: IO[str] | None = None
+        if target == "-":
+            self._stream = sys.stdout
+        elif target:
+            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            os.fchmod(fd, 0o600)
+            self._stream = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+            self._own_file = True
+        self._quiet: Counter[tuple[str | None, str | None, str]] = Counter()
+        self._quiet_other = 0
+        self.counts: Counter[str] = Counter()  # decision -> number, for status
+
+    def write(self, *, run: str | None, client: str | None, method: str, host: str | None,
+              port: int | None, decision: str, reason: str, rule: str | None,
+              addr: str | None) -> None:
+        """Write one decision line."""
+        self.counts[decision] += 1
+        self._emit({
+            "ts": _now(), "run": run, "client": client, "method": method,
+            "host": _clean_host(host), "port": port, "decision": decision, "reason": reason,
+            "rule": rule, "addr": addr,
+        })
+
+    def count_quiet(self, *, run: str | None, client: str | None, host: str | None) -> None:
+        """Count a quiet denial instead of writing it."""
+        self.counts["deny"] += 1
+        with self._lock:
+            key = (run, client, _clean_host(host) or "")
+            if key in self._quiet or len(self._quiet) < MAX_QUIET_HOSTS:
+                self._quiet[key] += 1
+            else:
+                self._quiet_other += 1
+
+    def flush_quiet(self) -> None:
+        """Write the aggregate of quiet denials counted since the last call (if any)."""
+        with self._lock:
+            quiet, other = self._quiet, self._quiet_other
+            self._quiet, self._quiet_other = Counter(), 0
+        by_client: dict[tuple[str | None, str | None], dict[str, int]] = {}
+        for (run, client, host), n in quiet.items():
+            by_client.setdefault((run, client), {})[host] = n
+        for (run, client), hosts in by_client.items():
+            self._emit({
+                "ts": _now(), "run": run, "client": client, "method": None, "host": None,
+                "port": None, "decision": "deny", "reason": "quiet_denials", "rule": None,
+                "addr": None, "count": sum(hosts.values()), "hosts": hosts,
+            })
+        if other:
+            self._emit({
+                "ts": _now(), "run": None, "client": None, "method": None, "host": None,
+                "port": None, "decision": "deny", "reason": "quiet_denials", "rule": None,
+                "addr": None, "count": other, "hosts": {},
+            })
+
+    def _emit(self, record: dict) -> None:
+        if self._stream is None:
+            return
+        line = json.dumps(record, ensure_ascii=True, separators=(",", ":"))
+        with self._lock:
+            try:
+                self._stream.write(line + "\n")
+                self._stream.flush()
+            except (OSError, ValueError) as exc:  # a closed stdout must not stop the proxy
+                logger.error("cannot write the decision log: %s", type(exc).__name__)
+
+    def close(self) -> None:
+        """Write the quiet aggregate and close an owned file."""
+        self.flush_quiet()
+        with self._lock:
+            if self._own_file and self._stream is not None:
+                self._stream.close()
+            self._stream = None

@@ -1,0 +1,125 @@
+"""PolicyWatcher addon: keeps the site policy current without a restart.
+
+Every `interval` seconds (default 0.25 s) an asyncio task compares the policy file's
+(inode, size, mtime_ns) with the last seen ones. On a change it reloads with
+`policy.load_policy`. A valid file replaces the policy at once; an invalid one keeps the last
+good policy, logs the error (with its line) to `sfguard.proxy.policy`, and records it in
+`PolicyStatus` so `sfguard status` can say "last good policy kept since ..., error ...".
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import policy
+
+logger = logging.getLogger("sfguard.proxy.policy")
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """What a status reader sees: which policy is active and whether the file is broken."""
+
+    path: str
+    loaded_at: str                 # ISO time the active policy was loaded
+    mode: str                      # "enforce" | "report"
+    error: str | None = None       # the last reload error (one issue per line), or None
+    error_since: str | None = None # when the file first became invalid
+
+    def describe(self) -> str:
+        if self.error is None:
+            return f"policy {self.path} ({self.mode}) loaded {self.loaded_at}"
+        return (f"last good policy kept since {self.error_since}, error {self.error}")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+class PolicyStatus:
+    """Thread-safe holder of the active SitePolicy and its status."""
+
+    def __init__(self, site_policy: "policy.SitePolicy", path: Path) -> None:
+        self._lock = threading.Lock()
+        self.policy = site_policy
+        self._snapshot = PolicySnapshot(str(path), _now(), site_policy.mode)
+
+    def snapshot(self) -> PolicySnapshot:
+        return self._snapshot
+
+    def set_policy(self, site_policy: "policy.SitePolicy") -> None:
+        with self._lock:
+            self.policy = site_policy
+            self._snapshot = PolicySnapshot(self._snapshot.path, _now(), site_policy.mode)
+
+    def set_error(self, message: str) -> None:
+        with self._lock:
+            s = self._snapshot
+            self._snapshot = PolicySnapshot(s.path, s.loaded_at, s.mode, message,
+                                            s.error_since or _now())
+
+
+def _file_key(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class PolicyWatcher:
+    """mitmproxy addon: polls the policy file and reloads it on change."""
+
+    def __init__(self, status: PolicyStatus, path: Path, interval: float = 0.25) -> None:
+        self.status = status
+        self.path = Path(path)
+        self.interval = interval
+        self._key = _file_key(self.path)
+        self._task: asyncio.Task | None = None
+
+    def running(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._poll(), name="policy watcher")
+
+    def done(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def check_now(self) -> bool:
+        """Reload if the file changed since the last check; True when a reload was attempted."""
+        key = _file_key(self.path)
+        if key == self._key:
+            return False
+        self._key = key
+        if key is None:
+            msg = f"{self.path}: file is missing or unreadable"
+            logger.error("policy reload failed, keeping the last good policy: %s", msg)
+            self.status.set_error(msg)
+            return True
+        try:
+            new = policy.load_policy(self.path)
+        except policy.PolicyError as exc:
+            logger.error("policy reload failed, keeping the last good policy:\n%s", exc)
+            self.status.set_error(str(exc))
+        except OSError as exc:
+            msg = f"{self.path}: {exc.strerror}"
+            logger.error("policy reload failed, keeping the last good policy: %s", msg)
+            self.status.set_error(msg)
+        else:
+            self.status.set_policy(new)
+            logger.info("policy reloaded from %s (mode %s)", self.path, new.mode)
+        return True
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                self.check_now()
+            except Exception:  # never let the watcher die silently
+                logger.exception("policy watcher error")

@@ -1,0 +1,164 @@
+"""State shared by the guard addons of one proxy, and the small helpers they share.
+
+The addons ask `policy` and enforce; everything they need to remember between hooks lives
+here: the clients, the active site policy, the resolver, the decision log, and per client
+connection what was decided (`ConnState`), so that the server connection goes exactly to the
+address that was checked.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass, field
+
+from mitmproxy import http
+
+import policy
+
+from .clients import Client, ClientRegistry
+from .decision_log import DecisionLog
+from .policy_watch import PolicyStatus
+
+logger = logging.getLogger("sfguard.proxy")
+
+DECISION_HEADER = "X-Sfguard-Decision"
+#: Seconds allowed for a DNS lookup.
+RESOLVE_TIMEOUT = 5.0
+
+
+@dataclass
+class Target:
+    """An allowed destination of one client connection: the decision and the checked address."""
+
+    decision: "policy.Decision"
+    address: str
+
+
+@dataclass
+class ConnState:
+    """What the guard knows about one client connection."""
+
+    client: Client | None = None
+    # CONNECT tunnel: the (normalised host, port) it was opened for, and its target.
+    tunnel: tuple[str, int] | None = None
+    # Allowed destinations keyed by (normalised host, port); server_connect only uses these.
+    targets: dict[tuple[str, int], Target] = field(default_factory=dict)
+    # Set once the first request head was read (the head-read timeout stops applying).
+    head_done: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+class Resolver:
+    """DNS with `--resolve HOST=IP` overrides (like curl's). Returns every address."""
+
+    def __init__(self, overrides: dict[str, list[str]] | None = None) -> None:
+        self.overrides = dict(overrides or {})
+
+    async def resolve(self, host: str, port: int) -> list[str]:
+        """Addresses for a normalised host; an IP literal is its own address. Raises OSError."""
+        try:
+            return [str(ipaddress.ip_address(host))]
+        except ValueError:
+            pass
+        if host in self.overrides:
+            return list(self.overrides[host])
+        loop = asyncio.get_running_loop()
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP),
+            RESOLVE_TIMEOUT,
+        )
+        seen: list[str] = []
+        for _family, _type, _proto, _canon, sockaddr in infos:
+            addr = str(sockaddr[0]).split("%", 1)[0]
+            if addr not in seen:
+                seen.append(addr)
+        if not seen:
+            raise OSError("no address")
+        return seen
+
+
+class GuardState:
+    """Everything the guard addons share. One per proxy."""
+
+    def __init__(self, registry: ClientRegistry, policy_status: PolicyStatus,
+                 resolver: Resolver, decision_log: DecisionLog, run: str | None = None,
+                 head_timeout: float = 10.0, max_head_bytes: int = 64 * 1024) -> None:
+        self.registry = registry
+        self.policy_status = policy_status
+        self.resolver = resolver
+        self.decision_log = decision_log
+        self.run = run
+        self.head_timeout = head_timeout
+        self.max_head_bytes = max_head_bytes
+        self.conns: dict[str, ConnState] = {}
+
+    @property
+    def policy(self) -> "policy.SitePolicy":
+        return self.policy_status.policy
+
+    def conn(self, client_id: str) -> ConnState:
+        state = self.conns.get(client_id)
+        if state is None:
+            state = self.conns[client_id] = ConnState()
+        return state
+
+    def log_decision(self, d: "policy.Decision", *, client: Client | None, method: str,
+                     addr: str | None = None) -> None:
+        """Record a decision: one line, or a count for quiet denials."""
+        run = client.run if client and client.run else self.run
+        name = client.name if client else None
+        host = d.normalized_host if d.normalized_host is not None else d.host
+        if d.quiet and not d.allowed:
+            self.decision_log.count_quiet(run=run, client=name, host=host)
+            return
+        self.decision_log.write(run=run, client=name, method=method, host=host, port=d.port,
+                                decision=d.decision, reason=d.reason, rule=d.rule, addr=addr)
+
+    async def check_addresses(self, d: "policy.Decision") -> tuple["policy.Decision", str | None]:
+        """Resolve an allowed decision's host and check every address.
+
+        Returns the final decision and the address to connect to (None when denied or when
+        the name does not resolve). All addresses must pass; the first one is used.
+        """
+        host = d.normalized_host
+        assert host is not None and d.port is not None
+        try:
+            addrs = await self.resolver.resolve(host, d.port)
+        except (OSError, asyncio.TimeoutError, UnicodeError):
+            denied = self.policy.refuse(
+                d, "resolve_failed", f"The guard could not resolve {host}, so it did not connect.")
+            return denied, None
+        result = d
+        for addr in addrs:
+            checked = self.policy.check_address(d, addr)
+            if not checked.allowed:
+                return checked, None
+            if checked.reason != d.reason:
+                result = checked  # report mode: carries would_deny:private_address
+        return result, addrs[0]
+
+
+def deny_response(d: "policy.Decision") -> http.Response:
+    """The 403 answer for a denial: decision header and a one-line explanation."""
+    body = (d.explanation.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8")
+    return http.Response.make(403, body, {
+        "Content-Type": "text/plain; charset=utf-8",
+        DECISION_HEADER: f"deny; reason={d.reason}",
+        "Connection": "close",
+    })
+
+
+def auth_required_response() -> http.Response:
+    """The 407 answer for missing or wrong proxy credentials."""
+    return http.Response.make(
+        407,
+        b"sfguard: this proxy needs your own NAME:TOKEN proxy credentials.\n",
+        {
+            "Content-Type": "text/plain; charset=utf-8",
+            "Proxy-Authenticate": 'Basic realm="sfguard"',
+            DECISION_HEADER: "deny; reason=proxy_auth_required",
+            "Connection": "close",
+        },
+    )

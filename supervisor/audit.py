@@ -1,0 +1,276 @@
+"""The audit trail: append-only JSON lines, each record chained to the one before.
+
+`<home>/audit.log` (0600), one record per line::
+
+    {"event": "profile_leased", "fields": {"profile": "shop", "run": "r1", "scope": "local"},
+     "hash": "<sha256>", "prev": "<hash of the previous record>", "seq": 7, "ts": 1764679...}
+
+`hash` = sha256 over the canonical JSON (sorted keys, no spaces) of the record without
+`hash`. The first record's `prev` is 64 zeros. `<home>/audit.head` (0600) holds the last
+`seq` and `hash`, rewritten after every append, so a cut-off tail is detected too.
+
+Appends from several processes are serialised with fcntl.flock on `<home>/audit.lock`
+around read-head + append + fsync + write-head. The chain continues from the head file, so
+an edit, deletion, insertion, reordering or truncation stays visible to `verify()`.
+
+Only a fixed set of events and fields is accepted, each field validated: profile names, run
+ids, hosts, counts, short reason codes. Never cookie or token values.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from supervisor.home import FILE_MODE, atomic_write, ensure_home
+from supervisor.protocols import validate_name, validate_run_id
+
+LOG_FILE = "audit.log"
+HEAD_FILE = "audit.head"
+LOCK_FILE = "audit.lock"
+GENESIS = "0" * 64
+
+EVENTS = frozenset({
+    "profile_created", "profile_leased", "profile_released", "profile_deleted", "scope_deleted",
+    "login_checked", "handoff_opened", "handoff_confirmed", "policy_reloaded", "denials_aggregated",
+})
+
+_TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)
+_HOST_RE = re.compile(r"^[A-Za-z0-9._:\-\[\]*]{1,255}$", re.ASCII)
+_STAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$", re.ASCII)
+
+
+class AuditFieldError(ValueError):
+    """An audit event or field that is not allowed (the value itself is never echoed)."""
+
+
+def _host(v: Any) -> str:
+    if not isinstance(v, str) or not _HOST_RE.fullmatch(v):
+        raise AuditFieldError("host must be a plain host name or address")
+    return v.lower()
+
+
+def _count(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise AuditFieldError("count fields must be non-negative integers")
+    return v
+
+
+def _token(v: Any) -> str:
+    if not isinstance(v, str) or not _TOKEN_RE.fullmatch(v):
+        raise AuditFieldError("reason/outcome fields must be short lower-case codes")
+    return v
+
+
+def _hosts(v: Any) -> dict[str, int]:
+    """{host: count}: the aggregated denials of a period."""
+    if not isinstance(v, dict) or len(v) > 1000:
+        raise AuditFieldError("hosts must be a mapping host -> count (at most 1000)")
+    return {_host(h): _count(c) for h, c in v.items()}
+
+
+def _name(v: Any) -> str:
+    try:
+        return validate_name(v)
+    except ValueError:
+        raise AuditFieldError("profile/scope must be a valid profile name") from None
+
+
+def _run(v: Any) -> str:
+    try:
+        return validate_run_id(v)
+    except ValueError:
+        raise AuditFieldError("run must be a valid run id") from None
+
+
+def _stage(v: Any) -> str:
+    if not isinstance(v, str) or not _STAGE_RE.fullmatch(v):
+        raise AuditFieldError("stage must be a plain stage id")
+    return v
+
+
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise AuditFieldError("flag fields must be true or false")
+    return v
+
+
+def _digest(v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{8,64}", v):
+        raise AuditFieldError("digest fields must be hex")
+    return v
+
+
+FIELDS = {
+    "scope": _name, "profile": _name, "run": _run, "stage": _stage, "host": _host,
+    "hosts": _hosts, "count": _count, "profiles": _count, "pid": _count, "port": _count,
+    "outcome": _token, "reason": _token, "result": _token, "by": _token, "mode": _token,
+    "logged_in": _flag, "policy_sha256": _digest, "period_s": _count,
+}
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def record_hash(rec: dict) -> str:
+    return hashlib.sha256(canonical({k: v for k, v in rec.items() if k != "hash"})).hexdigest()
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    ok: bool
+    records: int
+    line: int | None = None        # 1-based line of the first bad record
+    reason: str | None = None
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"audit log intact: {self.records} record(s)"
+        where = f"line {self.line}" if self.line else "log"
+        return f"audit log broken at {where}: {self.reason}"
+
+
+class LocalAuditSink:
+    """AuditSink writing `<home>/audit.log` with a hash chain and a head file."""
+
+    def __init__(self, home: Path):
+        self.home = ensure_home(home)
+        self.log_path = self.home / LOG_FILE
+        self.head_path = self.home / HEAD_FILE
+        self.lock_path = self.home / LOCK_FILE
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _head(self) -> tuple[int, str] | None:
+        try:
+            d = json.loads(self.head_path.read_bytes())
+            return int(d["seq"]), str(d["hash"])
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError):
+            return (-1, "")
+
+    def _last_line_record(self) -> tuple[int, str] | None:
+        """(seq, hash) of the log's last line, read from the end (the log may be large)."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                end = fh.tell()
+                if end == 0:
+                    return None
+                pos, tail = end, b""
+                while pos > 0 and tail.count(b"\n") < 2:
+                    step = min(4096, pos)
+                    pos -= step
+                    fh.seek(pos)
+                    tail = fh.read(step) + tail
+                last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+                rec = json.loads(last)
+                return int(rec["seq"]), str(rec["hash"])
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError):
+            return (-1, "")
+
+    def record(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Append one validated record and return it. AuditFieldError for unknown input."""
+        if event not in EVENTS:
+            raise AuditFieldError(f"unknown audit event {ascii(event)[:60]}")
+        clean = {}
+        for name, value in fields.items():
+            check = FIELDS.get(name)
+            if check is None:
+                raise AuditFieldError(f"field {ascii(name)[:40]} is not allowed in audit records")
+            clean[name] = check(value)
+        with self._locked():
+            # Continue the chain from the head file (the truth), else from the log's last line.
+            last = self._head() or self._last_line_record() or (0, GENESIS)
+            rec = {"seq": last[0] + 1, "ts": round(time.time(), 6), "event": event,
+                   "fields": clean, "prev": last[1]}
+            rec["hash"] = record_hash(rec)
+            line = canonical(rec) + b"\n"
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                         FILE_MODE)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            atomic_write(self.head_path, canonical({"seq": rec["seq"], "hash": rec["hash"]}))
+        return rec
+
+    def _iter_lines(self) -> Iterator[tuple[int, bytes]]:
+        try:
+            with open(self.log_path, "rb") as fh:
+                for n, line in enumerate(fh, 1):
+                    yield n, line
+        except FileNotFoundError:
+            return
+
+    def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
+        """Records (parsed, unverified) filtered by profile and/or run, oldest first."""
+        out = []
+        for _, line in self._iter_lines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            f = rec.get("fields") or {}
+            if profile is not None and f.get("profile") != profile:
+                continue
+            if run is not None and f.get("run") != run:
+                continue
+            out.append(rec)
+        return out
+
+    def verify(self) -> VerifyResult:
+        """Check every record's hash, seq and link, and the tail against the head file."""
+        with self._locked():
+            prev_hash, seq, count = GENESIS, 0, 0
+            for n, line in self._iter_lines():
+                if not line.endswith(b"\n"):
+                    return VerifyResult(False, count, n, "last line is incomplete (cut mid-record)")
+                try:
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict):
+                        raise ValueError
+                except ValueError:
+                    return VerifyResult(False, count, n, "not a JSON record")
+                if rec.get("hash") != record_hash(rec):
+                    return VerifyResult(False, count, n, "record content does not match its hash (edited)")
+                if rec.get("seq") != seq + 1:
+                    return VerifyResult(False, count, n, f"sequence number {rec.get('seq')} where "
+                                        f"{seq + 1} was expected (record deleted, inserted or moved)")
+                if rec.get("prev") != prev_hash:
+                    return VerifyResult(False, count, n, "does not chain to the previous record "
+                                        "(record deleted, inserted or moved)")
+                if rec.get("event") not in EVENTS:
+                    return VerifyResult(False, count, n, "unknown event")
+                prev_hash, seq, count = rec["hash"], rec["seq"], count + 1
+            head = self._head()
+            if head is None:
+                if count:
+                    return VerifyResult(False, count, None, f"head file {HEAD_FILE} is missing")
+                return VerifyResult(True, 0)
+            if head[0] != seq or head[1] != prev_hash:
+                if head[0] > seq:
+                    return VerifyResult(False, count, count + 1, f"log ends at record {seq} but the "
+                                        f"head file says {head[0]} (tail truncated)")
+                return VerifyResult(False, count, count or None,
+                                    f"last record (seq {seq}) does not match the head file (seq {head[0]})")
+            return VerifyResult(True, count)

@@ -1,0 +1,748 @@
+"""The guard daemon: runs, stages, anchors, per-run proxies, leases, teardown and sweep.
+
+One `Guard` per home. It answers the control API (supervisor/api.py calls the `api_*`
+coroutines) and owns every browser it starts:
+
+  run ──┬─ one guard proxy (a `sfguard proxy` child process, its own port and clients file)
+        ├─ one anchor per profile (leased, unsealed, launched through the proxy)
+        │    └─ one tab + one CDP-gate token per stage
+        └─ one throw-away browser per profile-less stage
+
+Teardown has one path per level: `_end_stage(stage, outcome)` and `_end_run(run, outcome)`.
+Every step runs even when an earlier one failed; failures are collected and reported.
+A run record without secrets (`runs/<id>.json`) lists what the run started, so that
+`sweep()` can clean up after a crash of the daemon.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import policy
+from supervisor import agent_browser, models
+from supervisor.api import ApiError
+from supervisor.audit import LocalAuditSink
+from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
+from supervisor.cdp_gate import CdpGate, GateError
+from supervisor.home import atomic_write, ensure_home, private_dir, runtime_dir
+from supervisor.keys import default_key_provider
+from supervisor.lease import LocalProfileLease, current_process, process_alive
+from supervisor.profiles import LocalProfileStore, pipeline_profile_name
+from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, ProfileError,
+                                  ProfileKey, Waiting)
+from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
+from supervisor import tools
+
+log = logging.getLogger("sfguard.guard")
+
+PROXY_START_TIMEOUT = 20.0
+#: The whole stage env (DESIGN 4.3): nothing else reaches a stage.
+STAGE_ENV_KEYS = ("AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
+                  "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS")
+WATCH_INTERVAL = 0.25
+
+
+def _now_iso(ts: float | None = None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts if ts is not None else time.time()))
+
+
+def _short_id() -> str:
+    return secrets.token_hex(4)
+
+
+class GuardAlreadyRunning(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- per-run proxy
+
+class RunProxy:
+    """A `sfguard proxy` child for one run. Clients (one per browser) live in a 0600 clients
+    file that the proxy reloads on change; tokens never appear in argv or logs. If the child
+    dies it is restarted on the same port, so browsers only ever see connection errors."""
+
+    def __init__(self, run_id: str, workdir: Path, policy_path: Path, decision_log: Path,
+                 resolve: dict[str, str] | None = None):
+        self.run_id = run_id
+        self.workdir = workdir
+        self.policy_path = policy_path
+        self.decision_log = decision_log
+        self.resolve = dict(resolve or {})
+        self.clients_file = workdir / "clients.json"
+        self.port = 0
+        self.proc: asyncio.subprocess.Process | None = None
+        self.record: ProcRecord | None = None
+        self.clients: dict[str, tuple[str, list[str]]] = {}  # name -> (token, allow patterns)
+        self.restarts = 0
+
+    def _write_clients(self) -> None:
+        data = [{"name": n, "token": t, "allow": a, "run": self.run_id}
+                for n, (t, a) in sorted(self.clients.items())]
+        atomic_write(self.clients_file, json.dumps(data).encode())
+
+    def add_client(self, allow: list[str]) -> tuple[str, str]:
+        name = f"b-{_short_id()}"
+        token = secrets.token_urlsafe(24)
+        self.clients[name] = (token, list(allow))
+        self._write_clients()
+        return name, token
+
+    def set_allow(self, name: str, allow: list[str]) -> None:
+        token, _ = self.clients[name]
+        self.clients[name] = (token, sorted(set(allow)))
+        self._write_clients()
+
+    def remove_client(self, name: str) -> None:
+        if self.clients.pop(name, None) is not None:
+            self._write_clients()
+
+    def url_for(self, name: str) -> str:
+        return f"http://{name}:{self.clients[name][0]}@127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        if not self.clients_file.exists():
+            self._write_clients()
+        listen = f"127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "cli.main", "proxy", "--listen", listen,
+                "--policy", str(self.policy_path), "--clients-file", str(self.clients_file),
+                "--decision-log", str(self.decision_log), "--run", self.run_id]
+        for host, ip in self.resolve.items():
+            argv += ["--resolve", f"{host}={ip}"]
+        env = {k: v for k, v in os.environ.items()
+               if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH")}
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL, env=env, start_new_session=True,
+            cwd=str(Path(__file__).resolve().parent.parent))
+        self.record = ProcRecord.of(self.proc.pid, "proxy")
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), PROXY_START_TIMEOUT)
+        except asyncio.TimeoutError:
+            line = b""
+        text = line.decode(errors="replace").strip()
+        if not text.startswith("ready http://127.0.0.1:"):
+            await self.stop()
+            raise RuntimeError("the run's guard proxy did not start")
+        self.port = int(text.rsplit(":", 1)[1])
+        # keep draining stdout so the child never blocks on a full pipe
+        asyncio.get_running_loop().create_task(self._drain(self.proc))
+
+    @staticmethod
+    async def _drain(proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(Exception):
+            while await proc.stdout.read(65536):
+                pass
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None and (
+            self.record is None or self.record.alive())
+
+    async def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+
+# --------------------------------------------------------------------------- state
+
+@dataclass
+class Browser:
+    """An anchor (profile) or a throw-away browser, with its proxy client."""
+    key: str                                  # profile name, or "tmp-<stage>" for throw-aways
+    profile: ProfileKey | None
+    headed: bool
+    client: str
+    anchor: Anchor | None = None
+    stages: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    restarts: int = 0
+
+
+@dataclass
+class Stage:
+    run_id: str
+    stage_id: str
+    attempt: int
+    browser_req: models.BrowserField
+    headed: bool
+    state: str = "pending"                    # waiting | ready | ended | failed
+    browser_key: str | None = None
+    gate_key: str | None = None
+    env_full: dict[str, str] | None = None    # with inherited vars; used to close the session
+    env: dict[str, str] | None = None         # what the stage gets
+    waiting: Waiting | None = None
+    outcome: str | None = None
+    error: ApiError | None = None
+    task: asyncio.Task | None = None
+
+    def answer(self) -> tuple[int, dict]:
+        if self.state == "ready":
+            return 200, {"state": "ready", "env": self.env}
+        if self.state == "waiting" and self.waiting is not None:
+            w = self.waiting
+            since = w.holder_since if w.holder_since is not None else w.queued_since
+            return 202, {"state": "waiting", "holder_run": w.holder_run or "", "since": _now_iso(since),
+                         "position": w.position}
+        if self.state in ("pending", "waiting"):
+            return 202, {"state": "waiting", "holder_run": "", "since": _now_iso(), "position": None}
+        if self.state == "failed" and self.error is not None:
+            raise self.error
+        return 200, {"state": "ended", "outcome": self.outcome or ""}
+
+
+@dataclass
+class Run:
+    run_id: str
+    pipeline: str | None
+    created: float
+    state: str = "active"
+    outcome: str | None = None
+    stages: dict[str, Stage] = field(default_factory=dict)
+    browsers: dict[str, Browser] = field(default_factory=dict)
+    proxy: RunProxy | None = None
+    workdir: Path | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    problems: list[str] = field(default_factory=list)
+
+    def public(self) -> dict:
+        """The run as API answers and run state show it: names and states, no secrets."""
+        return {
+            "run_id": self.run_id, "state": self.state, "outcome": self.outcome,
+            "created": _now_iso(self.created), "pipeline": bool(self.pipeline),
+            "stages": [{"stage_id": s.stage_id, "attempt": s.attempt, "state": s.state,
+                        "profile": s.browser_req.profile, "outcome": s.outcome,
+                        "holder_run": s.waiting.holder_run if s.state == "waiting" and s.waiting else None}
+                       for s in self.stages.values()],
+            "browsers": [{"profile": b.profile.name if b.profile else None, "throwaway": b.profile is None,
+                          "headed": b.headed, "alive": b.anchor is not None, "stages": sorted(b.stages),
+                          "restarts": b.restarts} for b in self.browsers.values()],
+            "proxy": None if self.proxy is None else {"port": self.proxy.port, "alive": self.proxy.alive(),
+                                                       "restarts": self.proxy.restarts},
+            "problems": list(self.problems),
+        }
+
+
+# --------------------------------------------------------------------------- the guard
+
+class Guard:
+    def __init__(self, home: Path, policy_path: Path | None = None, *,
+                 resolve: dict[str, str] | None = None, scope: str = LOCAL_SCOPE):
+        self.home = ensure_home(home)
+        self.runtime = runtime_dir(self.home)
+        self.scope = scope
+        self.policy_path = Path(policy_path or policy.default_policy_path()).absolute()
+        self.site_policy = policy.load_policy(self.policy_path)
+        self.policy_error: str | None = None
+        self.resolve = dict(resolve or {})
+        self.keys = default_key_provider(self.home)
+        self.store = LocalProfileStore(self.home, self.keys, runtime=self.runtime)
+        self.lease = LocalProfileLease(self.home)
+        self.audit = LocalAuditSink(self.home)
+        self.host = LocalBrowserHost()
+        self.browser_tool = tools.find_browser()
+        self.gate = CdpGate(on_refusal=self._on_refusal)
+        self.runs: dict[str, Run] = {}
+        self.runs_dir = private_dir(self.home / "runs")
+        self.logs_dir = private_dir(self.home / "logs")
+        self.config_path = self.runtime / "ab-config.json"
+        self.socket_dir = private_dir(self.runtime / "ab")
+        self._lock_fd: int | None = None
+        self._watch: asyncio.Task | None = None
+        self._refusals: dict[str, int] = {}
+        self.started = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def acquire_instance_lock(self) -> None:
+        fd = os.open(self.home / "guard.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GuardAlreadyRunning(
+                f"another sfguard is already running on {self.home} (one guard per home)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    async def start(self) -> dict:
+        self.acquire_instance_lock()
+        report = sweep(self)
+        agent_browser.write_pinned_config(self.config_path)
+        await self.gate.start()
+        self._watch = asyncio.get_running_loop().create_task(self._watchdog())
+        return report
+
+    async def stop(self) -> None:
+        """Tear every run down as `abandoned`, then stop the gate."""
+        if self._watch:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        for run in list(self.runs.values()):
+            if run.state == "active":
+                await self._end_run(run, "abandoned")
+        await self.gate.stop()
+        self._flush_refusals()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def host_tool_report(self) -> tuple[str, str]:
+        ab = tools.find_agent_browser()
+        fmt = lambda t: f"{t.version} at {t.path}" if t.found else f"MISSING ({t.source}; {t.hint})"
+        return fmt(ab), fmt(self.browser_tool)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _run(self, run_id: str) -> Run:
+        run = self.runs.get(run_id)
+        if run is None:
+            raise ApiError(404, "run_not_found", f"no run {run_id!r} on this guard", "run_id")
+        return run
+
+    def _active_run(self, run_id: str) -> Run:
+        run = self._run(run_id)
+        if run.state != "active":
+            raise ApiError(409, "run_ended", f"run {run_id!r} has ended ({run.outcome})", "run_id")
+        return run
+
+    def _profile_key(self, run: Run, name: str) -> ProfileKey:
+        if name == models.PIPELINE_PROFILE:
+            if not run.pipeline:
+                raise ApiError(400, "no_pipeline", "profile '@pipeline' needs a run created with "
+                               "a pipeline path", "browser.profile")
+            name = pipeline_profile_name(run.pipeline)
+        return ProfileKey(self.scope, name)
+
+    def _save_record(self, run: Run) -> None:
+        """The crash record: what to clean if this daemon dies. No secrets."""
+        procs: list[dict] = []
+        paths: list[str] = [str(run.workdir)] if run.workdir else []
+        unsealed: list[str] = []
+        for b in run.browsers.values():
+            if b.anchor is not None:
+                procs += [p.to_json() for p in b.anchor.processes]
+                if b.anchor.temp_profile:
+                    paths.append(str(b.anchor.profile_dir))
+            if b.profile is not None:
+                unsealed.append(b.profile.name)
+        if run.proxy and run.proxy.record:
+            procs.append(run.proxy.record.to_json())
+        rec = {"run_id": run.run_id, "daemon": {"pid": os.getpid(), "start_time": current_process().start_time},
+               "scope": self.scope, "processes": procs, "paths": paths, "profiles": sorted(set(unsealed)),
+               "sessions": [b.anchor.session for b in run.browsers.values() if b.anchor]
+               + [s.env["AGENT_BROWSER_SESSION"] for s in run.stages.values() if s.env and s.state == "ready"]}
+        atomic_write(self.runs_dir / f"{run.run_id}.json", json.dumps(rec).encode())
+
+    def _on_refusal(self, stage_key: str, method: str, reason: str) -> None:
+        self._refusals[method] = self._refusals.get(method, 0) + 1
+        line = {"ts": _now_iso(), "stage": stage_key, "method": method, "decision": "deny",
+                "reason": reason, "source": "cdp_gate"}
+        with open(self.logs_dir / "decisions.log", "a", opener=lambda p, f: os.open(p, f, 0o600)) as fh:
+            fh.write(json.dumps(line) + "\n")
+
+    def _flush_refusals(self) -> None:
+        if self._refusals:
+            total = sum(self._refusals.values())
+            with contextlib.suppress(Exception):
+                self.audit.record("denials_aggregated", count=total, reason="cdp_gate")
+            self._refusals.clear()
+
+    def _effective_headed(self, req: models.BrowserField) -> bool:
+        if not req.headed:
+            return False
+        if tools.display_available():
+            return True
+        if "headed" in req.model_fields_set:
+            where = " inside a container, where a visible window is not possible" if tools.in_container() else ""
+            raise ApiError(400, "no_display", "headed: true needs a display, but neither DISPLAY nor "
+                           f"WAYLAND_DISPLAY is set{where}; set headed: false for this stage or run "
+                           "the guard in a desktop session", "browser.headed")
+        return False  # default headed, but no display: headless
+
+    # -- API: runs ---------------------------------------------------------------------------
+    async def api_create_run(self, body: models.CreateRun) -> tuple[int, Any]:
+        if body.run_id in self.runs:
+            raise ApiError(409, "run_exists", f"run {body.run_id!r} already exists", "run_id")
+        run = Run(body.run_id, body.pipeline, time.time())
+        self.runs[run.run_id] = run
+        log.info("run %s created", run.run_id)
+        return 201, {"run_id": run.run_id, "state": run.state}
+
+    async def api_get_run(self, run_id: str) -> tuple[int, Any]:
+        return 200, self._run(run_id).public()
+
+    async def api_end_run(self, run_id: str, body: models.RunEnd) -> tuple[int, Any]:
+        run = self._run(run_id)
+        if run.state != "active":
+            return 200, {"ok": True, "outcome": run.outcome, "problems": run.problems}
+        await self._end_run(run, body.outcome)
+        return 200, {"ok": not run.problems, "outcome": run.outcome, "problems": run.problems}
+
+    # -- API: stages -------------------------------------------------------------------------
+    async def api_request_stage(self, run_id: str, body: models.StageRequest) -> tuple[int, Any]:
+        run = self._active_run(run_id)
+        existing = run.stages.get(body.stage_id)
+        if existing is not None and existing.state not in ("ended",):
+            if existing.attempt == body.attempt and existing.browser_req == body.browser:
+                return existing.answer()  # resume: the identical answer
+            raise ApiError(409, "stage_active", f"stage {body.stage_id!r} is active with attempt "
+                           f"{existing.attempt}; end it first", "stage_id")
+        if existing is not None and body.attempt <= existing.attempt:
+            raise ApiError(409, "attempt_used", f"attempt {body.attempt} of stage {body.stage_id!r} "
+                           "has ended; use a new attempt number", "attempt")
+        headed = self._effective_headed(body.browser)
+        if body.browser.profile is not None:
+            self._profile_key(run, body.browser.profile)  # validate now (400 on bad input)
+        stage = Stage(run_id, body.stage_id, body.attempt, body.browser, headed)
+        run.stages[body.stage_id] = stage
+        await self._advance(run, stage)
+        return stage.answer()
+
+    async def api_get_stage(self, run_id: str, stage_id: str) -> tuple[int, Any]:
+        run = self._run(run_id)
+        stage = run.stages.get(stage_id)
+        if stage is None:
+            raise ApiError(404, "stage_not_found", f"no stage {stage_id!r} in run {run_id!r}", "stage_id")
+        return stage.answer()
+
+    async def api_end_stage(self, run_id: str, stage_id: str, body: models.StageEnd) -> tuple[int, Any]:
+        run = self._run(run_id)
+        stage = run.stages.get(stage_id)
+        if stage is None:
+            raise ApiError(404, "stage_not_found", f"no stage {stage_id!r} in run {run_id!r}", "stage_id")
+        problems = await self._end_stage(run, stage, body.outcome)
+        return 200, {"ok": not problems, "problems": problems}
+
+    # -- API: status and profiles -------------------------------------------------------------
+    async def api_status(self) -> tuple[int, Any]:
+        leases = []
+        for info in self.store.list(self.scope):
+            holder = self.lease.holder(info.key)
+            queue = self.lease.queue(info.key)
+            leases.append({"profile": info.key.name, "holder_run": holder.run if holder else None,
+                           "since": _now_iso(holder.since) if holder else None,
+                           "queue": [{"run": q.run, "since": _now_iso(q.since)} for q in queue]})
+        return 200, {
+            "guard": {"pid": os.getpid(), "since": _now_iso(self.started), "home": str(self.home),
+                      "key_provider": self.keys.describe(), "scope": self.scope},
+            "policy": {"file": str(self.policy_path), "mode": self.site_policy.mode,
+                       "state": "error" if self.policy_error else "ok", "error": self.policy_error},
+            "runs": [r.public() for r in self.runs.values()],
+            "leases": leases,
+        }
+
+    async def api_list_profiles(self) -> tuple[int, Any]:
+        out = []
+        for info in self.store.list(self.scope):
+            holder = self.lease.holder(info.key)
+            out.append({"name": info.key.name, "scope": info.key.scope, "created": _now_iso(info.created),
+                        "last_used": _now_iso(info.last_used) if info.last_used else None,
+                        "size": info.size, "leased_by": holder.run if holder else None})
+        return 200, {"profiles": out}
+
+    async def api_delete_profile(self, name: str) -> tuple[int, Any]:
+        try:
+            key = ProfileKey(self.scope, name)
+        except ProfileError as exc:
+            raise ApiError(400, "invalid_name", str(exc), "name") from None
+        holder = self.lease.holder(key)
+        if holder is not None:
+            raise ApiError(409, "profile_leased", f"profile {name!r} is leased by run {holder.run!r}", "name")
+        if not self.store.exists(key):
+            raise ApiError(404, "profile_not_found", f"no profile {name!r}", "name")
+        self.store.delete(key)
+        self.audit.record("profile_deleted", scope=key.scope, profile=key.name, by="api")
+        return 200, {"ok": True}
+
+    # -- the stage state machine ---------------------------------------------------------------
+    async def _advance(self, run: Run, stage: Stage) -> None:
+        """Move a pending/waiting stage forward: lease, browser, gate token, env."""
+        try:
+            async with run.lock:
+                if stage.state in ("ready", "ended", "failed") or run.state != "active":
+                    return
+                req = stage.browser_req
+                if req.profile is not None:
+                    key = self._profile_key(run, req.profile)
+                    result = self.lease.try_acquire(key, run.run_id)
+                    if isinstance(result, Waiting):
+                        stage.state, stage.waiting = "waiting", result
+                        return
+                    if not result.reentrant:
+                        self.audit.record("profile_leased", scope=key.scope, profile=key.name, run=run.run_id)
+                    browser = await self._ensure_anchor(run, key, stage.headed)
+                else:
+                    browser = await self._throwaway(run, stage)
+                await self._attach_stage(run, browser, stage)
+        except ApiError as exc:
+            stage.state, stage.error = "failed", exc
+        except (AnchorError, GateError, ProfileError, RuntimeError, OSError) as exc:
+            log.warning("stage %s/%s could not get a browser: %s", run.run_id, stage.stage_id, exc)
+            stage.state = "failed"
+            stage.error = ApiError(409 if isinstance(exc, ProfileError) else 503, "browser_failed",
+                                   f"the guard could not start this stage's browser: {exc}", None)
+        finally:
+            with contextlib.suppress(Exception):
+                self._save_record(run)
+
+    async def _ensure_proxy(self, run: Run) -> RunProxy:
+        if run.proxy is None:
+            run.workdir = private_dir(self.runtime / f"r-{_short_id()}")
+            run.proxy = RunProxy(run.run_id, run.workdir, self.policy_path,
+                                 self.logs_dir / "decisions.log", self.resolve)
+            await run.proxy.start()
+        return run.proxy
+
+    def _browser_allow(self, run: Run, browser: Browser) -> list[str]:
+        out: set[str] = set()
+        for sid in browser.stages:
+            st = run.stages.get(sid)
+            if st is not None:
+                out.update(st.browser_req.allow_domains)
+        return sorted(out)
+
+    async def _launch(self, run: Run, browser: Browser, profile_dir: Path | None) -> Anchor:
+        proxy = await self._ensure_proxy(run)
+        if self.browser_tool.path is None:
+            raise RuntimeError("no browser found (install Chromium or set SFGUARD_BROWSER)")
+        spec = AnchorSpec(session=f"sfa-{_short_id()}", socket_dir=self.socket_dir,
+                          config_path=self.config_path, browser_path=self.browser_tool.path,
+                          profile_dir=profile_dir, proxy_url=proxy.url_for(browser.client),
+                          headed=browser.headed, temp_root=run.workdir)
+        return await self.host.launch_anchor(spec)
+
+    async def _ensure_anchor(self, run: Run, key: ProfileKey, headed: bool) -> Browser:
+        browser = run.browsers.get(key.name)
+        if browser is not None and browser.anchor is not None:
+            return browser
+        proxy = await self._ensure_proxy(run)
+        if not self.store.exists(key):
+            self.store.create(key)
+            self.audit.record("profile_created", scope=key.scope, profile=key.name, run=run.run_id)
+        name, _token = proxy.add_client([])
+        browser = Browser(key.name, key, headed, name)
+        run.browsers[key.name] = browser
+        profile_dir = self.store.open(key)
+        self._save_record(run)
+        browser.anchor = await self._launch(run, browser, profile_dir)
+        log.info("run %s: anchor for profile %s ready", run.run_id, key.name)
+        return browser
+
+    async def _throwaway(self, run: Run, stage: Stage) -> Browser:
+        proxy = await self._ensure_proxy(run)
+        name, _token = proxy.add_client([])
+        browser = Browser(f"tmp-{stage.stage_id}", None, stage.headed, name)
+        run.browsers[browser.key] = browser
+        browser.anchor = await self._launch(run, browser, None)
+        return browser
+
+    async def _attach_stage(self, run: Run, browser: Browser, stage: Stage) -> None:
+        browser.stages.add(stage.stage_id)
+        run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
+        stage.browser_key = browser.key
+        stage.gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
+        url = self.gate.add_stage(stage.gate_key, browser.anchor.cdp_url,
+                                  artifacts_dir=run.workdir / "artifacts",
+                                  tab_quota=self.site_policy.tab_quota)
+        # No pre-created tab: with AGENT_BROWSER_PIN_TAB=1 agent-browser opens its own tab through
+        # the gate (measured on 0.41.2), which then counts as this stage's.
+        full = agent_browser.stage_env(session=f"sfs-{_short_id()}", socket_dir=self.socket_dir,
+                                       config_path=self.config_path, cdp_url=url)
+        # The stage gets exactly the DESIGN 4.3 variables; the guard closes the session later
+        # with the same ones (plus PATH/HOME...), so both sides carry an identical env.
+        stage.env = {k: full[k] for k in STAGE_ENV_KEYS}
+        stage.env_full = {k: v for k, v in full.items()
+                          if k in STAGE_ENV_KEYS or not k.startswith("AGENT_BROWSER_")}
+        stage.state, stage.waiting = "ready", None
+
+    # -- teardown: one path per level -----------------------------------------------------------
+    async def _end_stage(self, run: Run, stage: Stage, outcome: str) -> list[str]:
+        """Close the stage's tabs and session (with its own env), revoke its token, then drop
+        its domains from its browser's allowlist; a throw-away browser is closed."""
+        problems: list[str] = []
+        if stage.state == "ended":
+            return problems
+        was_ready = stage.state == "ready"
+        stage.state, stage.outcome = "ended", outcome
+        if stage.gate_key and was_ready:
+            with contextlib.suppress(Exception):
+                await self.gate.close_stage_tabs(stage.gate_key)
+            if stage.env_full:
+                try:
+                    await self.host.close_stage_session(stage.env_full)
+                except Exception as exc:  # the session may never have been opened
+                    log.debug("stage session close: %s", exc)
+            await self.gate.revoke(stage.gate_key)
+        browser = run.browsers.get(stage.browser_key or "")
+        if browser is not None:
+            browser.stages.discard(stage.stage_id)
+            if browser.profile is None:
+                problems += await self._close_browser(run, browser)
+            elif run.proxy is not None and browser.client in run.proxy.clients:
+                run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
+        with contextlib.suppress(Exception):
+            self._save_record(run)
+        return problems
+
+    async def _close_browser(self, run: Run, browser: Browser) -> list[str]:
+        problems: list[str] = []
+        if browser.anchor is not None:
+            try:
+                await self.host.close_anchor(browser.anchor)
+            except Exception as exc:
+                problems.append(f"closing the browser of {browser.key}: {exc}")
+                terminate_recorded(browser.anchor.processes)
+            browser.anchor = None
+        if browser.profile is not None:
+            try:
+                self.store.close(browser.profile, save=True)
+            except Exception as exc:
+                problems.append(f"resealing profile {browser.profile.name} failed: {exc}; "
+                                "the previous sealed copy is kept")
+                with contextlib.suppress(Exception):
+                    self.store.close(browser.profile, save=False)
+        if run.proxy is not None:
+            run.proxy.remove_client(browser.client)
+        run.browsers.pop(browser.key, None)
+        return problems
+
+    async def _end_run(self, run: Run, outcome: str) -> None:
+        async with run.lock:
+            if run.state != "active":
+                return
+            run.state, run.outcome = "ending", outcome
+        stage_outcome = "succeeded" if outcome == "succeeded" else "cancelled"
+        for stage in list(run.stages.values()):
+            if stage.state != "ended":
+                run.problems += await self._end_stage(run, stage, stage_outcome)
+        for browser in list(run.browsers.values()):
+            run.problems += await self._close_browser(run, browser)
+        if run.proxy is not None:
+            await run.proxy.stop()
+        for key in self.lease.release_all(run.run_id):
+            self.audit.record("profile_released", scope=key.scope, profile=key.name,
+                              run=run.run_id, outcome=outcome)
+        if run.workdir is not None:
+            shutil.rmtree(run.workdir, ignore_errors=True)
+        run.state = "ended"
+        with contextlib.suppress(FileNotFoundError):
+            (self.runs_dir / f"{run.run_id}.json").unlink()
+        self._flush_refusals()
+        log.info("run %s ended: %s%s", run.run_id, outcome,
+                 f" ({len(run.problems)} problem(s))" if run.problems else "")
+
+    # -- watchdog: waiting stages, dead proxies, dead anchors -----------------------------------
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            try:
+                await self._watch_once()
+            except Exception:
+                log.exception("watchdog pass failed")
+
+    async def _watch_once(self) -> None:
+        for run in list(self.runs.values()):
+            if run.state != "active":
+                continue
+            for stage in list(run.stages.values()):
+                if stage.state == "waiting":
+                    await self._advance(run, stage)
+            if run.proxy is not None and run.proxy.proc is not None and not run.proxy.alive():
+                log.warning("run %s: guard proxy died; restarting it on the same port", run.run_id)
+                run.proxy.restarts += 1
+                with contextlib.suppress(Exception):
+                    await run.proxy.stop()
+                await run.proxy.start()
+                self._save_record(run)
+            for browser in list(run.browsers.values()):
+                if browser.anchor is not None and not self.host.alive(browser.anchor):
+                    await self._restart_browser(run, browser)
+
+    async def _restart_browser(self, run: Run, browser: Browser) -> None:
+        async with browser.lock:
+            log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key)
+            dead = browser.anchor
+            terminate_recorded(dead.processes, timeout=3)
+            agent_browser.remove_session_files(dead.socket_dir, dead.session)
+            browser.restarts += 1
+            browser.anchor = await self._launch(run, browser, dead.profile_dir if browser.profile else None)
+            for sid in sorted(browser.stages):
+                stage = run.stages[sid]
+                if stage.state == "ready" and stage.gate_key:
+                    await self.gate.revoke(stage.gate_key)
+                    stage.state = "pending"
+                    async with run.lock:
+                        await self._attach_stage(run, browser, stage)
+            self._save_record(run)
+
+
+# --------------------------------------------------------------------------- sweep
+
+def sweep(guard: Guard) -> dict:
+    """Clean what dead runs left: processes (by pid AND start time), session files, temp dirs,
+    unsealed profiles (resealed), stale leases. Returns a report of what was done."""
+    report: dict[str, Any] = {"runs": [], "processes": 0, "resealed": [], "leases": [], "orphans": 0}
+    for path in sorted(guard.runs_dir.glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            daemon = rec.get("daemon", {})
+            owner = ProcessIdentity(int(daemon["pid"]), float(daemon["start_time"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("run record %s is unreadable (%s); left in place for inspection", path.name, exc)
+            report.setdefault("unreadable", []).append(path.name)
+            continue
+        if process_alive(owner) and owner.pid != os.getpid():
+            continue  # a live guard owns it
+        records = [ProcRecord.from_json(p) for p in rec.get("processes", [])]
+        report["processes"] += len(terminate_recorded(records, timeout=5))
+        for sess in rec.get("sessions", []):
+            with contextlib.suppress(Exception):
+                agent_browser.remove_session_files(guard.socket_dir, sess)
+        for p in rec.get("paths", []):
+            pp = Path(p)
+            if pp.is_relative_to(guard.runtime):
+                shutil.rmtree(pp, ignore_errors=True)
+        report["runs"].append(rec.get("run_id"))
+        for key in guard.lease.release_all(rec.get("run_id", "")):
+            guard.audit.record("profile_released", scope=key.scope, profile=key.name,
+                               run=rec.get("run_id"), outcome="abandoned")
+            report["leases"].append(key.name)
+        path.unlink()
+    # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)
+    orphans = scan_orphans([str(guard.runtime)])
+    report["orphans"] = len(terminate_recorded(orphans, timeout=5))
+    for key in guard.store.unsealed():
+        try:
+            guard.store.close(key, save=True)
+            report["resealed"].append(key.name)
+        except Exception as exc:
+            log.error("profile %s could not be resealed after a crash (%s); the previous sealed "
+                      "copy is kept", key.name, exc)
+            with contextlib.suppress(Exception):
+                guard.store.close(key, save=False)
+    for key, run_id in guard.lease.sweep_stale():
+        guard.audit.record("profile_released", scope=key.scope, profile=key.name, run=run_id,
+                           outcome="abandoned")
+        report["leases"].append(key.name)
+    return report

@@ -1,0 +1,276 @@
+"""In-memory fakes of the profile seams, for contract suites and daemon tests.
+
+- `FakeKeyProvider`: keys in a dict.
+- `FakeProfileStore`: two (or more) fixed scopes; sealed profiles are dicts of
+  {relative path: bytes} kept in memory; `open` materialises a private temp folder.
+- `FakeProfileLease`: the lease state machine in memory; several "processes" share one
+  `FakeLeaseState` through `for_process(owner)`, and `kill(owner)` marks one dead.
+- `FakeAuditSink`: records in a list, same event/field validation and hash chain as the
+  local sink.
+
+They follow the same contracts as the local implementations (tests/profiles runs one suite
+against both), so the daemon can be tested without touching the disk layout.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.audit import EVENTS, FIELDS, GENESIS, AuditFieldError, record_hash
+from supervisor.keys import KeyMissing
+from supervisor.protocols import (
+    Granted, LeaseHolder, ProcessIdentity, ProfileBusy, ProfileExists, ProfileInfo, ProfileKey,
+    ProfileNameError, ProfileNotFound, QueueEntry, Waiting, validate_name, validate_run_id,
+)
+from supervisor.sealing import is_excluded
+
+
+class FakeKeyProvider:
+    def __init__(self):
+        self.keys: dict[str, bytes] = {}
+
+    def get_key(self, scope: str, *, create: bool = True) -> bytes:
+        validate_name(scope, "scope")
+        if scope not in self.keys:
+            if not create:
+                raise KeyMissing(f"no key for scope {scope!r}")
+            self.keys[scope] = secrets.token_bytes(32)
+        return self.keys[scope]
+
+    def delete_key(self, scope: str) -> bool:
+        return self.keys.pop(scope, None) is not None
+
+    def describe(self) -> str:
+        return "in-memory keys (test fake)"
+
+
+@dataclass
+class _FakeProfile:
+    files: dict[str, bytes]
+    created: float
+    key_id: bytes                       # the scope key it was "sealed" with
+    last_used: float | None = None
+
+
+class FakeProfileStore:
+    """ProfileStore in memory with a fixed set of scopes (default "alpha" and "beta")."""
+
+    def __init__(self, scopes: tuple[str, ...] = ("alpha", "beta"), keys: FakeKeyProvider | None = None):
+        self.scopes = tuple(validate_name(s, "scope") for s in scopes)
+        self.keys = keys or FakeKeyProvider()
+        self._profiles: dict[ProfileKey, _FakeProfile] = {}
+        self._open: dict[ProfileKey, Path] = {}
+        self._tmp = Path(tempfile.mkdtemp(prefix="sfg-fake-store-"))
+
+    def _check_scope(self, scope: str) -> None:
+        if scope not in self.scopes:
+            raise ProfileNameError(f"unknown scope {scope!r}")
+
+    def _get(self, key: ProfileKey) -> _FakeProfile:
+        self._check_scope(key.scope)
+        prof = self._profiles.get(key)
+        if prof is None:
+            raise ProfileNotFound(f"no profile {key.name!r} in scope {key.scope!r}")
+        if prof.key_id != self.keys.get_key(key.scope, create=False):
+            raise ProfileNotFound(f"profile {key.name!r} cannot be opened (its scope key is gone)")
+        return prof
+
+    def _info(self, key: ProfileKey, prof: _FakeProfile) -> ProfileInfo:
+        return ProfileInfo(key, prof.created, prof.last_used,
+                           sum(len(v) for v in prof.files.values()), key in self._open)
+
+    def exists(self, key: ProfileKey) -> bool:
+        self._check_scope(key.scope)
+        return key in self._profiles
+
+    def create(self, key: ProfileKey) -> ProfileInfo:
+        self._check_scope(key.scope)
+        if key in self._profiles:
+            raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
+        self._profiles[key] = _FakeProfile({}, time.time(), self.keys.get_key(key.scope))
+        return self.info(key)
+
+    def info(self, key: ProfileKey) -> ProfileInfo:
+        return self._info(key, self._get(key))
+
+    def list(self, scope: str) -> list[ProfileInfo]:
+        self._check_scope(scope)
+        return [self._info(k, p) for k, p in sorted(self._profiles.items()) if k.scope == scope]
+
+    def open(self, key: ProfileKey) -> Path:
+        prof = self._get(key)
+        if key in self._open:
+            raise ProfileBusy(f"profile {key.name!r} is already open")
+        dest = self._tmp / key.scope / key.name
+        dest.mkdir(parents=True, mode=0o700)
+        for rel, data in prof.files.items():
+            path = dest / rel
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path.write_bytes(data)
+            os.chmod(path, 0o600)
+        self._open[key] = dest
+        return dest
+
+    def save(self, key: ProfileKey) -> ProfileInfo:
+        prof = self._get(key)
+        src = self._open.get(key)
+        if src is None:
+            raise ProfileNotFound(f"profile {key.name!r} is not open")
+        files = {}
+        for base, _dirs, names in os.walk(src):
+            for n in names:
+                full = Path(base) / n
+                rel = full.relative_to(src).as_posix()
+                if full.is_file() and not full.is_symlink() and not is_excluded(rel):
+                    files[rel] = full.read_bytes()
+        prof.files, prof.last_used = files, time.time()
+        return self._info(key, prof)
+
+    def close(self, key: ProfileKey, *, save: bool = True) -> ProfileInfo:
+        if save and key in self._open:
+            self.save(key)
+        path = self._open.pop(key, None)
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        return self.info(key)
+
+    def delete(self, key: ProfileKey) -> None:
+        self._get(key)
+        if key in self._open:
+            raise ProfileBusy(f"profile {key.name!r} is open (leased): close it first")
+        del self._profiles[key]
+
+    def delete_scope(self, scope: str) -> list[ProfileKey]:
+        self._check_scope(scope)
+        gone = sorted(k for k in self._profiles if k.scope == scope)
+        for k in gone:
+            del self._profiles[k]
+            path = self._open.pop(k, None)
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+        self.keys.delete_key(scope)
+        return gone
+
+    def unsealed(self) -> list[ProfileKey]:
+        return sorted(self._open)
+
+
+@dataclass
+class FakeLeaseState:
+    """Shared by every FakeProfileLease view ("process") of one fake guard home."""
+    holders: dict[ProfileKey, LeaseHolder] = field(default_factory=dict)
+    queues: dict[ProfileKey, list[QueueEntry]] = field(default_factory=dict)
+    dead: set[ProcessIdentity] = field(default_factory=set)
+    next_seq: int = 1
+    next_pid: int = 1000
+
+
+class FakeProfileLease:
+    """ProfileLease in memory. `for_process()` gives another "process" sharing the state."""
+
+    def __init__(self, state: FakeLeaseState | None = None, owner: ProcessIdentity | None = None):
+        self.state = state or FakeLeaseState()
+        if owner is None:
+            self.state.next_pid += 1
+            owner = ProcessIdentity(self.state.next_pid, 1.0)
+        self.owner = owner
+
+    def for_process(self, owner: ProcessIdentity | None = None) -> "FakeProfileLease":
+        return FakeProfileLease(self.state, owner)
+
+    def kill(self, owner: ProcessIdentity | None = None) -> None:
+        """Mark a "process" (default: this view's) as dead."""
+        self.state.dead.add(owner or self.owner)
+
+    def _drop_dead(self, key: ProfileKey) -> list[str]:
+        out = []
+        h = self.state.holders.get(key)
+        if h and h.owner in self.state.dead:
+            out.append(h.run)
+            del self.state.holders[key]
+        q = self.state.queues.get(key, [])
+        self.state.queues[key] = [e for e in q if e.owner not in self.state.dead]
+        return out
+
+    def try_acquire(self, key: ProfileKey, run: str) -> Granted | Waiting:
+        validate_run_id(run)
+        now = time.time()
+        self._drop_dead(key)
+        h = self.state.holders.get(key)
+        q = self.state.queues.setdefault(key, [])
+        if h and h.run == run:
+            return Granted(key, run, h.since, reentrant=True)
+        if h is None and (not q or q[0].run == run):
+            self.state.queues[key] = [e for e in q if e.run != run]
+            self.state.holders[key] = LeaseHolder(key, run, now, self.owner)
+            return Granted(key, run, now)
+        runs = [e.run for e in q]
+        if run not in runs:
+            q.append(QueueEntry(run, now, self.state.next_seq, self.owner))
+            self.state.next_seq += 1
+            runs.append(run)
+        i = runs.index(run)
+        return Waiting(key, run, h.run if h else None, h.since if h else None, i + 1, q[i].since)
+
+    def release(self, key: ProfileKey, run: str) -> bool:
+        validate_run_id(run)
+        changed = False
+        h = self.state.holders.get(key)
+        if h and h.run == run:
+            del self.state.holders[key]
+            changed = True
+        q = self.state.queues.get(key, [])
+        kept = [e for e in q if e.run != run]
+        changed |= len(kept) != len(q)
+        self.state.queues[key] = kept
+        return changed
+
+    def release_all(self, run: str) -> list[ProfileKey]:
+        keys = set(self.state.holders) | set(self.state.queues)
+        return [k for k in sorted(keys) if self.release(k, run)]
+
+    def holder(self, key: ProfileKey) -> LeaseHolder | None:
+        self._drop_dead(key)
+        return self.state.holders.get(key)
+
+    def queue(self, key: ProfileKey) -> list[QueueEntry]:
+        self._drop_dead(key)
+        return list(self.state.queues.get(key, []))
+
+    def sweep_stale(self) -> list[tuple[ProfileKey, str]]:
+        keys = set(self.state.holders) | set(self.state.queues)
+        return [(k, run) for k in sorted(keys) for run in self._drop_dead(k)]
+
+
+class FakeAuditSink:
+    """AuditSink in memory with the local sink's validation and hash chain."""
+
+    def __init__(self):
+        self.entries: list[dict[str, Any]] = []
+
+    def record(self, event: str, **fields: Any) -> dict[str, Any]:
+        if event not in EVENTS:
+            raise AuditFieldError(f"unknown audit event {ascii(event)[:60]}")
+        clean = {}
+        for name, value in fields.items():
+            check = FIELDS.get(name)
+            if check is None:
+                raise AuditFieldError(f"field {ascii(name)[:40]} is not allowed in audit records")
+            clean[name] = check(value)
+        prev = self.entries[-1] if self.entries else {"seq": 0, "hash": GENESIS}
+        rec = {"seq": prev["seq"] + 1, "ts": time.time(), "event": event, "fields": clean,
+               "prev": prev["hash"]}
+        rec["hash"] = record_hash(rec)
+        self.entries.append(rec)
+        return rec
+
+    def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
+        return [r for r in self.entries
+                if (profile is None or r["fields"].get("profile") == profile)
+                and (run is None or r["fields"].get("run") == run)]

@@ -1,0 +1,204 @@
+"""Profile leases across processes: one run holds a profile, other runs queue FIFO.
+
+A lease belongs to a RUN, from its first stage that needs the profile until the run ends.
+Acquiring by the holder run is re-entrant, so stages of one run never wait for each other.
+Other runs are queued in arrival order (`seq`); `try_acquire` never blocks: it answers
+`Granted` or `Waiting(holder_run, since, position)` and the daemon asks again later.
+
+On disk (under the guard home, 0700 folders, 0600 files)::
+
+    <home>/leases/<scope>/<name>.lease   JSON {"holder": {...} | null, "queue": [...], "next_seq": n}
+    <home>/leases/<scope>/<name>.lock    empty sidecar; fcntl.flock on it guards every change
+
+Each holder and queue entry records the guard process that wrote it (pid + process start
+time). Every operation first drops entries whose process is gone (pid dead, or reused by a
+process with another start time), and `sweep_stale()` does it for all profiles at start-up.
+So two guard processes on one home never lease one profile twice, and a crashed guard never
+leaves a lease behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import psutil
+
+from supervisor.home import FILE_MODE, atomic_write, ensure_home, private_dir
+from supervisor.protocols import (
+    Granted, LeaseHolder, ProcessIdentity, ProfileKey, QueueEntry, Waiting, validate_name,
+    validate_run_id,
+)
+
+__all__ = ["LocalProfileLease", "current_process", "process_alive"]
+
+
+def current_process() -> ProcessIdentity:
+    """This process as a ProcessIdentity (pid + psutil create_time)."""
+    return ProcessIdentity(os.getpid(), psutil.Process().create_time())
+
+
+def process_alive(owner: ProcessIdentity) -> bool:
+    """True when `owner.pid` runs and is the same process (same start time, not a zombie)."""
+    try:
+        proc = psutil.Process(owner.pid)
+        if abs(proc.create_time() - owner.start_time) > 0.01:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def _owner_json(o: ProcessIdentity) -> dict:
+    return {"pid": o.pid, "pid_start_time": o.start_time}
+
+
+def _owner_from(d: dict) -> ProcessIdentity:
+    return ProcessIdentity(int(d["pid"]), float(d["pid_start_time"]))
+
+
+class _State:
+    """The parsed `.lease` file of one profile."""
+
+    def __init__(self, key: ProfileKey, data: dict | None):
+        data = data or {}
+        self.key = key
+        h = data.get("holder")
+        self.holder = (LeaseHolder(key, h["run"], float(h["since"]), _owner_from(h)) if h else None)
+        self.queue = [QueueEntry(q["run"], float(q["since"]), int(q["seq"]), _owner_from(q))
+                      for q in data.get("queue", [])]
+        self.next_seq = int(data.get("next_seq", 1))
+
+    def to_json(self) -> dict:
+        h = self.holder
+        return {
+            "holder": ({"run": h.run, "since": h.since, **_owner_json(h.owner)} if h else None),
+            "queue": [{"run": q.run, "since": q.since, "seq": q.seq, **_owner_json(q.owner)}
+                      for q in self.queue],
+            "next_seq": self.next_seq,
+        }
+
+
+class LocalProfileLease:
+    """ProfileLease on the local disk; safe across processes sharing one guard home.
+
+    `owner` (default: this process) is recorded with every holder/queue entry; `alive`
+    decides whether a recorded owner still runs (default: psutil pid + start time).
+    """
+
+    def __init__(self, home: Path, owner: ProcessIdentity | None = None,
+                 alive: Callable[[ProcessIdentity], bool] = process_alive):
+        self.home = ensure_home(home)
+        self.root = self.home / "leases"
+        self.owner = owner or current_process()
+        self._alive = alive
+
+    # ----------------------------------------------------------------- files
+    def _paths(self, key: ProfileKey) -> tuple[Path, Path]:
+        folder = self.root / validate_name(key.scope, "scope")
+        return folder / f"{key.name}.lease", folder / f"{key.name}.lock"
+
+    @contextlib.contextmanager
+    def _locked(self, key: ProfileKey, write: bool = True) -> Iterator[_State]:
+        """Hold the profile's flock, yield its state, write it back (atomically) on success."""
+        state_path, lock_path = self._paths(key)
+        private_dir(self.root)
+        private_dir(state_path.parent)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                data = json.loads(state_path.read_bytes())
+            except FileNotFoundError:
+                data = None
+            state = _State(key, data)
+            before = state.to_json()
+            yield state
+            if write and state.to_json() != before:
+                atomic_write(state_path, json.dumps(state.to_json(), sort_keys=True).encode())
+        finally:
+            os.close(fd)              # closing the descriptor releases the flock
+
+    def _drop_dead(self, state: _State) -> list[str]:
+        released = []
+        if state.holder and not self._alive(state.holder.owner):
+            released.append(state.holder.run)
+            state.holder = None
+        state.queue = [q for q in state.queue if self._alive(q.owner)]
+        return released
+
+    def _keys(self) -> list[ProfileKey]:
+        out = []
+        if self.root.is_dir():
+            for scope in sorted(os.listdir(self.root)):
+                folder = self.root / scope
+                if not folder.is_dir():
+                    continue
+                for entry in sorted(os.listdir(folder)):
+                    if entry.endswith(".lease"):
+                        try:
+                            out.append(ProfileKey(scope, entry[:-len(".lease")]))
+                        except ValueError:
+                            continue
+        return out
+
+    # ----------------------------------------------------------------- ProfileLease
+    def try_acquire(self, key: ProfileKey, run: str) -> Granted | Waiting:
+        """Grant the profile to `run`, or queue it (FIFO) and say who holds it. Never blocks."""
+        validate_run_id(run)
+        now = time.time()
+        with self._locked(key) as st:
+            self._drop_dead(st)
+            if st.holder and st.holder.run == run:
+                return Granted(key, run, st.holder.since, reentrant=True)
+            if st.holder is None and (not st.queue or st.queue[0].run == run):
+                st.queue = [q for q in st.queue if q.run != run]
+                st.holder = LeaseHolder(key, run, now, self.owner)
+                return Granted(key, run, now)
+            runs = [q.run for q in st.queue]
+            if run not in runs:
+                st.queue.append(QueueEntry(run, now, st.next_seq, self.owner))
+                st.next_seq += 1
+                runs.append(run)
+            entry = st.queue[runs.index(run)]
+            return Waiting(key, run, st.holder.run if st.holder else None,
+                           st.holder.since if st.holder else None, runs.index(run) + 1, entry.since)
+
+    def release(self, key: ProfileKey, run: str) -> bool:
+        """Release `run`'s lease on `key` and drop it from the queue; True if it had either."""
+        validate_run_id(run)
+        with self._locked(key) as st:
+            changed = False
+            if st.holder and st.holder.run == run:
+                st.holder, changed = None, True
+            kept = [q for q in st.queue if q.run != run]
+            changed |= len(kept) != len(st.queue)
+            st.queue = kept
+            return changed
+
+    def release_all(self, run: str) -> list[ProfileKey]:
+        """Run end (any outcome): release every lease and queue place of `run`."""
+        validate_run_id(run)
+        return [key for key in self._keys() if self.release(key, run)]
+
+    def holder(self, key: ProfileKey) -> LeaseHolder | None:
+        with self._locked(key) as st:
+            self._drop_dead(st)
+            return st.holder
+
+    def queue(self, key: ProfileKey) -> list[QueueEntry]:
+        with self._locked(key) as st:
+            self._drop_dead(st)
+            return list(st.queue)
+
+    def sweep_stale(self) -> list[tuple[ProfileKey, str]]:
+        """Release leases whose guard process is gone and drop its queue entries."""
+        out = []
+        for key in self._keys():
+            with self._locked(key) as st:
+                out.extend((key, run) for run in self._drop_dead(st))
+        return out

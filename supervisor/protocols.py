@@ -1,0 +1,222 @@
+"""The seams of the guard: value types and Protocols that a hosted service could implement.
+
+Everything the daemon does with a profile goes through these four interfaces:
+
+- `ProfileStore`: where profiles rest (sealed) and where a leased one is unsealed.
+- `ProfileLease`: which run may use a profile right now, and who waits for it (FIFO).
+- `KeyProvider`: the per-scope key that seals a scope's profiles.
+- `AuditSink`: the append-only, hash-chained record of who did what.
+
+Local implementations live in `profiles.py`, `lease.py`, `keys.py` and `audit.py`; in-memory
+fakes (two scopes) in `fakes.py`. Later issues add `BrowserHost` and `Handoff` below.
+
+A profile is addressed by a `ProfileKey` (scope + name). The scope is always set by the guard
+(locally the fixed value `LOCAL_SCOPE`), never by a request body or YAML; names are validated
+here, at the edge, so that a name can never be a path.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Protocol, runtime_checkable
+
+# --------------------------------------------------------------------------- names and keys
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+_NAME_RE = re.compile(NAME_PATTERN, re.ASCII)
+LOCAL_SCOPE = "local"
+
+
+class ProfileError(Exception):
+    """Base class of every profile error; messages never contain secrets or paths of secrets."""
+
+
+class ProfileNameError(ProfileError, ValueError):
+    """A profile name or scope that is not allowed (it could be a path, or is malformed)."""
+
+
+class ProfileNotFound(ProfileError, LookupError):
+    """No profile of that name in that scope."""
+
+
+class ProfileExists(ProfileError):
+    """`create` of a name that is already taken in that scope."""
+
+
+class ProfileBusy(ProfileError):
+    """The profile is unsealed (open) or leased, so the operation is refused."""
+
+
+def validate_name(value: object, what: str = "profile name") -> str:
+    """Return `value` if it matches `^[a-z0-9][a-z0-9_-]{0,63}$`, else raise ProfileNameError.
+
+    `re.ASCII` plus `fullmatch` mean no Unicode look-alikes (Cyrillic 'а', fullwidth letters),
+    no trailing newline, no NUL, no '/', no '..', no absolute path gets through.
+    """
+    if not isinstance(value, str):
+        raise ProfileNameError(f"{what} must be a string, not {type(value).__name__}")
+    if not _NAME_RE.fullmatch(value):
+        shown = ascii(value) if len(value) <= 80 else ascii(value[:80]) + "..."
+        raise ProfileNameError(
+            f"invalid {what} {shown}: use 1-64 characters a-z, 0-9, '_' or '-', "
+            "starting with a letter or digit (never a path)")
+    return value
+
+
+@dataclass(frozen=True, order=True)
+class ProfileKey:
+    """The identity of a profile: owner scope + name. Both validated on construction."""
+    scope: str
+    name: str
+
+    def __post_init__(self) -> None:
+        validate_name(self.scope, "scope")
+        validate_name(self.name, "profile name")
+
+    def __str__(self) -> str:
+        return f"{self.scope}/{self.name}"
+
+
+@dataclass(frozen=True)
+class ProfileInfo:
+    """What `ProfileStore.info/list` report about a profile (no paths, no secrets)."""
+    key: ProfileKey
+    created: float                 # unix time
+    last_used: float | None        # unix time of the last reseal after a lease, None if never
+    size: int                      # bytes of the sealed file
+    unsealed: bool                 # an unsealed working copy exists (a lease has it open)
+
+
+# --------------------------------------------------------------------------- lease values
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process, robust against pid reuse: pid plus its start time (psutil create_time)."""
+    pid: int
+    start_time: float
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """The run holding a profile, and the guard process that granted it."""
+    key: ProfileKey
+    run: str
+    since: float
+    owner: ProcessIdentity
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """A run waiting for a profile (FIFO by `seq`)."""
+    run: str
+    since: float
+    seq: int
+    owner: ProcessIdentity
+
+
+@dataclass(frozen=True)
+class Granted:
+    """`try_acquire` result: the run holds the profile (`reentrant`: it already did)."""
+    key: ProfileKey
+    run: str
+    since: float
+    reentrant: bool = False
+    granted: bool = field(default=True, init=False)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """`try_acquire` result: the run is queued; `holder_run` None when the profile is free
+    but earlier runs are ahead in the queue. `position` is 1 for the first waiter."""
+    key: ProfileKey
+    run: str
+    holder_run: str | None
+    holder_since: float | None
+    position: int
+    queued_since: float
+    granted: bool = field(default=False, init=False)
+
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+_RUN_RE = re.compile(RUN_ID_PATTERN, re.ASCII)
+
+
+def validate_run_id(value: object) -> str:
+    """Run ids are opaque tokens from the daemon; refuse anything that is not a plain token."""
+    if not isinstance(value, str) or not _RUN_RE.fullmatch(value):
+        raise ValueError(f"invalid run id {ascii(value)[:80]}: use 1-128 characters "
+                         "A-Z a-z 0-9 _ . : - starting with a letter or digit")
+    return value
+
+
+# --------------------------------------------------------------------------- Protocols
+
+@runtime_checkable
+class ProfileStore(Protocol):
+    """Where profiles rest sealed, and where a leased one is unsealed for a browser.
+
+    All path building lives in the implementation; callers only pass `ProfileKey`s. `open`
+    returns the unsealed working folder (private, 0700); `close` reseals it atomically
+    (a crash mid-seal keeps the previous sealed copy) and removes the working folder.
+    """
+
+    def create(self, key: ProfileKey) -> ProfileInfo: ...
+    def exists(self, key: ProfileKey) -> bool: ...
+    def info(self, key: ProfileKey) -> ProfileInfo: ...
+    def list(self, scope: str) -> list[ProfileInfo]: ...
+    def open(self, key: ProfileKey) -> Path: ...
+    def save(self, key: ProfileKey) -> ProfileInfo: ...
+    def close(self, key: ProfileKey, *, save: bool = True) -> ProfileInfo: ...
+    def delete(self, key: ProfileKey) -> None: ...
+    def delete_scope(self, scope: str) -> list[ProfileKey]: ...
+    def unsealed(self) -> list[ProfileKey]: ...
+
+
+@runtime_checkable
+class ProfileLease(Protocol):
+    """One run at a time per profile; other runs queue FIFO. Holds across processes."""
+
+    def try_acquire(self, key: ProfileKey, run: str) -> Granted | Waiting: ...
+    def release(self, key: ProfileKey, run: str) -> bool: ...
+    def release_all(self, run: str) -> list[ProfileKey]: ...
+    def holder(self, key: ProfileKey) -> LeaseHolder | None: ...
+    def queue(self, key: ProfileKey) -> list[QueueEntry]: ...
+    def sweep_stale(self) -> list[tuple[ProfileKey, str]]: ...
+
+
+@runtime_checkable
+class KeyProvider(Protocol):
+    """Per-scope 32-byte keys. Deleting a scope's key makes its sealed data unreadable."""
+
+    def get_key(self, scope: str, *, create: bool = True) -> bytes: ...
+    def delete_key(self, scope: str) -> bool: ...
+    def describe(self) -> str: ...
+
+
+@runtime_checkable
+class AuditSink(Protocol):
+    """Append-only, hash-chained records (see audit.EVENTS for the allowed events)."""
+
+    def record(self, event: str, **fields: Any) -> dict[str, Any]: ...
+    def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]: ...
+
+
+__all__: Iterable[str] = [
+    "NAME_PATTERN", "LOCAL_SCOPE", "ProfileError", "ProfileNameError", "ProfileNotFound",
+    "ProfileExists", "ProfileBusy", "validate_name", "ProfileKey", "ProfileInfo",
+    "ProcessIdentity", "LeaseHolder", "QueueEntry", "Granted", "Waiting", "validate_run_id",
+    "ProfileStore", "ProfileLease", "KeyProvider", "AuditSink",
+]
+
+
+# --------------------------------------------------------------------------- BrowserHost
+# The BrowserHost Protocol is defined next to its value types (AnchorSpec, Anchor,
+# StageSession, CloseReport) in supervisor/browser_host.py; it is re-exported here lazily so
+# that this module stays free of process/psutil imports.
+
+def __getattr__(name: str):
+    if name == "BrowserHost":
+        from supervisor.browser_host import BrowserHost
+        return BrowserHost
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

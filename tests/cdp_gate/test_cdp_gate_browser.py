@@ -1,0 +1,245 @@
+"""The CDP gate with a real anchor browser and real agent-browser stage sessions."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+
+from supervisor import cdp_policy
+from supervisor.cdp_gate import CdpGate, GateError
+from tests.cdp_gate.conftest import SECRET_COOKIE, CdpClient
+
+pytestmark = pytest.mark.browser
+
+
+async def raw_call(raw: str, method: str, params: dict | None = None) -> dict:
+    """One call on the anchor's raw CDP (the guard's view, used to check what really happened)."""
+    async with aiohttp.ClientSession() as s, s.ws_connect(raw, max_msg_size=0) as ws:
+        await ws.send_str(json.dumps({"id": 1, "method": method, "params": params or {}}))
+        async with asyncio.timeout(10):
+            async for m in ws:
+                data = json.loads(m.data)
+                if data.get("id") == 1:
+                    return data
+    raise AssertionError("no reply")
+
+
+async def raw_page_ids(raw: str) -> set[str]:
+    infos = (await raw_call(raw, "Target.getTargets"))["result"]["targetInfos"]
+    return {i["targetId"] for i in infos if i["type"] == "page"}
+
+
+async def test_agent_browser_commands_through_gate(anchor, pages, gate, sessions, tmp_path):
+    """open, snapshot, click, fill, screenshot, get url, tab new/list/close, close all work; only
+    allowlisted methods are used and nothing is refused."""
+    url = gate.add_stage("s1", anchor, artifacts_dir=tmp_path)
+    pre = await gate.create_stage_tab("s1")
+    st = sessions(url, "a")
+    assert st.env["AGENT_BROWSER_CDP"] == url and anchor not in json.dumps(st.env)
+
+    out = await st.arun("open", f"{pages}/index.html")
+    assert "Index" in out.stdout
+    snap = (await st.arun("snapshot", "-i")).stdout
+    assert 'textbox "query" [ref=e2]' in snap and 'button "Go" [ref=e3]' in snap
+    await st.arun("fill", "@e2", "hello")
+    await st.arun("click", "@e3")
+    assert (await st.arun("get", "title")).stdout.strip() == "clicked:hello"
+    shot = tmp_path / "shot.png"
+    await st.arun("screenshot", str(shot))
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (await st.arun("get", "url")).stdout.strip() == f"{pages}/index.html"
+    await st.arun("tab", "new", f"{pages}/p2.html")
+    listed = (await st.arun("tab", "list")).stdout
+    assert f"{pages}/index.html" in listed and f"{pages}/p2.html" in listed
+    assert "about:blank" in listed  # the guard's pre-created tab; the anchor's own tab is not listed
+    assert listed.count("[t") == 3, listed
+    await st.arun("tab", "close")
+    assert f"{pages}/p2.html" not in (await st.arun("tab", "list")).stdout
+    await st.arun("close")
+
+    assert gate.refusals == []
+    used = gate.methods_seen("s1")
+    assert {"Target.createTarget", "Page.navigate", "Accessibility.getFullAXTree", "Input.insertText",
+            "Page.captureScreenshot"} <= set(used)
+    assert all(cdp_policy.is_allowed_method(m) for m in used), used
+    # tabs: the pre-created one + the session's pinned tab are left; closing them at stage end works
+    owned = gate.stage_targets("s1")
+    assert pre in owned and len(owned) == 2
+    closed = await gate.close_stage_tabs("s1")
+    assert set(closed) == owned and not (owned & await raw_page_ids(anchor))
+
+
+async def test_hostile_script_is_refused_and_reaches_nothing(anchor, gate, caplog, tmp_path):
+    caplog.set_level(logging.DEBUG, logger="sfguard.cdp_gate")
+    url_a = gate.add_stage("A", anchor, tab_quota=8)
+    gate.add_stage("B", anchor)
+    other_tab = await gate.create_stage_tab("B")
+    contexts_before = (await raw_call(anchor, "Target.getBrowserContexts"))["result"]["browserContextIds"]
+    pages_before = await raw_page_ids(anchor)
+
+    async with aiohttp.ClientSession() as s, s.ws_connect(url_a) as ws:
+        c = CdpClient(ws)
+        attacks = [
+            ("Target.createBrowserContext", {"proxyServer": "direct://"}),
+            ("Storage.getCookies", {}),
+            ("Network.getAllCookies", {}),
+            ("Target.attachToTarget", {"targetId": other_tab, "flatten": True}),
+            ("Target.closeTarget", {"targetId": other_tab}),
+            ("Target.createTarget", {"url": "file:///etc/passwd"}),
+            ("Browser.close", {}),
+        ]
+        for method, params in attacks:
+            reply = await c.call(method, params)
+            assert reply["error"]["message"].startswith(f"sfguard: refused {method}: "), reply
+            assert "result" not in reply
+        # a session id of someone else: refused with the sessionId kept on the reply
+        reply = await c.call("Runtime.evaluate", {"expression": "document.cookie"}, session_id="FOREIGNSESSION")
+        assert reply["sessionId"] == "FOREIGNSESSION" and "sfguard: refused" in reply["error"]["message"]
+        # the 9th tab: 8 allowed, then the quota refuses
+        created = []
+        for _ in range(8):
+            created.append((await c.call("Target.createTarget", {"url": "about:blank"}))["result"]["targetId"])
+        ninth = await c.call("Target.createTarget", {"url": "about:blank"})
+        assert ninth["error"]["message"] == "sfguard: refused Target.createTarget: tab quota reached (8)"
+        # own tabs work; the target list shows only them
+        listed = (await c.call("Target.getTargets"))["result"]["targetInfos"]
+        assert {i["targetId"] for i in listed} == set(created)
+
+    # nothing reached Chrome: no new context, B's tab untouched, exactly 8 new pages
+    assert (await raw_call(anchor, "Target.getBrowserContexts"))["result"]["browserContextIds"] == contexts_before
+    pages_after = await raw_page_ids(anchor)
+    assert other_tab in pages_after and pages_after - pages_before == set(created)
+    refused = [(k, m) for k, m, _ in gate.refusals]
+    assert refused == [("A", m) for m, _ in attacks] + [("A", "Runtime.evaluate"), ("A", "Target.createTarget")]
+    raw_port = str(urlsplit(anchor).port)
+    browser_id = urlsplit(anchor).path.rsplit("/", 1)[1]
+    token = url_a.rsplit("/", 1)[1]
+    assert "refused Storage.getCookies" in caplog.text
+    for secret in (anchor, browser_id, token, f":{raw_port}/"):
+        assert secret not in caplog.text
+    await gate.close_stage_tabs("A")
+    await gate.close_stage_tabs("B")
+
+
+@pytest.mark.parametrize("case", ["wrong_token", "revoked", "origin", "no_token"])
+async def test_refused_before_upgrade(anchor, gate, case):
+    url = gate.add_stage("S", anchor)
+    headers = {}
+    if case == "wrong_token":
+        url = url[:-4] + ("AAAA" if not url.endswith("AAAA") else "BBBB")
+    elif case == "revoked":
+        await gate.revoke("S")
+    elif case == "origin":
+        headers = {"Origin": "http://127.0.0.1:1"}
+    elif case == "no_token":
+        url = url.rsplit("/", 1)[0] + "/"
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await s.ws_connect(url, headers=headers)
+        expected = 404 if case == "no_token" else 403
+        assert err.value.status == expected
+        body_url = url.replace("ws://", "http://")
+        async with s.get(body_url, headers=headers) as resp:
+            text = await resp.text()
+            assert resp.status == expected and anchor not in text and str(urlsplit(anchor).port) not in text
+
+
+async def test_revoke_closes_open_connection_and_token_stays_dead(anchor, gate):
+    url = gate.add_stage("S", anchor)
+    async with aiohttp.ClientSession() as s:
+        ws = await s.ws_connect(url)
+        c = CdpClient(ws)
+        assert "result" in await c.call("Browser.getVersion")
+        await gate.revoke("S")
+        msg = await ws.receive(timeout=5)
+        assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+        await ws.close()
+        # a new stage with the same key gets a new token; the old one stays refused
+        new_url = gate.add_stage("S", anchor)
+        assert new_url != url
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await s.ws_connect(url)
+        assert err.value.status == 403
+
+
+async def test_discovery_events_show_only_own_tabs(anchor, gate):
+    url_a, url_b = gate.add_stage("A", anchor), gate.add_stage("B", anchor)
+    async with aiohttp.ClientSession() as s, s.ws_connect(url_a) as wa, s.ws_connect(url_b) as wb:
+        a, b = CdpClient(wa), CdpClient(wb)
+        await a.call("Target.setDiscoverTargets", {"discover": True})
+        await a.drain(0.5)
+        # existing targets (the anchor's tab, browser UI) were not announced to A
+        assert [e for e in a.events if e.get("method", "").startswith("Target.")] == []
+        own = (await a.call("Target.createTarget", {"url": "about:blank"}))["result"]["targetId"]
+        other = (await b.call("Target.createTarget", {"url": "about:blank"}))["result"]["targetId"]
+        await b.call("Target.closeTarget", {"targetId": other})
+        await a.drain(1.0)
+        seen = {e["params"].get("targetInfo", {}).get("targetId") or e["params"].get("targetId")
+                for e in a.events if e.get("method", "").startswith("Target.")}
+        assert own in seen and other not in seen
+        assert "Target.targetCreated" in {e["method"] for e in a.events}
+        assert other not in "".join(a.received)
+        info = await a.call("Target.getTargetInfo", {"targetId": other})
+        assert "sfguard: refused" in info["error"]["message"]
+    await gate.close_stage_tabs("A")
+
+
+async def test_httponly_cookie_not_visible_in_network_events(anchor, pages, gate):
+    url = gate.add_stage("A", anchor)
+    async with aiohttp.ClientSession() as s, s.ws_connect(url, max_msg_size=0) as ws:
+        c = CdpClient(ws)
+        tid = (await c.call("Target.createTarget", {"url": "about:blank"}))["result"]["targetId"]
+        sid = (await c.call("Target.attachToTarget", {"targetId": tid, "flatten": True}))["result"]["sessionId"]
+        await c.call("Network.enable", {}, sid)
+        await c.call("Page.enable", {}, sid)
+        await c.call("Page.navigate", {"url": f"{pages}/cookie"}, sid)
+        await c.call("Page.navigate", {"url": f"{pages}/p2.html"}, sid)  # sends the cookie back
+        await c.drain(1.5)
+        methods = {e.get("method") for e in c.events}
+        assert "Network.requestWillBeSent" in methods and "Network.responseReceived" in methods
+        assert SECRET_COOKIE not in "".join(c.received)
+        refused = await c.call("Network.getCookies", {}, sid)
+        assert "sfguard: refused" in refused["error"]["message"]
+    # the cookie is really in the browser (so the test above could have failed)
+    cookies = (await raw_call(anchor, "Storage.getCookies"))["result"]["cookies"]
+    assert any(ck["value"] == SECRET_COOKIE for ck in cookies)
+    await gate.close_stage_tabs("A")
+
+
+async def test_two_stages_see_only_their_own_tabs(anchor, pages, gate, sessions):
+    sa = sessions(gate.add_stage("A", anchor), "a")
+    sb = sessions(gate.add_stage("B", anchor), "b")
+    await asyncio.gather(sa.arun("open", f"{pages}/a.html"), sb.arun("open", f"{pages}/b.html"))
+    la, lb = (await sa.arun("tab", "list")).stdout, (await sb.arun("tab", "list")).stdout
+    assert "/a.html" in la and "/b.html" not in la
+    assert "/b.html" in lb and "/a.html" not in lb
+    assert not (gate.stage_targets("A") & gate.stage_targets("B"))
+    # stage end order: close tabs, close the session through the still-valid token, then revoke
+    for key, st in (("A", sa), ("B", sb)):
+        tabs = gate.stage_targets(key)
+        await gate.close_stage_tabs(key)
+        await st.arun("close")
+        await gate.revoke(key)
+        assert not (tabs & await raw_page_ids(anchor))
+    assert gate.refusals == []
+
+
+async def test_api_errors_do_not_reveal_raw_address(anchor, gate):
+    gate.add_stage("S", anchor)
+    with pytest.raises(GateError) as err:
+        gate.add_stage("S", anchor)
+    assert anchor not in str(err.value)
+    with pytest.raises(GateError) as err:
+        gate.add_stage("T", "ws://10.0.0.1:9222/devtools/browser/x")
+    assert "10.0.0.1" not in str(err.value)
+    dead = anchor.replace(f":{urlsplit(anchor).port}/", ":1/")
+    gate.add_stage("D", dead)
+    with pytest.raises(GateError) as err:
+        await gate.close_stage_tabs("D") if gate.stage_targets("D") else await gate.create_stage_tab("D")
+    assert ":1/" not in str(err.value) and "devtools" not in str(err.value)
+    with pytest.raises(GateError):
+        CdpGate(host="0.0.0.0")

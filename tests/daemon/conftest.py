@@ -1,0 +1,103 @@
+"""A real `sfguard start` daemon (subprocess) with the fake agent-browser and a fake CDP
+endpoint, talked to over its unix socket like a pipeline runner would."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor.client import GuardClient
+from supervisor.home import runtime_dir
+from tests.daemon.fake_cdp import FakeCdp  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_AB = ROOT / "tests" / "fake_agent_browser" / "agent-browser"
+
+
+class Daemon:
+    def __init__(self, home: Path, env: dict[str, str], log: Path):
+        self.home, self.env, self.log = home, env, log
+        self.proc: subprocess.Popen | None = None
+        self.client = GuardClient(home, timeout=60)
+        self.out = b""
+
+    def start(self, *extra: str, expect_ready: bool = True) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "start", "--home", str(self.home), *extra],
+            cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=open(self.log, "ab"))
+        if not expect_ready:
+            return
+        deadline = time.monotonic() + 30
+        lines = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.decode())
+            if line.strip() == b"sfguard: ready":
+                self.banner = "".join(lines)
+                return
+        raise AssertionError(f"daemon did not get ready: {''.join(lines)}\n{self.log.read_text()[-3000:]}")
+
+    def call(self, method: str, route: str, body=None):
+        return self.client.call(method, route, body)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def calls(self) -> list[dict]:
+        path = self.home.parent / "fake-ab.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+@pytest.fixture
+def fake_cdp():
+    f = FakeCdp()
+    f.start()
+    yield f
+    f.stop()
+
+
+@pytest.fixture
+def daemon(tmp_path, fake_cdp):
+    home = tmp_path / "home"
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
+           "SFGUARD_AGENT_BROWSER": str(FAKE_AB),
+           "HTTP_PROXY": "http://leak.invalid:1", "AGENT_BROWSER_PROFILE": "/leak",
+           "PYTHONPATH": str(ROOT)}
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        env["XDG_RUNTIME_DIR"] = os.environ["XDG_RUNTIME_DIR"]
+    old = os.environ.get("XDG_RUNTIME_DIR")
+    rt = runtime_dir(home.absolute())
+    ab = rt / "ab"
+    ab.mkdir(mode=0o700, exist_ok=True)
+    (ab / "fake-control.json").write_text(json.dumps(
+        {"cdp_url": fake_cdp.url, "log": str(tmp_path / "fake-ab.jsonl")}))
+    d = Daemon(home.absolute(), env, tmp_path / "daemon.log")
+    d.start()
+    yield d
+    d.stop()
+    # nothing of this test may outlive it
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if str(home) in cmd or str(rt) in cmd:
+            p.kill()

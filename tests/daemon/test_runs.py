@@ -1,0 +1,192 @@
+"""Whole runs through the control API, with the fake agent-browser (no real browser)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import time
+
+import subprocess
+
+import psutil
+import pytest
+
+from tests.daemon.conftest import FAKE_AB
+
+STAGE_ENV_KEYS = {"AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
+                  "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS"}
+
+
+def stage(d, run, sid, profile="acct", attempt=1, **browser):
+    body = {"stage_id": sid, "attempt": attempt,
+            "browser": {"allow_domains": ["site-a.test"], "headed": False, **browser}}
+    if profile is not None:
+        body["browser"]["profile"] = profile
+    return d.call("POST", f"/v1/runs/{run}/stages", body)
+
+
+def wait_ready(d, run, sid, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, body = d.call("GET", f"/v1/runs/{run}/stages/{sid}")
+        if status == 200:
+            return body
+        time.sleep(0.1)
+    raise AssertionError(f"stage {run}/{sid} not ready: {body}")
+
+
+def launches(d):
+    """Anchor launches seen by the fake agent-browser (first `open` of a non --cdp session)."""
+    seen, out = set(), []
+    for c in d.calls():
+        env = c["env"]
+        if "open" in c["argv"] and "AGENT_BROWSER_CDP" not in env and env["AGENT_BROWSER_SESSION"] not in seen:
+            seen.add(env["AGENT_BROWSER_SESSION"])
+            out.append(c)
+    return out
+
+
+def test_profile_stage_gets_only_the_stage_env_and_a_guarded_anchor(daemon, fake_cdp):
+    assert daemon.call("POST", "/v1/runs", {"run_id": "r1"})[0] == 201
+    status, body = stage(daemon, "r1", "s1")
+    assert status == 200 and body["state"] == "ready", body
+    env = body["env"]
+    assert set(env) == STAGE_ENV_KEYS
+    assert env["AGENT_BROWSER_PIN_TAB"] == "1" and env["AGENT_BROWSER_IDLE_TIMEOUT_MS"] == "0"
+    assert env["AGENT_BROWSER_CDP"].startswith("ws://127.0.0.1:")
+    assert fake_cdp.url not in json.dumps(body)          # never the raw CDP address
+    (anchor,) = launches(daemon)
+    aenv = anchor["env"]
+    assert aenv["AGENT_BROWSER_PROXY_BYPASS"] == "<-loopback>"
+    assert aenv["AGENT_BROWSER_IDLE_TIMEOUT_MS"] == "0"
+    assert aenv["AGENT_BROWSER_PROXY"].startswith("http://") and "@127.0.0.1:" in aenv["AGENT_BROWSER_PROXY"]
+    assert aenv["AGENT_BROWSER_PROFILE"] != "/leak" and aenv["AGENT_BROWSER_PROFILE"] not in json.dumps(body)
+    assert anchor["leaked"] == []                          # HTTP_PROXY of the guard's env scrubbed
+    proxy_secret = aenv["AGENT_BROWSER_PROXY"].split("@")[0].split(":")[-1]
+    # neither the proxy credential nor the profile path in API answers about runs
+    for route in ("/v1/runs/r1", "/v1/status", "/v1/profiles"):
+        text = json.dumps(daemon.call("GET", route)[1])
+        assert proxy_secret not in text and aenv["AGENT_BROWSER_PROFILE"] not in text
+        assert env["AGENT_BROWSER_CDP"].rsplit("/", 1)[1] not in text  # no gate token either
+    # every command of the anchor session carried the identical launch env
+    sess = aenv["AGENT_BROWSER_SESSION"]
+    envs = {json.dumps(c["env"], sort_keys=True) for c in daemon.calls()
+            if c["env"].get("AGENT_BROWSER_SESSION") == sess}
+    assert len(envs) == 1
+    assert any(c["argv"][-2:] == ["stream", "disable"] for c in daemon.calls()
+               if c["env"].get("AGENT_BROWSER_SESSION") == sess)
+    assert daemon.call("POST", "/v1/runs/r1/end", {"outcome": "succeeded"})[0] == 200
+
+
+def test_resume_returns_identical_env_and_stages_share_one_anchor(daemon):
+    daemon.call("POST", "/v1/runs", {"run_id": "r1"})
+    _, a = stage(daemon, "r1", "s1")
+    _, b = stage(daemon, "r1", "s2")
+    assert a["env"]["AGENT_BROWSER_SESSION"] != b["env"]["AGENT_BROWSER_SESSION"]
+    assert a["env"]["AGENT_BROWSER_CDP"] != b["env"]["AGENT_BROWSER_CDP"]
+    again = stage(daemon, "r1", "s1")[1]
+    polled = daemon.call("GET", "/v1/runs/r1/stages/s1")[1]
+    assert json.dumps(again, sort_keys=True) == json.dumps(a, sort_keys=True) == json.dumps(polled, sort_keys=True)
+    assert len(launches(daemon)) == 1
+    daemon.call("POST", "/v1/runs/r1/end", {"outcome": "succeeded"})
+
+
+def test_second_run_waits_with_holder_named_and_starts_when_first_ends(daemon):
+    daemon.call("POST", "/v1/runs", {"run_id": "r1"})
+    daemon.call("POST", "/v1/runs", {"run_id": "r2"})
+    assert stage(daemon, "r1", "s1")[0] == 200
+    status, body = stage(daemon, "r2", "s1")
+    assert status == 202 and body["state"] == "waiting" and body["holder_run"] == "r1"
+    status, polled = daemon.call("GET", "/v1/runs/r2/stages/s1")
+    assert status == 202 and polled["holder_run"] == "r1"
+    st = daemon.call("GET", "/v1/status")[1]
+    (lease,) = [l for l in st["leases"] if l["profile"] == "acct"]
+    assert lease["holder_run"] == "r1" and [q["run"] for q in lease["queue"]] == ["r2"]
+    daemon.call("POST", "/v1/runs/r1/end", {"outcome": "failed"})
+    ready = wait_ready(daemon, "r2", "s1")
+    assert ready["state"] == "ready"
+    daemon.call("POST", "/v1/runs/r2/end", {"outcome": "succeeded"})
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed", "cancelled", "timed_out"])
+def test_stage_end_closes_its_session_and_refuses_its_token(daemon, outcome):
+    daemon.call("POST", "/v1/runs", {"run_id": "r1"})
+    env = stage(daemon, "r1", "s1")[1]["env"]
+    # the stage worker uses its env (its agent-browser session starts a daemon)
+    worker = subprocess.run([str(FAKE_AB), "get", "url"], env={"PATH": os.environ["PATH"], **env},
+                            capture_output=True, text=True, timeout=30)
+    assert worker.returncode == 0, worker.stderr
+    status, body = daemon.call("POST", "/v1/runs/r1/stages/s1/end", {"outcome": outcome})
+    assert status == 200 and body["ok"], body
+    closes = [c for c in daemon.calls() if c["argv"][-1:] == ["close"]
+              and c["env"].get("AGENT_BROWSER_SESSION") == env["AGENT_BROWSER_SESSION"]]
+    assert closes and closes[0]["env"]["AGENT_BROWSER_CDP"] == env["AGENT_BROWSER_CDP"]
+    assert daemon.call("GET", "/v1/runs/r1/stages/s1")[1] == {"state": "ended", "outcome": outcome}
+    run = daemon.call("GET", "/v1/runs/r1")[1]
+    assert run["state"] == "active" and run["browsers"][0]["alive"]   # the anchor stays for the run
+    daemon.call("POST", "/v1/runs/r1/end", {"outcome": "succeeded"})
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed", "cancelled", "abandoned"])
+def test_run_end_closes_anchor_reseals_and_releases(daemon, outcome):
+    daemon.call("POST", "/v1/runs", {"run_id": "r1"})
+    stage(daemon, "r1", "s1")
+    pids = [c["pid"] for c in daemon.calls()]
+    status, body = daemon.call("POST", "/v1/runs/r1/end", {"outcome": outcome})
+    assert status == 200 and body["ok"], body
+    profiles = daemon.call("GET", "/v1/profiles")[1]["profiles"]
+    assert [(p["name"], p["leased_by"]) for p in profiles] == [("acct", None)]
+    sealed = daemon.home / "profiles" / "local" / "acct"
+    assert stat.S_IMODE(os.stat(sealed).st_mode) == 0o700
+    assert not any(p.name == "Cookies" for p in daemon.home.rglob("*"))   # nothing unsealed in the home
+    time.sleep(0.5)
+    fake_browsers = [p for p in psutil.process_iter(["cmdline"])
+                     if "--fake-chromium" in " ".join(p.info["cmdline"] or [])
+                     and str(daemon.home) in " ".join(p.info["cmdline"] or [])]
+    assert fake_browsers == []
+    assert not (daemon.home / "runs" / "r1.json").exists()
+
+
+def test_stage_at_a_gate_keeps_everything_open(daemon):
+    daemon.call("POST", "/v1/runs", {"run_id": "r1"})
+    env = stage(daemon, "r1", "s1")[1]["env"]
+    time.sleep(1.5)  # the run "waits at a gate": nothing is torn down by time
+    assert daemon.call("GET", "/v1/runs/r1/stages/s1")[1]["env"] == env
+    assert daemon.call("GET", "/v1/runs/r1")[1]["browsers"][0]["alive"]
+    daemon.call("POST", "/v1/runs/r1/end", {"outcome": "succeeded"})
+
+
+def test_profileless_stage_gets_a_throwaway_browser_without_lease(daemon):
+    daemon.call("POST", "/v1/runs", {"run_id": "r1"})
+    status, body = stage(daemon, "r1", "s1", profile=None)
+    assert status == 200
+    assert daemon.call("GET", "/v1/profiles")[1]["profiles"] == []
+    (launch,) = launches(daemon)
+    tmp_profile = launch["env"]["AGENT_BROWSER_PROFILE"]
+    assert os.path.isdir(tmp_profile)
+    daemon.call("POST", "/v1/runs/r1/stages/s1/end", {"outcome": "succeeded"})
+    assert not os.path.exists(tmp_profile)
+    daemon.call("POST", "/v1/runs/r1/end", {"outcome": "succeeded"})
+
+
+def test_kill_9_of_the_daemon_then_restart_sweeps_everything(daemon):
+    daemon.call("POST", "/v1/runs", {"run_id": "r1"})
+    stage(daemon, "r1", "s1")
+    time.sleep(0.3)
+    owned = [p for p in psutil.process_iter(["cmdline"])
+             if str(daemon.home) in " ".join(p.info["cmdline"] or [])
+             or "sfa-" in " ".join(p.info["cmdline"] or [])]
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    assert "1 dead run(s)" in daemon.banner
+    time.sleep(0.5)
+    for p in owned:
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p.cmdline()
+    st = daemon.call("GET", "/v1/status")[1]
+    assert all(l["holder_run"] is None for l in st["leases"])
+    assert not (daemon.home / "runs" / "r1.json").exists()
+    # the profile can be leased again
+    daemon.call("POST", "/v1/runs", {"run_id": "r2"})
+    assert stage(daemon, "r2", "s1")[0] == 200
+    daemon.call("POST", "/v1/runs/r2/end", {"outcome": "succeeded"})

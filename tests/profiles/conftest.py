@@ -1,0 +1,153 @@
+"""Fixtures for the profile seam: one harness per implementation (local and in-memory fake)."""
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from supervisor.fakes import FakeKeyProvider, FakeProfileLease, FakeProfileStore
+from supervisor.keys import FileKeyProvider
+from supervisor.lease import LocalProfileLease
+from supervisor.profiles import LocalProfileStore
+
+ROOT = Path(__file__).resolve().parents[2]
+SCOPE_A, SCOPE_B = "alpha", "beta"
+
+# The `sfguard` console script's own entry (cli.main:main). Not `-m cli.main`: run that way,
+# cli.main is loaded twice (__main__ and cli.main) and CliError raised by a command module is
+# not caught as CliError (reported to the lead).
+SFGUARD = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())"]
+
+
+def sfguard(*args, home=None, env_home=None, input=None, cwd=ROOT):
+    """Run the CLI as a user would; `--home` appended when given; $SFGUARD_HOME only if asked."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("SFGUARD_HOME", None)
+    if env_home:
+        env["SFGUARD_HOME"] = str(env_home)
+    argv = [*SFGUARD, *args] + (["--home", str(home)] if home else [])
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
+                          input=input)
+
+
+HOLDER_SCRIPT = r"""
+import sys
+from supervisor.lease import LocalProfileLease
+from supervisor.protocols import ProfileKey
+lease = LocalProfileLease(sys.argv[1])
+got = lease.try_acquire(ProfileKey(sys.argv[2], sys.argv[3]), sys.argv[4])
+print(type(got).__name__, flush=True)
+sys.stdin.read()          # hold until the test closes stdin or kills us
+"""
+
+
+def run_python(code: str, *args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kw)
+
+
+class LocalHarness:
+    """Local implementations on a temp guard home; "other processes" are real processes."""
+    kind = "local"
+
+    def __init__(self, tmp: Path):
+        self.home = tmp / "home"
+        self.runtime = tmp / "run"
+        self.keys = FileKeyProvider(self.home)
+        self.store = LocalProfileStore(self.home, self.keys, runtime=self.runtime)
+        self.lease = LocalProfileLease(self.home)
+        self._procs: list[subprocess.Popen] = []
+
+    def other_process_acquires(self, key, run):
+        proc = run_python(HOLDER_SCRIPT, str(self.home), key.scope, key.name, run)
+        self._procs.append(proc)
+        line = proc.stdout.readline().strip()
+        return proc, line
+
+    def kill(self, handle) -> None:
+        proc = handle
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def plant_copy(self, src, dst) -> None:
+        """Copy src's sealed file to where dst's would be (an attacker with file access)."""
+        s = self.home / "profiles" / src.scope / src.name
+        d = self.home / "profiles" / dst.scope / dst.name
+        d.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        shutil.copytree(s, d, dirs_exist_ok=True)
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
+class FakeHarness:
+    """In-memory fakes with two scopes; "other processes" are views sharing the state."""
+    kind = "fake"
+
+    def __init__(self, tmp: Path):
+        self.keys = FakeKeyProvider()
+        self.store = FakeProfileStore((SCOPE_A, SCOPE_B), self.keys)
+        self.lease = FakeProfileLease()
+
+    def other_process_acquires(self, key, run):
+        other = self.lease.for_process()
+        return other, type(other.try_acquire(key, run)).__name__
+
+    def kill(self, handle) -> None:
+        handle.kill()
+
+    def plant_copy(self, src, dst) -> None:
+        self.store._profiles[dst] = self.store._profiles[src]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(params=["local", "fake"])
+def harness(request, tmp_path):
+    h = (LocalHarness if request.param == "local" else FakeHarness)(tmp_path)
+    yield h
+    h.close()
+
+
+class _CookieHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Set-Cookie", "sid=persisted-login-123; Max-Age=86400; Path=/")
+        self.send_header("Content-Type", "text/html")
+        self.end_headers()
+        self.wfile.write(b"<html><body>hello<script>localStorage.setItem('k','v')</script></body></html>")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="session")
+def chromium_profile(tmp_path_factory) -> Path:
+    """A real Chromium user-data-dir that visited a 127.0.0.1 page setting a persistent cookie."""
+    if not Path("/usr/bin/chromium").exists():
+        pytest.fail("Chromium missing at /usr/bin/chromium: run ./dev setup")
+    folder = tmp_path_factory.mktemp("chromium") / "profile"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CookieHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        subprocess.run(
+            ["/usr/bin/chromium", "--headless", "--no-sandbox", f"--user-data-dir={folder}",
+             "--disable-gpu", "--no-first-run", "--disable-background-networking", "--dump-dom",
+             f"http://127.0.0.1:{server.server_address[1]}/"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False)
+    finally:
+        server.shutdown()
+    assert (folder / "Default" / "Cookies").is_file(), "Chromium wrote no cookie database"
+    return folder
