@@ -35,14 +35,25 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _modules_for(argv: list[str]) -> tuple[str, ...]:
+    """Only the chosen command's module (imports stay cheap: `proxy` pulls in mitmproxy);
+    every module when no known command is given (help, errors)."""
+    for arg in argv:
+        if arg.startswith("-"):
+            continue
+        name = f"cli.{arg}_cmd"
+        return (name,) if name in COMMAND_MODULES else COMMAND_MODULES
+    return COMMAND_MODULES
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sfguard",
         description="Lend pipeline stages a guarded, logged-in browser.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMAND_MODULES:
+    for name in _modules_for(sys.argv[1:] if argv is None else argv):
         if importlib.util.find_spec(name) is None:
             continue
         importlib.import_module(name).register(sub)
@@ -50,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -191,3 +191,27 @@ async def _serve(config: GuardConfig, clients, generated: str | None) -> int:
     finally:
         await proxy.stop()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cli.proxy_cmd ARGS`: the same command without loading every other command.
+
+    `sfguard proxy` builds the parser of every sfguard command (and imports their modules);
+    the daemon starts per-run proxies with this entry point instead, which keeps each proxy
+    process small. Arguments, output and exit codes are identical.
+    """
+    parser = argparse.ArgumentParser(prog="sfguard")
+    sub = parser.add_subparsers(dest="command")
+    register(sub)
+    args = parser.parse_args(["proxy", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"sfguard proxy: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,7 @@ Pure code: no sockets, no processes, nothing of ours imported. The pieces:
 - `policy.patterns`: host patterns and the suffix index (`compile_patterns`, `RuleSet`).
 - `policy.schema`: reading `sites.yaml` with file:line:col errors (`load_policy`, `parse_policy`).
 - `policy.engine`: decisions (`SitePolicy.decide`, `check_address`, `refuse`, `Decision`).
+- `policy.watch`: `PolicyWatcher`, the last good policy of a file that reviewers edit live.
 
 See docs/policy.md for the reviewer's guide and DESIGN.md 4.1 for the contract.
 """
@@ -14,10 +15,11 @@ from .errors import MalformedHost, PolicyError, PolicyIssue
 from .hosts import normalize_host, split_host_port
 from .patterns import Match, Pattern, PatternError, RuleSet, compile_patterns, parse_pattern
 from .schema import MAX_POLICY_BYTES, default_policy_path, load_policy, parse_policy
+from .watch import PolicyWatcher
 
 __all__ = [
     "DEFAULT_PORTS", "Decision", "MAX_POLICY_BYTES", "MalformedHost", "Match", "Pattern",
-    "PatternError", "PolicyError", "PolicyIssue", "RuleSet", "SitePolicy", "compile_patterns",
+    "PatternError", "PolicyError", "PolicyWatcher", "PolicyIssue", "RuleSet", "SitePolicy", "compile_patterns",
     "default_policy_path", "load_policy", "normalize_host", "parse_pattern", "parse_policy",
     "special_address", "split_host_port",
 ]

@@ -205,7 +205,12 @@ def _parse_network(body: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
                 raise PatternError("patterns name hosts, not URLs or paths",
                                    f"write the host only: {addr}") from None
             fixed = _ipv4_hint(addr)
-            hint = f"write {fixed}/{body.split('/', 1)[1]}" if fixed else "write a range such as 10.0.0.0/8 or fd00::/8"
+            if fixed and fixed != addr:
+                hint = (f"write the address as four decimal numbers without leading zeros "
+                        f"(browsers read {addr} as {fixed})")
+            else:
+                hint = ("write a range such as 10.0.0.0/8 or fd00::/8 (prefix lengths: 0-32 for "
+                        "IPv4, 0-128 for IPv6)")
             raise PatternError(f"not a valid CIDR range ({exc})", hint) from None
         raise PatternError("a CIDR range must have its host bits zero", f"write {loose}") from None
     if isinstance(net, ipaddress.IPv6Network) and net.prefixlen >= 96:
@@ -289,7 +294,10 @@ def parse_pattern(text: object, *, allow_list: bool = True) -> Pattern:
 def _host_hint(body: str, exc: MalformedHost) -> str | None:
     if "canonical IPv4" in exc.reason:
         fixed = _ipv4_hint(body)
-        return f"write {fixed}" if fixed else "write the address as four decimal numbers, e.g. 192.0.2.1"
+        if fixed:
+            return (f"write the address as four decimal numbers without leading zeros "
+                    f"(browsers read {body} as {fixed})")
+        return "write the address as four decimal numbers, e.g. 192.0.2.1"
     if "@" in body:
         return f"write the host only: {body.rsplit('@', 1)[1]}"
     if "/" in body:

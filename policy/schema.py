@@ -107,7 +107,15 @@ class _Composer:
         try:
             return self._run(loader)
         except yaml.MarkedYAMLError as exc:
-            raise _yaml_error(exc, self.source) from None
+            raise _yaml_error(exc, self.source, text) from None
+        except yaml.reader.ReaderError as exc:
+            char = exc.character if isinstance(exc.character, int) else ord(exc.character or "\0")
+            line = text.count("\n", 0, exc.position) + 1
+            col = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+            raise PolicyError([PolicyIssue(
+                self.source, line, col, "(yaml)",
+                f"character U+{char:04X} is not allowed in YAML",
+                "remove control characters from the file")]) from None
         except yaml.YAMLError as exc:
             raise PolicyError([PolicyIssue(self.source, None, None, "(yaml)", f"not valid YAML: {exc}",
                                            None)]) from None
@@ -165,7 +173,7 @@ class _Composer:
                         parent.append(node)
                         parent.itempos.append(node.pos)
                     elif frame[1] is nokey:
-                        raise self.fail(ev.start_mark, _path(stack), "a key must be a plain name",
+                        raise self.fail(ev.start_mark, "(yaml)", "a key must be a plain name",
                                         "write key: value")
                     else:
                         parent[frame[1]] = node
@@ -177,7 +185,7 @@ class _Composer:
             elif cls is MappingEndEvent or cls is SequenceEndEvent:
                 stack.pop()
             elif cls is AliasEvent:
-                raise self.fail(ev.start_mark, _path(stack), "YAML aliases (*name) are not allowed",
+                raise self.fail(ev.start_mark, "(yaml)", "YAML aliases (*name) are not allowed",
                                 "write every value out; aliases and anchors are refused")
             elif cls is DocumentStartEvent:
                 documents += 1
@@ -210,22 +218,27 @@ class _Composer:
 _NOKEY = object()
 
 
-def _path(stack: list) -> str:
-    return "(yaml)"
-
-
-def _yaml_error(exc: yaml.MarkedYAMLError, source: str) -> PolicyError:
+def _yaml_error(exc: yaml.MarkedYAMLError, source: str, text: str) -> PolicyError:
     mark = exc.problem_mark or exc.context_mark
     problem = exc.problem or "syntax error"
     context = exc.context or ""
     hint = "check the indentation and the ':' after each key"
+    at = text[mark.index] if mark is not None and 0 <= mark.index < len(text) else ""
+    if at == "\t":
+        hint = "indent with spaces, not tabs"
+    elif "flow" in context:
+        hint = ('close each [ ] and { }, and quote values that start with [ or {, '
+                'e.g. "[::1]:8080"')
     if "alias" in context:
         hint = 'a pattern that starts with * must be quoted: "*.example.com"'
         problem = "an unquoted * starts a YAML alias"
+        mark = exc.context_mark or mark
     elif "tab" in problem:
         hint = "indent with spaces, not tabs"
     elif "special characters" in problem or "control" in problem:
         hint = "remove control characters from the file"
+    if context and exc.context_mark is not None and exc.context_mark is not mark:
+        context += f" (started at line {exc.context_mark.line + 1})"
     message = f"not valid YAML: {context + ': ' if context else ''}{problem}"
     line = mark.line + 1 if mark else None
     col = mark.column + 1 if mark else None
@@ -346,6 +359,8 @@ def _schema_issue(err: dict, root: Any, source: str) -> PolicyIssue:
     elif kind == "list_type":
         hint = "write a list, one '- item' per line"
     elif kind in ("model_type", "dict_type", "model_attributes_type"):
+        msg = f"expected key: value pairs, got {type(err.get('input')).__name__}"
+        msg = msg.replace("YSeq", "a list").replace("YMap", "a mapping").replace(" str", " text")
         hint = "write key: value pairs here" if loc else "the file must be a mapping, starting with version: 1"
     elif kind == "too_short":
         hint = "list at least one port, e.g. ports: [80, 443]" if name == "ports" else None
@@ -474,8 +489,19 @@ def load_policy(path: str | os.PathLike | None = None) -> SitePolicy:
                 source, None, None, "(file)",
                 f"the file is {size} bytes, over the {MAX_POLICY_BYTES // (1024 * 1024)} MiB limit",
                 "split the block list or remove entries")])
+        # Read in chunks: the cap holds even if the file grows after the stat (or is a pipe),
+        # and no cap-sized buffer is allocated up front.
+        chunks, total = [], 0
         with open(path, "rb") as fh:
-            data = fh.read(MAX_POLICY_BYTES + 1)
+            while chunk := fh.read(1 << 20):
+                total += len(chunk)
+                if total > MAX_POLICY_BYTES:
+                    raise PolicyError([PolicyIssue(
+                        source, None, None, "(file)",
+                        f"the file is over the {MAX_POLICY_BYTES // (1024 * 1024)} MiB limit",
+                        "split the block list or remove entries")])
+                chunks.append(chunk)
+        data = b"".join(chunks)
     except OSError as exc:
         raise PolicyError([PolicyIssue(source, None, None, "(file)", f"cannot read the file: {exc.strerror or exc}",
                                        "check the path")]) from None

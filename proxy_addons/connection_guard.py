@@ -4,7 +4,8 @@ mitmproxy closes a connection only after 10 minutes without any traffic, so a cl
 trickles a request head byte by byte could hold a connection forever. The guard gives each new
 connection `head_timeout` seconds to complete its first request head (and, for a CONNECT
 tunnel, its first message inside the tunnel); after that it is closed. Other clients are not
-affected. The per-connection state is dropped when the client disconnects.
+affected. The per-connection state is dropped when the client disconnects. It also signals
+`GuardState.running` once mitmproxy's servers listen.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class ConnectionGuard:
     def load(self, loader) -> None:
         from mitmproxy import ctx
         self._proxyserver = ctx.master.addons.get("proxyserver")
+
+    def running(self) -> None:
+        self.s.running.set()  # the proxy servers are up: GuardProxy.start() may return
 
     def client_connected(self, client: connection.Client) -> None:
         conn = self.s.conn(client.id)

@@ -40,7 +40,8 @@ logger = logging.getLogger("sfguard.proxy.layers")
 
 #: Most bytes waited for before a tunnel's first message (ClientHello / request head) is judged.
 MAX_FIRST_MESSAGE = 64 * 1024
-_HTTP_START = re.compile(rb"^[A-Za-z]{3,10} ")
+_HTTP_METHOD = re.compile(rb"^[A-Z]{3,10} ")
+_HTTP_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} [^ \r\n]+ HTTP/1\.[01]\r?\n")
 _HOST_LINE = re.compile(rb"\r\nhost:[ \t]*([^\r\n]*?)[ \t]*\r\n", re.IGNORECASE)
 
 
@@ -100,12 +101,12 @@ class LayerGuard:
                                     f"({self._shown(named)})."):
                     nextlayer.layer = CloseLayer(context)
                     return
-        elif _HTTP_START.match(data):
+        elif _HTTP_METHOD.match(data) and (b"\n" not in data or _HTTP_REQUEST_LINE.match(data)):
             end = data.find(b"\r\n\r\n")
             if end < 0:
                 if len(data) > MAX_FIRST_MESSAGE:
                     nextlayer.layer = CloseLayer(context)
-                return  # wait for the whole request head
+                return  # wait for the whole request line and head
             m = _HOST_LINE.search(data[: end + 2])
             if m is not None:
                 value = m.group(1).decode("latin-1")

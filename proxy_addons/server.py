@@ -25,9 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from mitmproxy import options
-from mitmproxy.addons import proxyserver
-from mitmproxy.master import Master
+from . import _lean_import
+
+_lean_import.install()  # before any mitmproxy import: skip mitmproxy's default addon set
+
+from mitmproxy import options  # noqa: E402
+from mitmproxy.addons import proxyserver  # noqa: E402
+from mitmproxy.master import Master  # noqa: E402
 
 import policy
 
@@ -102,7 +106,6 @@ class GuardProxy:
         self._master: Master | None = None
         self._run_task: asyncio.Task | None = None
         self._flush_task: asyncio.Task | None = None
-        self._ready = asyncio.Event()
         self.address: tuple[str, int] | None = None
         self.decision_log: DecisionLog | None = None
         self.state: GuardState | None = None
@@ -134,7 +137,6 @@ class GuardProxy:
             ConnectGuard(self.state),
             AddressGuard(self.state),
             PolicyWatcher(self.policy_status, self.policy_path, self.config.policy_poll_interval),
-            _ReadySignal(self._ready),
         )
         opts.update(
             mode=["regular"],
@@ -148,7 +150,7 @@ class GuardProxy:
         )
         self._master = master
         self._run_task = asyncio.get_running_loop().create_task(master.run(), name="guard proxy")
-        ready = asyncio.get_running_loop().create_task(self._ready.wait())
+        ready = asyncio.get_running_loop().create_task(self.state.running.wait())
         done, _ = await asyncio.wait({ready, self._run_task}, timeout=30,
                                      return_when=asyncio.FIRST_COMPLETED)
         if ready not in done:
@@ -214,13 +216,3 @@ class GuardProxy:
             open_connections=len(ps.connections) if ps else 0,
             decisions=dict(self.decision_log.counts) if self.decision_log else {},
         )
-
-
-class _ReadySignal:
-    """Sets an event once the master runs (servers are up by then)."""
-
-    def __init__(self, event: asyncio.Event) -> None:
-        self.event = event
-
-    def running(self) -> None:
-        self.event.set()

@@ -93,6 +93,7 @@ class GuardState:
         self.head_timeout = head_timeout
         self.max_head_bytes = max_head_bytes
         self.conns: dict[str, ConnState] = {}
+        self.running = asyncio.Event()  # set once mitmproxy's servers listen
 
     @property
     def policy(self) -> "policy.SitePolicy":

@@ -73,6 +73,15 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/runs/{run_id}/stages/{stage_id}/end", "api_end_stage",
           "End a stage: close its tabs and session, revoke its CDP token", m.StageEnd,
           ((200, m.Ok),)),
+    Route("POST", "/v1/runs/{run_id}/login-check", "api_login_check",
+          "Check a profile's login in the run's browser: {logged_in, url}, computed by the guard",
+          m.LoginCheckRequest, ((200, m.LoginResultAnswer),)),
+    Route("POST", "/v1/runs/{run_id}/login-check/verify", "api_login_verify",
+          "Compare what a stage reported with the guard's own last login check (409 on mismatch)",
+          m.LoginVerifyRequest, ((200, m.Ok),)),
+    Route("POST", "/v1/runs/{run_id}/handoff", "api_handoff",
+          "Open the profile's browser for a person to log in; answers the gate payload",
+          m.HandoffRequest),
     Route("GET", "/v1/status", "api_status", "Runs, leases, queues, anchors, proxies, policy"),
     Route("GET", "/v1/profiles", "api_list_profiles", "Profiles of this guard's scope"),
     Route("DELETE", "/v1/profiles/{name}", "api_delete_profile", "Delete a profile (not while leased)",
@@ -178,3 +187,7 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
         return web.json_response(openapi_document())
     app.router.add_get("/v1/openapi.json", openapi)
     return app
+
+
+if __name__ == "__main__":  # python -m supervisor.api > docs/openapi.json
+    print(json.dumps(openapi_document(), indent=2, sort_keys=True))

@@ -69,62 +69,82 @@ class GuardAlreadyRunning(Exception):
 # --------------------------------------------------------------------------- per-run proxy
 
 class RunProxy:
-    """A `sfguard proxy` child for one run. Clients (one per browser) live in a 0600 clients
-    file that the proxy reloads on change; tokens never appear in argv or logs. If the child
-    dies it is restarted on the same port, so browsers only ever see connection errors."""
+    """The guard proxy child of one run (`python -m supervisor.proxy_child`).
 
-    def __init__(self, run_id: str, workdir: Path, policy_path: Path, decision_log: Path,
+    Clients (one per browser, each with its own credentials and allowlist) are sent over the
+    child's stdin and acknowledged once live, so an allowlist change is in force before the
+    daemon answers; tokens are never in argv, files or logs. If the child dies it is restarted
+    on the same port with the same clients, so browsers only ever see connection errors."""
+
+    ACK_TIMEOUT = 10.0
+
+    def __init__(self, run_id: str, policy_path: Path, decision_log: Path,
                  resolve: dict[str, str] | None = None):
         self.run_id = run_id
-        self.workdir = workdir
         self.policy_path = policy_path
         self.decision_log = decision_log
         self.resolve = dict(resolve or {})
-        self.clients_file = workdir / "clients.json"
         self.port = 0
         self.proc: asyncio.subprocess.Process | None = None
         self.record: ProcRecord | None = None
         self.clients: dict[str, tuple[str, list[str]]] = {}  # name -> (token, allow patterns)
         self.restarts = 0
+        self._seq = 0
+        self._acks: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
 
-    def _write_clients(self) -> None:
-        data = [{"name": n, "token": t, "allow": a, "run": self.run_id}
-                for n, (t, a) in sorted(self.clients.items())]
-        atomic_write(self.clients_file, json.dumps(data).encode())
+    async def _push(self) -> None:
+        """Send the whole client set and wait until the proxy has it live."""
+        if self.proc is None or self.proc.returncode is not None:
+            return  # the watchdog restarts it with the current set
+        async with self._lock:
+            self._seq += 1
+            fut = asyncio.get_running_loop().create_future()
+            self._acks[self._seq] = fut
+            msg = {"id": self._seq, "clients": [
+                {"name": n, "token": t, "allow": a, "run": self.run_id}
+                for n, (t, a) in sorted(self.clients.items())]}
+            try:
+                self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+                await self.proc.stdin.drain()
+                await asyncio.wait_for(fut, self.ACK_TIMEOUT)
+            except (ConnectionError, asyncio.TimeoutError) as exc:
+                raise RuntimeError(f"the run's guard proxy did not take the new allowlist ({type(exc).__name__})") from None
+            finally:
+                self._acks.pop(self._seq, None)
 
-    def add_client(self, allow: list[str]) -> tuple[str, str]:
+    async def add_client(self, allow: list[str]) -> str:
         name = f"b-{_short_id()}"
-        token = secrets.token_urlsafe(24)
-        self.clients[name] = (token, list(allow))
-        self._write_clients()
-        return name, token
+        self.clients[name] = (secrets.token_urlsafe(24), sorted(set(allow)))
+        await self._push()
+        return name
 
-    def set_allow(self, name: str, allow: list[str]) -> None:
-        token, _ = self.clients[name]
-        self.clients[name] = (token, sorted(set(allow)))
-        self._write_clients()
+    async def set_allow(self, name: str, allow: list[str]) -> None:
+        token, old = self.clients[name]
+        new = sorted(set(allow))
+        if new != old:
+            self.clients[name] = (token, new)
+            await self._push()
 
-    def remove_client(self, name: str) -> None:
+    async def remove_client(self, name: str) -> None:
         if self.clients.pop(name, None) is not None:
-            self._write_clients()
+            await self._push()
 
     def url_for(self, name: str) -> str:
         return f"http://{name}:{self.clients[name][0]}@127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        if not self.clients_file.exists():
-            self._write_clients()
-        listen = f"127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "cli.main", "proxy", "--listen", listen,
-                "--policy", str(self.policy_path), "--clients-file", str(self.clients_file),
-                "--decision-log", str(self.decision_log), "--run", self.run_id]
+        argv = [sys.executable, "-m", "supervisor.proxy_child", "--listen-port", str(self.port),
+                "--policy", str(self.policy_path), "--decision-log", str(self.decision_log),
+                "--run", self.run_id]
         for host, ip in self.resolve.items():
             argv += ["--resolve", f"{host}={ip}"]
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH")}
         self.proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, env=env, start_new_session=True,
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=None, env=env, start_new_session=True,
             cwd=str(Path(__file__).resolve().parent.parent))
         self.record = ProcRecord.of(self.proc.pid, "proxy")
         try:
@@ -136,14 +156,17 @@ class RunProxy:
             await self.stop()
             raise RuntimeError("the run's guard proxy did not start")
         self.port = int(text.rsplit(":", 1)[1])
-        # keep draining stdout so the child never blocks on a full pipe
-        asyncio.get_running_loop().create_task(self._drain(self.proc))
+        self._reader = asyncio.get_running_loop().create_task(self._read_acks(self.proc))
+        if self.clients:
+            await self._push()
 
-    @staticmethod
-    async def _drain(proc: asyncio.subprocess.Process) -> None:
+    async def _read_acks(self, proc: asyncio.subprocess.Process) -> None:
         with contextlib.suppress(Exception):
-            while await proc.stdout.read(65536):
-                pass
+            while line := await proc.stdout.readline():
+                msg = json.loads(line)
+                fut = self._acks.get(msg.get("ack"))
+                if fut is not None and not fut.done():
+                    fut.set_result(True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None and (
@@ -151,6 +174,9 @@ class RunProxy:
 
     async def stop(self) -> None:
         proc, self.proc = self.proc, None
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
         if proc is None:
             return
         if proc.returncode is None:
@@ -194,7 +220,7 @@ class Stage:
     waiting: Waiting | None = None
     outcome: str | None = None
     error: ApiError | None = None
-    task: asyncio.Task | None = None
+    processes: list[ProcRecord] = field(default_factory=list)  # the stage session's daemon
 
     def answer(self) -> tuple[int, dict]:
         if self.state == "ready":
@@ -346,6 +372,9 @@ class Guard:
                     paths.append(str(b.anchor.profile_dir))
             if b.profile is not None:
                 unsealed.append(b.profile.name)
+        for st in run.stages.values():
+            if st.state == "ready":
+                procs += [p.to_json() for p in st.processes]
         if run.proxy and run.proxy.record:
             procs.append(run.proxy.record.to_json())
         rec = {"run_id": run.run_id, "daemon": {"pid": os.getpid(), "start_time": current_process().start_time},
@@ -509,7 +538,7 @@ class Guard:
     async def _ensure_proxy(self, run: Run) -> RunProxy:
         if run.proxy is None:
             run.workdir = private_dir(self.runtime / f"r-{_short_id()}")
-            run.proxy = RunProxy(run.run_id, run.workdir, self.policy_path,
+            run.proxy = RunProxy(run.run_id, self.policy_path,
                                  self.logs_dir / "decisions.log", self.resolve)
             await run.proxy.start()
         return run.proxy
@@ -540,7 +569,7 @@ class Guard:
         if not self.store.exists(key):
             self.store.create(key)
             self.audit.record("profile_created", scope=key.scope, profile=key.name, run=run.run_id)
-        name, _token = proxy.add_client([])
+        name = await proxy.add_client([])
         browser = Browser(key.name, key, headed, name)
         run.browsers[key.name] = browser
         profile_dir = self.store.open(key)
@@ -551,7 +580,7 @@ class Guard:
 
     async def _throwaway(self, run: Run, stage: Stage) -> Browser:
         proxy = await self._ensure_proxy(run)
-        name, _token = proxy.add_client([])
+        name = await proxy.add_client([])
         browser = Browser(f"tmp-{stage.stage_id}", None, stage.headed, name)
         run.browsers[browser.key] = browser
         browser.anchor = await self._launch(run, browser, None)
@@ -559,7 +588,7 @@ class Guard:
 
     async def _attach_stage(self, run: Run, browser: Browser, stage: Stage) -> None:
         browser.stages.add(stage.stage_id)
-        run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
+        await run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
         stage.browser_key = browser.key
         stage.gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
         url = self.gate.add_stage(stage.gate_key, browser.anchor.cdp_url,
@@ -574,6 +603,10 @@ class Guard:
         stage.env = {k: full[k] for k in STAGE_ENV_KEYS}
         stage.env_full = {k: v for k, v in full.items()
                           if k in STAGE_ENV_KEYS or not k.startswith("AGENT_BROWSER_")}
+        # Start the stage's session ourselves: it opens and pins the stage's tab through the
+        # gate, and we turn off the unauthenticated stream server every session starts.
+        session = await self.host.open_stage_session(stage.env_full)
+        stage.processes = list(session.processes)
         stage.state, stage.waiting = "ready", None
 
     # -- teardown: one path per level -----------------------------------------------------------
@@ -600,7 +633,10 @@ class Guard:
             if browser.profile is None:
                 problems += await self._close_browser(run, browser)
             elif run.proxy is not None and browser.client in run.proxy.clients:
-                run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
+                try:
+                    await run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
+                except RuntimeError as exc:
+                    problems.append(str(exc))
         with contextlib.suppress(Exception):
             self._save_record(run)
         return problems
@@ -623,7 +659,8 @@ class Guard:
                 with contextlib.suppress(Exception):
                     self.store.close(browser.profile, save=False)
         if run.proxy is not None:
-            run.proxy.remove_client(browser.client)
+            with contextlib.suppress(RuntimeError):
+                await run.proxy.remove_client(browser.client)
         run.browsers.pop(browser.key, None)
         return problems
 
@@ -723,10 +760,15 @@ def sweep(guard: Guard) -> dict:
             pp = Path(p)
             if pp.is_relative_to(guard.runtime):
                 shutil.rmtree(pp, ignore_errors=True)
-        report["runs"].append(rec.get("run_id"))
-        for key in guard.lease.release_all(rec.get("run_id", "")):
+        run_id = rec.get("run_id")
+        report["runs"].append(run_id)
+        try:
+            released = guard.lease.release_all(run_id)
+        except ValueError:
+            released = []  # a record without a valid run id holds no lease
+        for key in released:
             guard.audit.record("profile_released", scope=key.scope, profile=key.name,
-                               run=rec.get("run_id"), outcome="abandoned")
+                               run=run_id, outcome="abandoned")
             report["leases"].append(key.name)
         path.unlink()
     # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)

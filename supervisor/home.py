@@ -48,12 +48,18 @@ def ensure_home(flag: str | os.PathLike | None = None) -> Path:
 def runtime_dir(home: Path) -> Path:
     """A short private folder for this home's sockets and unsealed profiles.
 
-    $XDG_RUNTIME_DIR (tmpfs, per user) when usable, else the system temp dir. The name is
+    $XDG_RUNTIME_DIR (tmpfs, per user) when usable, else /dev/shm (tmpfs), else the system
+    temp dir. The name is
     derived from the home so two homes never share one, and stays short for socket paths.
     """
     tag = hashlib.sha256(str(home).encode()).hexdigest()[:10]
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if not base or not os.path.isdir(base) or not os.access(base, os.W_OK):
+    base = None
+    # memory-backed first, so an unsealed login never touches a disk
+    for candidate in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
+        if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK):
+            base = candidate
+            break
+    if base is None:
         base = tempfile.gettempdir()
     return private_dir(Path(base) / f"sfg-{os.getuid()}-{tag}")
 

@@ -127,3 +127,36 @@ class RunCreated(Strict):
 
 class Ok(Strict):
     ok: bool = True
+
+
+class LoginCheckRequest(Strict):
+    profile: str
+    login_check: LoginCheck
+
+    _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+
+
+class LoginReported(Strict):
+    logged_in: bool
+    url: Annotated[str, StringConstraints(max_length=4096)]
+
+
+class LoginVerifyRequest(Strict):
+    profile: str
+    reported: LoginReported
+
+    _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+
+
+class LoginResultAnswer(Strict):
+    logged_in: bool
+    url: str
+
+
+class HandoffRequest(Strict):
+    profile: str
+    site: Annotated[str, StringConstraints(min_length=1, max_length=300)]
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    url: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
+
+    _profile = field_validator("profile")(BrowserField._profile_name.__func__)

@@ -100,6 +100,10 @@ class LocalProfileStore:
 
     def _seal_from(self, key: ProfileKey, src: Path) -> None:
         folder = private_dir(self._profile_dir(key))
+        # Temp files of a seal that crashed before its rename (the lease serialises sealing
+        # of one profile, so none of these belongs to a seal still running).
+        for stale in folder.glob(f".{SEALED_FILE}.*.tmp"):
+            stale.unlink(missing_ok=True)
         sealing.seal_dir(src, folder / SEALED_FILE, self.keys.get_key(key.scope), key.scope, key.name)
 
     # ----------------------------------------------------------------- ProfileStore

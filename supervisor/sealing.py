@@ -225,7 +225,7 @@ def _read_header(fh, scope: str, name: str) -> tuple[bytes, dict]:
 
 
 def _iter_sources(src: Path):
-    """(absolute path, relative posix path) of the folders and regular files to seal, sorted."""
+    """(path, relative posix path, lstat) of the folders and regular files to seal, sorted."""
     for root, dirs, files in os.walk(src, followlinks=False):
         rel_root = os.path.relpath(root, src)
         rel_root = "" if rel_root == "." else rel_root.replace(os.sep, "/")
@@ -236,7 +236,7 @@ def _iter_sources(src: Path):
             if is_excluded(rel) or os.path.islink(full):
                 continue
             keep_dirs.append(d)
-            yield full, rel
+            yield full, rel, os.lstat(full)
         dirs[:] = keep_dirs
         for f in sorted(files):
             rel = f"{rel_root}/{f}" if rel_root else f
@@ -245,7 +245,7 @@ def _iter_sources(src: Path):
                 continue
             st = os.lstat(full)
             if stat.S_ISREG(st.st_mode):   # never symlinks, sockets, fifos, devices
-                yield full, rel
+                yield full, rel, st
 
 
 def seal_dir(src: Path, dest: Path, scope_key: bytes, scope: str, name: str,
@@ -266,17 +266,18 @@ def seal_dir(src: Path, dest: Path, scope_key: bytes, scope: str, name: str,
             writer = _SealWriter(out, aes, bytes.fromhex(hdr["prefix"]),
                                  hashlib.sha256(header).digest(), chunk_size)
             with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT,
-                              bufsize=1 << 16) as tf:
-                for full, rel in _iter_sources(src):
-                    info = tf.gettarinfo(full, arcname=rel)
-                    info.uid = info.gid = 0
-                    info.uname = info.gname = ""
-                    if info.isdir():
-                        info.mode = DIR_MODE
+                              bufsize=1 << 20, copybufsize=1 << 20) as tf:
+                for full, rel, st in _iter_sources(src):
+                    # Built by hand (no owner names, no pwd/grp lookups): only what unsealing needs.
+                    info = tarfile.TarInfo(rel)
+                    info.mtime = int(st.st_mtime)
+                    if stat.S_ISDIR(st.st_mode):
+                        info.type, info.mode = tarfile.DIRTYPE, DIR_MODE
                         tf.addfile(info)
                     else:
                         info.mode = FILE_MODE
                         with open(full, "rb") as fh:
+                            info.size = os.fstat(fh.fileno()).st_size
                             tf.addfile(info, fh)
             writer.finish()
             out.flush()
@@ -321,7 +322,7 @@ def unseal_to(sealed: Path, dest: Path, scope_key: bytes, scope: str, name: str)
             reader = _UnsealReader(fh, aes, bytes.fromhex(hdr["prefix"]),
                                    hashlib.sha256(header).digest(), hdr["chunk"])
             try:
-                with tarfile.open(fileobj=reader, mode="r|", bufsize=1 << 16) as tf:
+                with tarfile.open(fileobj=reader, mode="r|", bufsize=1 << 20) as tf:
                     _extract_all(tf, tmp)
             except tarfile.TarError as exc:
                 raise SealError(f"sealed archive is malformed ({type(exc).__name__})") from None

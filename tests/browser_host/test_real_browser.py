@@ -76,31 +76,34 @@ class RecordingProxy:
 
     async def handle(self, reader, writer):
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, _ = lines[0].split(" ", 2)
-            headers = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:] if l)}
-            authed = headers.get("proxy-authorization") == self.expected
-            self.seen.append((method, target, authed))
-            if not authed:
-                writer.write(b"HTTP/1.1 407 Proxy Authentication Required\r\n"
-                             b"Proxy-Authenticate: Basic realm=\"t\"\r\nContent-Length: 0\r\n\r\n")
-            elif method == "CONNECT" or not target.startswith("http://127.0.0.1:"):
-                writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            else:
-                hostport, _, path = target[len("http://"):].partition("/")
-                host, _, port = hostport.partition(":")
-                up_r, up_w = await asyncio.open_connection(host, int(port))
-                keep = [l for l in lines[1:] if l and not l.lower().startswith(("proxy-", "connection"))]
-                up_w.write((f"{method} /{path} HTTP/1.1\r\n" + "\r\n".join(keep) +
-                            "\r\nConnection: close\r\n\r\n").encode("latin-1"))
+            while True:   # a 407 keeps the connection open for the retry with credentials
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:] if l)}
+                authed = headers.get("proxy-authorization") == self.expected
+                self.seen.append((method, target, authed))
                 length = int(headers.get("content-length", "0") or 0)
-                if length:
-                    up_w.write(await reader.readexactly(length))
-                await up_w.drain()
-                writer.write(await asyncio.wait_for(up_r.read(), 10))
-                up_w.close()
-            await writer.drain()
+                body = await reader.readexactly(length) if length else b""
+                if not authed:
+                    writer.write(b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+                                 b"Proxy-Authenticate: Basic realm=\"t\"\r\nContent-Length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
+                if method == "CONNECT" or not target.startswith("http://127.0.0.1:"):
+                    writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                else:
+                    hostport, _, path = target[len("http://"):].partition("/")
+                    host, _, port = hostport.partition(":")
+                    up_r, up_w = await asyncio.open_connection(host, int(port))
+                    keep = [l for l in lines[1:] if l and not l.lower().startswith(("proxy-", "connection"))]
+                    up_w.write((f"{method} /{path} HTTP/1.1\r\n" + "\r\n".join(keep) +
+                                "\r\nConnection: close\r\n\r\n").encode("latin-1") + body)
+                    await up_w.drain()
+                    writer.write(await asyncio.wait_for(up_r.read(), 10))
+                    up_w.close()
+                await writer.drain()
+                break
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
             pass
         finally:
@@ -118,7 +121,13 @@ async def test_anchor_traffic_goes_through_the_proxy_with_credentials_loopback_i
         try:
             assert anchor.env["AGENT_BROWSER_PROXY_BYPASS"] == "<-loopback>"
             await ab.run_ok(anchor.env, "open", site + "/", binary=rig.binary)
-            assert "Fixture site" in await ab.run_ok(anchor.env, "get", "title", binary=rig.binary)
+            title = ""
+            for _ in range(50):   # `open` may return before the title is set
+                title = await ab.run_ok(anchor.env, "get", "title", binary=rig.binary)
+                if "Fixture site" in title:
+                    break
+                await asyncio.sleep(0.1)
+            assert "Fixture site" in title, await ab.run_ok(anchor.env, "get", "url", binary=rig.binary)
             # the credential never appears in a process command line
             for rec in anchor.processes:
                 assert "s3cret-token" not in " ".join(psutil.Process(rec.pid).cmdline())
@@ -126,6 +135,9 @@ async def test_anchor_traffic_goes_through_the_proxy_with_credentials_loopback_i
             await rig.host.close_anchor(anchor)
         targets = [(m, t) for m, t, authed in proxy.seen if authed]
         assert ("GET", site + "/") in targets          # loopback went through the proxy, authenticated
+        # the launch warmed up the proxy credential before any page was visited
+        assert ("GET", "http://sfguard-warmup.invalid/") in targets
+        assert targets.index(("GET", "http://sfguard-warmup.invalid/")) < targets.index(("GET", site + "/"))
     finally:
         await proxy.stop()
 

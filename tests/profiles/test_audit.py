@@ -99,9 +99,16 @@ def test_tampering_detected_and_named(sink, how):
     r = sink.verify()
     assert not r.ok
     assert r.line == bad_line, str(r)
+    assert f"line {bad_line}" in str(r)
+
+
+@pytest.mark.parametrize("how", ["edit", "truncate"])
+def test_cli_verify_exit_code_names_record(sink, how):
+    ls, bad_line = CASES[how](lines(sink))
+    write(sink, ls)
     proc = sfguard("audit", "verify", home=sink.home)
     assert proc.returncode == 1
-    assert f"line {bad_line}" in proc.stderr
+    assert f"line {bad_line}" in proc.stderr and proc.stdout == ""
 
 
 def test_truncate_all_detected(sink):

@@ -8,7 +8,6 @@ import stat
 import pytest
 
 from supervisor.audit import LocalAuditSink
-from supervisor.protocols import ProfileKey
 from tests.profiles.conftest import HOLDER_SCRIPT, run_python, sfguard
 
 
@@ -65,7 +64,8 @@ def test_create_list_show_clear(tmp_path):
     assert sfguard("audit", "verify", home=home).returncode == 0
 
 
-@pytest.mark.parametrize("name", ["../evil", "/tmp/x", "Shop", "shоp", "a" * 65, "a/b"])
+# The full table is in test_names.py; here: the CLI turns a bad name into a clear one-line error.
+@pytest.mark.parametrize("name", ["../evil", "/tmp/x", "shоp"])
 def test_bad_names_refused(tmp_path, name):
     home = tmp_path / "home"
     r = sfguard("profiles", "create", name, home=home)

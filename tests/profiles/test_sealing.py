@@ -2,7 +2,6 @@
 crash safety, hostile archives and file modes."""
 from __future__ import annotations
 
-import filecmp
 import hashlib
 import io
 import os
@@ -296,3 +295,18 @@ def test_copied_profiles_folder_without_key_opens_nothing(store, tmp_path):
 ])
 def test_exclusion_rules(rel, excluded):
     assert is_excluded(rel) is excluded
+
+
+def test_store_refuses_tampered_profile_and_leaves_nothing(store, tmp_path):
+    store.create(KEY)
+    work = store.open(KEY)
+    (work / "Cookies").write_bytes(os.urandom(50000))
+    store.close(KEY)
+    sealed = store.home / "profiles" / "local" / "shop" / "profile.sealed"
+    data = bytearray(sealed.read_bytes())
+    data[len(data) // 2] ^= 0x80
+    sealed.write_bytes(bytes(data))
+    with pytest.raises(SealError):
+        store.open(KEY)
+    assert store.unsealed() == []
+    assert leftovers(tmp_path / "run" / "profiles" / "local") == []

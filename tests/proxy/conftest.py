@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -260,7 +260,7 @@ def get(proxy_port: int, url: str, auth: str | None = None, host_header: str | N
 
 
 def write_policy(path: Path, *, private_allow=(), allow_always=(), block=(), mode="enforce",
-                 ports=(80, 443)) -> Path:
+                 ports=(80, 443), quiet=()) -> Path:
     """Write a site policy file for a test (schema: policy/sites.yaml)."""
     def seq(items):
         return "[" + ", ".join(f'"{x}"' for x in items) + "]"
@@ -268,7 +268,7 @@ def write_policy(path: Path, *, private_allow=(), allow_always=(), block=(), mod
              f"allow_always: {seq(allow_always)}", "block:" + ("" if block else " []")]
     for pattern in block:
         lines += [f'  - pattern: "{pattern}"', '    reason: "test block"']
-    lines += ["private_networks:", f"  allow: {seq(private_allow)}"]
+    lines += ["private_networks:", f"  allow: {seq(private_allow)}", f"quiet: {seq(quiet)}"]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)

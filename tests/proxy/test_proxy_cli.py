@@ -235,6 +235,32 @@ def test_matching_or_absent_sni_passes_through_untouched(guard, echo_server, sni
     assert got == hello and bytes(echo_server.received) == hello  # not intercepted, byte-exact
 
 
+@pytest.mark.parametrize("host_header,passes", [
+    ("site-a.test:{port}", True), ("SITE-A.test.:{port}", True),
+    ("evil.test", False), ("site-a.test:1", False),
+])
+def test_plain_http_inside_a_tunnel_must_name_the_tunnel_host(guard, echo_server, host_header,
+                                                             passes):
+    """E.g. a browser tunnelling ws:// with CONNECT: the request inside must match."""
+    reply = connect(guard.port, f"site-a.test:{echo_server.port}", A)
+    assert reply.status == 200
+    request = (f"GET /chat HTTP/1.1\r\nHost: {host_header.format(port=echo_server.port)}\r\n"
+               "Upgrade: websocket\r\n\r\n").encode()
+    reply.sock.sendall(request)
+    if passes:
+        reply.sock.settimeout(10)
+        got = b""
+        while len(got) < len(request):
+            chunk = reply.sock.recv(65536)
+            assert chunk
+            got += chunk
+        assert got == request
+    else:
+        assert wait_closed(reply.sock)
+        assert echo_server.connections == 0
+    reply.sock.close()
+
+
 # --- plain HTTP --------------------------------------------------------------------------------------
 def test_plain_http_allowed_strips_proxy_credentials(guard, http_server):
     reply = get(guard.port, f"http://site-a.test:{http_server.port}/page?q=1", A)
@@ -309,6 +335,40 @@ def test_decision_log_to_stdout_follows_ready_line(proxies, site_policy, echo_se
     rest = p.read_stdout_rest()
     assert p.first_lines == [f"ready http://127.0.0.1:{p.port}"]
     assert json.loads(rest[0])["decision"] == "allow"
+
+
+def test_quiet_denials_are_counted_not_logged_one_by_one(proxies, tmp_path, echo_server):
+    pol = write_policy(tmp_path / "p.yaml", quiet=["*.google.com"])
+    log = tmp_path / "d.jsonl"
+    p = proxies(["--allow", "site-a.test", "--policy", str(pol), "--client", f"a:{TOKEN_A}",
+                 "--decision-log", str(log), "--run", "r-1"])
+    for host in ("clients1.google.com", "clients2.google.com", "clients1.google.com"):
+        reply = connect(p.port, f"{host}:443", A)
+        assert reply.status == 403
+    assert connect(p.port, "other.test:443", A).status == 403
+    assert p.stop() == 0
+    lines = log_lines(log)
+    assert [x["host"] for x in lines if x["reason"] != "quiet_denials"] == ["other.test"]
+    agg = [x for x in lines if x["reason"] == "quiet_denials"]
+    assert len(agg) == 1 and agg[0]["count"] == 3 and agg[0]["client"] == "a"
+    assert agg[0]["hosts"] == {"clients1.google.com": 2, "clients2.google.com": 1}
+    assert agg[0]["run"] == "r-1"
+
+
+def test_report_mode_lets_denials_pass_and_logs_would_deny(proxies, tmp_path, echo_server):
+    pol = write_policy(tmp_path / "p.yaml", mode="report", private_allow=["127.0.0.1/32"],
+                       ports=(80, 443, echo_server.port))
+    log = tmp_path / "d.jsonl"
+    p = proxies(["--allow", "site-a.test", "--policy", str(pol), "--client", f"a:{TOKEN_A}",
+                 "--resolve", "site-b.test=127.0.0.1", "--decision-log", str(log)])
+    reply = connect(p.port, f"site-b.test:{echo_server.port}", A)
+    assert reply.status == 200
+    reply.sock.sendall(b"r")
+    assert reply.sock.recv(10) == b"r"
+    reply.sock.close()
+    p.stop()
+    line = log_lines(log)[0]
+    assert (line["decision"], line["reason"]) == ("allow", "would_deny:not_allowed")
 
 
 # --- clients -----------------------------------------------------------------------------------------

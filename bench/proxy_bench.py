@@ -1,0 +1,351 @@
+"""Guard proxy benchmark: direct vs bare mitmdump (passthrough) vs squid (if installed) vs guard.
+
+    .venv/bin/python bench/proxy_bench.py [--setup N] [--tunnels N] [--concurrency N] [--mb N]
+
+Everything runs on 127.0.0.1 in this one command, and the baseline is measured in the same run:
+- CONNECT set-up latency: open a TCP connection to the proxy, CONNECT, read the 200, send one
+  byte through the tunnel and read it back from the echo server (p50, p99; sequential).
+- Throughput: MB/s downloaded through one tunnel.
+- Tunnels per second with `--concurrency` clients opening tunnels in a loop (each carrying one
+  echoed byte), and the proxy process's CPU time per tunnel (psutil user+system delta / tunnels).
+- RSS of the proxy process: idle after start, and the peak sampled under the concurrent load.
+Ratios are printed against bare mitmdump. Targets (issue 3): CPU/tunnel <= 0.6x, set-up p50
+<= 0.7x, throughput >= 0.8x, RSS < 120 MB.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+TOKEN = "bench-token-0123456789abcdef"
+HOST = "bench.test"
+
+UPSTREAM_CODE = r"""
+import asyncio, sys
+CHUNK = b"\0" * 65536
+async def handle(reader, writer):
+    try:
+        first = await reader.read(65536)
+        if first.startswith(b"SEND "):
+            n = int(first.split()[1])
+            while n > 0:
+                writer.write(CHUNK[:min(n, len(CHUNK))]); n -= len(CHUNK)
+                await writer.drain()
+        else:
+            data = first
+            while data:
+                writer.write(data); await writer.drain()
+                data = await reader.read(65536)
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=1024)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+MITM_ADDON = """
+from mitmproxy import http
+ALLOWED = {"bench.test", "127.0.0.1"}
+def http_connect(flow):
+    if flow.request.host not in ALLOWED:
+        flow.response = http.Response.make(403, b"denied")
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port} after {timeout} s")
+
+
+@dataclass
+class Target:
+    name: str
+    proc: subprocess.Popen | None       # the proxy process (None: direct)
+    port: int | None                    # proxy port (None: direct)
+    auth: str | None                    # Proxy-Authorization value
+    connect_host: str                   # host named in CONNECT
+
+
+async def open_tunnel(t: Target, upstream_port: int):
+    if t.port is None:
+        return await asyncio.open_connection("127.0.0.1", upstream_port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", t.port)
+    head = f"CONNECT {t.connect_host}:{upstream_port} HTTP/1.1\r\nHost: {t.connect_host}:{upstream_port}\r\n"
+    if t.auth:
+        head += f"Proxy-Authorization: {t.auth}\r\n"
+    writer.write(head.encode() + b"\r\n")
+    status = await reader.readuntil(b"\r\n\r\n")
+    if b" 200 " not in status.split(b"\r\n", 1)[0]:
+        raise RuntimeError(f"{t.name}: CONNECT failed: {status[:80]!r}")
+    return reader, writer
+
+
+async def one_echo_tunnel(t: Target, upstream_port: int) -> float:
+    start = time.perf_counter()
+    reader, writer = await open_tunnel(t, upstream_port)
+    writer.write(b"x")
+    got = await reader.readexactly(1)
+    elapsed = time.perf_counter() - start
+    assert got == b"x"
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return elapsed
+
+
+async def measure_setup(t: Target, upstream_port: int, n: int) -> tuple[float, float]:
+    for _ in range(20):  # warm-up
+        await one_echo_tunnel(t, upstream_port)
+    samples = sorted([await one_echo_tunnel(t, upstream_port) for _ in range(n)])
+    return samples[len(samples) // 2] * 1000, samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1000
+
+
+async def measure_throughput(t: Target, upstream_port: int, mb: int) -> float:
+    total = mb * 1024 * 1024
+    reader, writer = await open_tunnel(t, upstream_port)
+    start = time.perf_counter()
+    writer.write(f"SEND {total}\n".encode())
+    got = 0
+    while got < total:
+        chunk = await reader.read(1 << 20)
+        if not chunk:
+            break
+        got += len(chunk)
+    elapsed = time.perf_counter() - start
+    writer.close()
+    return got / elapsed / 1e6
+
+
+def proc_cpu(p: psutil.Process) -> float:
+    ct = p.cpu_times()
+    return ct.user + ct.system
+
+
+async def measure_concurrent(t: Target, upstream_port: int, tunnels: int, concurrency: int):
+    proc = psutil.Process(t.proc.pid) if t.proc else None
+    peak_rss = [proc.memory_info().rss if proc else 0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set() and proc:
+            try:
+                peak_rss[0] = max(peak_rss[0], proc.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    remaining = [tunnels]
+
+    async def worker():
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            await one_echo_tunnel(t, upstream_port)
+
+    cpu0 = proc_cpu(proc) if proc else 0.0
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    cpu1 = proc_cpu(proc) if proc else 0.0
+    stop.set()
+    sampler.join(2)
+    return tunnels / elapsed, (cpu1 - cpu0) / tunnels * 1e6, peak_rss[0] / 1e6
+
+
+def start_guard(upstream_port: int, tmp: Path, lean: bool = False) -> Target:
+    """`sfguard proxy` (python -m cli.main proxy), or with lean=True the daemon's entry point
+    `python -m cli.proxy_cmd` (same command without loading sfguard's other commands)."""
+    policy = tmp / "bench-sites.yaml"
+    policy.write_text(textwrap.dedent(f"""\
+        version: 1
+        mode: enforce
+        ports: [80, 443, {upstream_port}]
+        allow_always: []
+        block: []
+        private_networks:
+          allow: ["127.0.0.1/32"]
+        """))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *(["cli.proxy_cmd"] if lean else ["cli.main", "proxy"]),
+         "--allow", HOST, "--policy", str(policy),
+         "--resolve", f"{HOST}=127.0.0.1", "--client", f"bench:{TOKEN}",
+         "--listen", f"127.0.0.1:{port}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    line = proc.stdout.readline()
+    if not line.startswith("ready "):
+        proc.kill()
+        raise RuntimeError(f"guard did not start: {line!r}")
+    auth = "Basic " + base64.b64encode(f"bench:{TOKEN}".encode()).decode()
+    return Target("guard-lean" if lean else "guard", proc, port, auth, HOST)
+
+
+def start_mitmdump(tmp: Path) -> Target | None:
+    exe = VENV_BIN / "mitmdump"
+    if not exe.exists():
+        return None
+    addon = tmp / "allow_addon.py"
+    addon.write_text(MITM_ADDON)
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(exe), "--mode", "regular", "--listen-host", "127.0.0.1", "-p", str(port),
+         "--ignore-hosts", ".*", "-s", str(addon), "-q"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return Target("mitmdump", proc, port, None, "127.0.0.1")
+
+
+def start_squid(tmp: Path) -> tuple[Target | None, str]:
+    exe = shutil.which("squid")
+    if not exe:
+        return None, "squid not installed: skipped"
+    port = free_port()
+    conf = tmp / "squid.conf"
+    conf.write_text(textwrap.dedent(f"""\
+        http_port 127.0.0.1:{port}
+        acl all_ports port 1-65535
+        http_access allow all
+        cache deny all
+        pid_filename {tmp}/squid.pid
+        access_log none
+        cache_log {tmp}/cache.log
+        """))
+    proc = subprocess.Popen([exe, "-N", "-f", str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, 15)
+    except RuntimeError:
+        proc.kill()
+        return None, "squid did not start: skipped"
+    return Target("squid", proc, port, None, "127.0.0.1"), ""
+
+
+def stop(t: Target) -> None:
+    if t.proc and t.proc.poll() is None:
+        t.proc.terminate()
+        try:
+            t.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            t.proc.kill()
+            t.proc.wait(10)
+
+
+async def bench_one(t: Target, upstream_port: int, args) -> dict:
+    await asyncio.sleep(0.5)
+    idle = psutil.Process(t.proc.pid).memory_info().rss / 1e6 if t.proc else 0.0
+    p50, p99 = await measure_setup(t, upstream_port, args.setup)
+    mbps = await measure_throughput(t, upstream_port, args.mb)
+    rate, cpu_us, peak = await measure_concurrent(t, upstream_port, args.tunnels, args.concurrency)
+    return {"p50": p50, "p99": p99, "mbps": mbps, "rate": rate, "cpu": cpu_us, "idle": idle,
+            "peak": peak}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--setup", type=int, default=300, help="sequential tunnels for latency")
+    ap.add_argument("--tunnels", type=int, default=2000, help="tunnels in the concurrent phase")
+    ap.add_argument("--concurrency", type=int, default=50)
+    ap.add_argument("--mb", type=int, default=256, help="MB downloaded through one tunnel")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="sfg-bench-"))
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM_CODE], stdout=subprocess.PIPE,
+                                text=True)
+    upstream_port = int(upstream.stdout.readline())
+    notes: list[str] = []
+    results: dict[str, dict] = {}
+    try:
+        starters = [("direct", lambda: Target("direct", None, None, None, "")),
+                    ("mitmdump", lambda: start_mitmdump(tmp)),
+                    ("squid", lambda: start_squid(tmp)),
+                    ("guard", lambda: start_guard(upstream_port, tmp)),
+                    ("guard-lean", lambda: start_guard(upstream_port, tmp, lean=True))]
+        for name, starter in starters:
+            got = starter()
+            if isinstance(got, tuple):
+                got, note = got
+                if note:
+                    notes.append(note)
+            if got is None:
+                if name == "mitmdump":
+                    notes.append("mitmdump not found next to this python: no baseline ratios")
+                continue
+            try:
+                results[name] = asyncio.run(bench_one(got, upstream_port, args))
+            finally:
+                stop(got)
+    finally:
+        upstream.terminate()
+        upstream.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\nproxy benchmark: {args.setup} sequential tunnels, {args.mb} MB through one tunnel, "
+          f"{args.tunnels} tunnels at {args.concurrency} concurrent clients\n")
+    header = (f"{'':11}{'setup p50 ms':>13}{'p99 ms':>9}{'MB/s':>9}{'tunnels/s':>11}"
+              f"{'CPU us/tun':>12}{'RSS idle MB':>13}{'RSS load MB':>13}")
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        cpu = "-" if name == "direct" else f"{r['cpu']:.0f}"
+        idle = "-" if name == "direct" else f"{r['idle']:.1f}"
+        peak = "-" if name == "direct" else f"{r['peak']:.1f}"
+        print(f"{name:11}{r['p50']:13.2f}{r['p99']:9.2f}{r['mbps']:9.0f}{r['rate']:11.0f}"
+              f"{cpu:>12}{idle:>13}{peak:>13}")
+    base = results.get("mitmdump")
+    if base:
+        print("\nratios vs bare mitmdump (target):")
+        for name in ("squid", "guard", "guard-lean"):
+            r = results.get(name)
+            if not r:
+                continue
+            print(f"  {name:8} CPU/tunnel {r['cpu'] / base['cpu']:.2f}x (<= 0.6)   "
+                  f"setup p50 {r['p50'] / base['p50']:.2f}x (<= 0.7)   "
+                  f"throughput {r['mbps'] / base['mbps']:.2f}x (>= 0.8)   "
+                  f"tunnels/s {r['rate'] / base['rate']:.2f}x")
+    for name in ("guard", "guard-lean"):
+        if name in results:
+            print(f"  {name} RSS under load {results[name]['peak']:.1f} MB (target < 120)")
+    print("guard = `sfguard proxy`; guard-lean = `python -m cli.proxy_cmd` (the daemon's entry)")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

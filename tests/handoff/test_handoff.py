@@ -1,0 +1,101 @@
+"""The human handoff seam: payload schema and when a local login window is refused."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from supervisor import tools
+from supervisor.handoff import (FakeHandoff, Handoff, HandoffImpossible, HandoffPayload,
+                                LocalWindowHandoff)
+
+SITE_URL = "http://127.0.0.1:8080/login"
+
+
+def local(display=None, container=False, platform="linux"):
+    return LocalWindowHandoff(display=lambda: display, container=lambda: container, platform=platform)
+
+
+@pytest.mark.parametrize("display,container,platform,cause", [
+    (None, False, "linux", "no_display"),
+    (None, True, "linux", "container"),
+    (":0", True, "linux", "container"),          # a DISPLAY inside a container is no screen
+    ("wayland-0", True, "darwin", "container"),
+    (None, False, "freebsd14", "no_display"),
+])
+def test_local_window_refused_with_the_cause(display, container, platform, cause):
+    h = local(display, container, platform)
+    with pytest.raises(HandoffImpossible) as exc:
+        h.payload(site="127.0.0.1", reason="log in", url=SITE_URL)
+    assert exc.value.cause == cause
+    msg = str(exc.value)
+    assert "not possible" in msg
+    # says what to do instead, with the URL, and that nothing is to be copied
+    assert f"sfguard profiles login NAME --url {SITE_URL}" in msg
+    assert "copy nothing" in msg
+    if cause == "no_display":
+        assert "DISPLAY" in msg and "WAYLAND_DISPLAY" in msg
+    else:
+        assert "container" in msg
+
+
+def test_check_possible_names_the_profile():
+    with pytest.raises(HandoffImpossible) as exc:
+        local().check_possible(profile="fixture", url=SITE_URL)
+    assert f"sfguard profiles login fixture --url {SITE_URL}" in str(exc.value)
+
+
+@pytest.mark.parametrize("display,platform", [(":0", "linux"), ("wayland-0", "linux"),
+                                              (None, "darwin"), (None, "win32")])
+def test_local_window_payload_when_possible(display, platform):
+    h = local(display, False, platform)
+    assert isinstance(h, Handoff) and h.needs_headed
+    p = h.payload(site="127.0.0.1", reason="The fixture site needs a login.", url=SITE_URL)
+    assert p.model_dump() == {"kind": "local_window", "site": "127.0.0.1",
+                              "reason": "The fixture site needs a login.", "url": SITE_URL}
+
+
+def test_default_probes_read_the_environment(monkeypatch):
+    # On this (container) host the default handoff must refuse, naming the real cause.
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    with pytest.raises(HandoffImpossible) as exc:
+        LocalWindowHandoff(platform="linux").check_possible()
+    assert exc.value.cause == ("container" if tools.in_container() else "no_display")
+    if not tools.in_container():
+        monkeypatch.setenv("DISPLAY", ":99")
+        LocalWindowHandoff(platform="linux").check_possible()
+
+
+@pytest.mark.parametrize("data", [
+    {"kind": "local_window", "site": "127.0.0.1", "reason": "log in"},
+    {"kind": "local_window", "site": "127.0.0.1", "reason": "log in", "url": SITE_URL},
+    {"kind": "live_view", "site": "example.com", "reason": "log in", "url": "https://console.example/live/7"},
+])
+def test_payload_schema_accepts(data):
+    assert HandoffPayload.model_validate(data).model_dump(exclude_none=True) == data
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"kind": "live_view", "site": "a", "reason": "r"}, "needs the url"),
+    ({"kind": "popup", "site": "a", "reason": "r"}, "kind"),
+    ({"kind": "local_window", "site": "", "reason": "r"}, "site"),
+    ({"kind": "local_window", "site": "a", "reason": "r", "url": "ws://127.0.0.1:9222/devtools"}, "http"),
+    ({"kind": "local_window", "site": "a", "reason": "r", "url": "file:///etc/passwd"}, "http"),
+    ({"kind": "local_window", "site": "a", "reason": "r", "cdp": "x"}, "cdp"),
+    ({"kind": "local_window", "site": "a", "reason": "x" * 501}, "reason"),
+])
+def test_payload_schema_rejects(data, needle):
+    with pytest.raises(ValidationError) as exc:
+        HandoffPayload.model_validate(data)
+    assert needle in str(exc.value)
+
+
+def test_fake_handoff_is_a_live_view_and_can_refuse():
+    fake = FakeHandoff("https://console.example/live/1")
+    assert isinstance(fake, Handoff) and not fake.needs_headed
+    p = fake.payload(site="127.0.0.1", reason="log in")
+    assert p.kind == "live_view" and p.url == "https://console.example/live/1"
+    assert fake.opened == [p]
+    refusing = FakeHandoff(impossible=HandoffImpossible("no viewer", "no_viewer"))
+    with pytest.raises(HandoffImpossible, match="no viewer"):
+        refusing.payload(site="a", reason="r")

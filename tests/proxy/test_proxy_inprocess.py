@@ -1,0 +1,130 @@
+"""The in-process API the daemon uses: GuardProxy start/stop, ClientRegistry changes at run
+time, and the status object (policy state included)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import policy
+from proxy_addons.clients import ClientRegistry, ClientSpecError, make_client
+from proxy_addons.server import GuardConfig, GuardProxy, GuardStartError
+
+from .conftest import TOKEN_A, TOKEN_B, basic, write_policy
+
+
+async def connect_status(port: int, target: str, auth: str | None) -> tuple[int, bytes]:
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    head = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+    if auth:
+        head += f"Proxy-Authorization: {auth}\r\n"
+    writer.write(head.encode() + b"\r\n")
+    resp = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    status = int(resp.split()[1])
+    if status == 200:
+        writer.write(b"ping")
+        echoed = await asyncio.wait_for(reader.readexactly(4), 5)
+    else:
+        echoed = b""
+    writer.close()
+    return status, echoed
+
+
+@pytest.fixture
+async def echo():
+    async def handle(reader, writer):
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+
+
+async def test_registry_changes_apply_to_new_connections(tmp_path, echo):
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, echo))
+    registry = ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"], run="run-1")])
+    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"],
+                                                            "site-b.test": ["127.0.0.1"]}),
+                       registry)
+    host, port = await proxy.start()
+    try:
+        assert host == "127.0.0.1" and port > 0 and proxy.url == f"http://127.0.0.1:{port}"
+        A, B = basic("a", TOKEN_A), basic("b", TOKEN_B)
+        assert await connect_status(port, f"site-a.test:{echo}", A) == (200, b"ping")
+        assert (await connect_status(port, f"site-a.test:{echo}", B))[0] == 407
+
+        registry.add(make_client("b", TOKEN_B, ["site-b.test"]))
+        assert await connect_status(port, f"site-b.test:{echo}", B) == (200, b"ping")
+        assert (await connect_status(port, f"site-a.test:{echo}", B))[0] == 403
+
+        registry.update_allow("b", ["site-a.test"])
+        assert (await connect_status(port, f"site-a.test:{echo}", B))[0] == 200
+        assert (await connect_status(port, f"site-b.test:{echo}", B))[0] == 403
+
+        with pytest.raises(policy.PolicyError):
+            registry.update_allow("b", ["*"])          # a bad pattern changes nothing
+        assert (await connect_status(port, f"site-a.test:{echo}", B))[0] == 200
+        with pytest.raises(ClientSpecError):
+            registry.add(make_client("b", TOKEN_B, []))  # duplicate name
+
+        assert registry.remove("b") is True
+        assert (await connect_status(port, f"site-a.test:{echo}", B))[0] == 407
+
+        st = proxy.status()
+        assert st.listening == (host, port) and st.clients == ["a"]
+        assert st.policy.error is None and st.decisions["allow"] >= 3
+        assert TOKEN_A not in repr(st) and TOKEN_A not in repr(registry.get("a"))
+    finally:
+        await proxy.stop()
+    with pytest.raises(OSError):
+        await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+
+
+async def test_status_reports_kept_policy_after_invalid_edit(tmp_path, echo):
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, echo),
+                       allow_always=["site-a.test"])
+    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
+                       [make_client("a", TOKEN_A, [])])
+    _, port = await proxy.start()
+    try:
+        pol.write_text("version: 1\nmode: sometimes\n")
+        deadline = time.monotonic() + 3
+        while proxy.status().policy.error is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        snap = proxy.status().policy
+        assert snap.error and "mode" in snap.error and str(pol) in snap.error
+        assert snap.describe().startswith("last good policy kept since ")
+        status, _ = await connect_status(port, f"site-a.test:{echo}", basic("a", TOKEN_A))
+        assert status == 200  # the last good policy still allows site-a.test
+    finally:
+        await proxy.stop()
+
+
+async def test_open_tunnel_is_cut_when_the_proxy_stops(tmp_path, echo):
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, echo))
+    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
+                       [make_client("a", TOKEN_A, ["site-a.test"])])
+    _, port = await proxy.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"CONNECT site-a.test:{echo} HTTP/1.1\r\nProxy-Authorization: "
+                 f"{basic('a', TOKEN_A)}\r\n\r\n".encode())
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.write(b"x")
+    assert await asyncio.wait_for(reader.readexactly(1), 5) == b"x"
+    await proxy.stop()
+    assert await asyncio.wait_for(reader.read(10), 5) == b""  # closed: no direct route left
+    writer.close()
+
+
+@pytest.mark.parametrize("host,public", [("0.0.0.0", False), ("192.0.2.1", False),
+                                         ("localhost", True)])
+def test_listen_address_checks(host, public):
+    with pytest.raises(GuardStartError):
+        GuardProxy(GuardConfig(listen_host=host, listen_public=public), [])

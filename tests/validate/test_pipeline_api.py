@@ -1,0 +1,28 @@
+"""supervisor.pipeline as a library (what `sfguard demo` and the lead's code use)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from supervisor import tools
+from supervisor.pipeline import Route, validate_pipeline
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "login-pipeline.yaml"
+
+
+def test_example_report_exposes_stages_routes_and_browser_fields():
+    report = validate_pipeline(EXAMPLE, check_tools=False)
+    assert report.ok and report.issues == []
+    check, login, work = report.stages
+    assert check.routes == [Route("check", "login", "logged_in eq false"), Route("check", "work", None)]
+    assert login.routes == [Route("login", "work", None)]
+    assert check.browser.login_check == login.browser.login_check      # the YAML anchor reused
+    assert check.browser.login_check.selector == "#signed-in"
+    assert login.verify == "login_check" and login.on_verify_fail == "login"
+    assert work.browser.profile == "fixture" and work.browser.login_check is None
+
+
+def test_injected_tool_finder_is_used():
+    missing = tools.Tool("agent-browser", None, None, "not found here", "install it")
+    report = validate_pipeline(EXAMPLE, find_tools=lambda: [missing])
+    assert [i.code for i in report.errors] == ["tool_missing"]
+    assert str(report.errors[0]).startswith(f"{EXAMPLE}:22:5: stages[0].browser: agent-browser is not installed")
