@@ -37,7 +37,9 @@ from supervisor.audit import LocalAuditSink
 from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
 from supervisor.cdp_gate import CdpGate, GateError
 from supervisor.home import atomic_write, ensure_home, private_dir, runtime_dir
+from supervisor.handoff import HandoffImpossible, LocalWindowHandoff
 from supervisor.keys import default_key_provider
+from supervisor.login import LoginCheckError, LoginResult, check_login
 from supervisor.lease import LocalProfileLease, current_process, process_alive
 from supervisor.profiles import LocalProfileStore, pipeline_profile_name
 from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, ProfileError,
@@ -250,6 +252,7 @@ class Run:
     workdir: Path | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     problems: list[str] = field(default_factory=list)
+    login_results: dict[str, LoginResult] = field(default_factory=dict)  # profile -> last check
 
     def public(self) -> dict:
         """The run as API answers and run state show it: names and states, no secrets."""
@@ -504,6 +507,94 @@ class Guard:
         self.audit.record("profile_deleted", scope=key.scope, profile=key.name, by="api")
         return 200, {"ok": True}
 
+    # -- API: login check, envelope verification, human handoff --------------------------------
+    def _run_allow(self, run: Run, profile: str) -> list[str]:
+        """Every allow_domains pattern this run's stages asked for with this profile."""
+        out: set[str] = set()
+        for st in run.stages.values():
+            if st.browser_req.profile == profile:
+                out.update(st.browser_req.allow_domains)
+        return sorted(out)
+
+    async def _leased_browser(self, run: Run, profile: str, headed: bool) -> Browser:
+        key = self._profile_key(run, profile)
+        async with run.lock:
+            result = self.lease.try_acquire(key, run.run_id)
+            if isinstance(result, Waiting):
+                raise ApiError(409, "profile_leased", f"profile {key.name!r} is leased by run "
+                               f"{result.holder_run!r}; this run is queued", "profile")
+            if not result.reentrant:
+                self.audit.record("profile_leased", scope=key.scope, profile=key.name, run=run.run_id)
+            try:
+                return await self._ensure_anchor(run, key, headed)
+            finally:
+                self._save_record(run)
+
+    async def api_login_check(self, run_id: str, body: models.LoginCheckRequest) -> tuple[int, Any]:
+        run = self._active_run(run_id)
+        from urllib.parse import urlsplit
+        parts = urlsplit(body.login_check.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        allow = self._run_allow(run, body.profile)
+        decision = self.site_policy.decide(parts.hostname or "", port, policy.compile_patterns(allow))
+        if not decision.allowed:
+            raise ApiError(403, "login_check_not_allowed", f"the check address's host is refused "
+                           f"for this run: {decision.explanation}", "login_check.url")
+        browser = await self._leased_browser(run, body.profile, headed=False)
+        check_pattern = f"{decision.normalized_host}:{port}" if parts.port else decision.normalized_host
+        try:
+            await run.proxy.set_allow(browser.client, self._browser_allow(run, browser) + [check_pattern])
+            result = await check_login(browser.anchor.cdp_url, body.login_check)
+        except LoginCheckError as exc:
+            raise ApiError(422, "login_check_failed", str(exc), "login_check") from None
+        except ValueError as exc:
+            raise ApiError(400, "invalid_pattern", str(exc), "login_check") from None
+        finally:
+            if browser.client in run.proxy.clients:
+                await run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
+        run.login_results[body.profile] = result
+        self.audit.record("login_checked", scope=self.scope, profile=browser.key, run=run.run_id,
+                          host=decision.normalized_host, logged_in=result.logged_in,
+                          result="logged_in" if result.logged_in else "logged_out")
+        return 200, {"logged_in": result.logged_in, "url": result.url}
+
+    async def api_login_verify(self, run_id: str, body: models.LoginVerifyRequest) -> tuple[int, Any]:
+        run = self._run(run_id)
+        mine = run.login_results.get(body.profile)
+        if mine is None:
+            raise ApiError(409, "no_login_check", f"the guard has not checked profile "
+                           f"{body.profile!r} in this run; call login-check first", "profile")
+        for field_name in ("logged_in", "url"):
+            theirs, ours = getattr(body.reported, field_name), getattr(mine, field_name)
+            if theirs != ours:
+                raise ApiError(409, "envelope_mismatch",
+                               f"the stage reported {field_name}={theirs!r} but the guard's own check "
+                               f"found {field_name}={ours!r}", f"reported.{field_name}")
+        return 200, {"ok": True}
+
+    async def api_handoff(self, run_id: str, body: models.HandoffRequest) -> tuple[int, Any]:
+        run = self._active_run(run_id)
+        handoff = LocalWindowHandoff()
+        try:
+            handoff.check_possible(profile=body.profile, url=body.url)
+        except HandoffImpossible as exc:
+            raise ApiError(409, "handoff_impossible", str(exc), None) from None
+        browser = await self._leased_browser(run, body.profile, headed=True)
+        if not browser.headed:  # reopen the anchor headed, same profile, same proxy client
+            async with browser.lock:
+                await self.host.close_anchor(browser.anchor)
+                browser.headed = True
+                browser.anchor = await self._launch(run, browser, browser.anchor.profile_dir)
+                await self._reattach(run, browser)
+        if body.url:
+            from urllib.parse import urlsplit
+            host = urlsplit(body.url).hostname or ""
+            await run.proxy.set_allow(browser.client, self._browser_allow(run, browser) + [host])
+            await agent_browser.run_ok(browser.anchor.env, "open", body.url)
+        self.audit.record("handoff_opened", scope=self.scope, profile=browser.key, run=run.run_id,
+                          host=body.site)
+        return 200, handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()
+
     # -- the stage state machine ---------------------------------------------------------------
     async def _advance(self, run: Run, stage: Stage) -> None:
         """Move a pending/waiting stage forward: lease, browser, gate token, env."""
@@ -724,14 +815,19 @@ class Guard:
             agent_browser.remove_session_files(dead.socket_dir, dead.session)
             browser.restarts += 1
             browser.anchor = await self._launch(run, browser, dead.profile_dir if browser.profile else None)
-            for sid in sorted(browser.stages):
-                stage = run.stages[sid]
-                if stage.state == "ready" and stage.gate_key:
-                    await self.gate.revoke(stage.gate_key)
-                    stage.state = "pending"
-                    async with run.lock:
-                        await self._attach_stage(run, browser, stage)
-            self._save_record(run)
+            await self._reattach(run, browser)
+
+    async def _reattach(self, run: Run, browser: Browser) -> None:
+        """After the browser was replaced: new gate tokens for its stages; the next GET of a
+        stage returns the refreshed env."""
+        for sid in sorted(browser.stages):
+            stage = run.stages[sid]
+            if stage.state == "ready" and stage.gate_key:
+                await self.gate.revoke(stage.gate_key)
+                stage.state = "pending"
+                async with run.lock:
+                    await self._attach_stage(run, browser, stage)
+        self._save_record(run)
 
 
 # --------------------------------------------------------------------------- sweep

@@ -138,3 +138,40 @@ def test_kill_9_of_the_daemon_leaves_no_browser_after_restart(real_daemon, site)
     assert not [p for p in runtime_dir(d.home).rglob("*") if p.name == "Cookies"]
     st = d.call("GET", "/v1/status")[1]
     assert all(l["holder_run"] is None for l in st["leases"])
+
+
+def test_login_check_is_computed_by_the_guard_and_envelopes_are_verified(real_daemon, site):
+    d = real_daemon
+    a = f"http://site-a.test:{site}"
+    check = {"url": f"{a}/account", "logged_in": f"{a}/account", "logged_out": [f"{a}/login*"]}
+    d.call("POST", "/v1/runs", {"run_id": "run1"})
+    env = request_stage(d, "run1", "check", ["site-a.test"])
+    status, res = d.call("POST", "/v1/runs/run1/login-check", {"profile": "acct", "login_check": check})
+    assert status == 200 and res == {"logged_in": False, "url": f"{a}/login?next=/account"}, res
+    # the stage reports something else: refused, naming the field
+    status, body = d.call("POST", "/v1/runs/run1/login-check/verify",
+                          {"profile": "acct", "reported": {"logged_in": True, "url": f"{a}/account"}})
+    assert status == 409 and body["error"]["code"] == "envelope_mismatch"
+    assert body["error"]["field"] == "reported.logged_in"
+    assert d.call("POST", "/v1/runs/run1/login-check/verify",
+                  {"profile": "acct", "reported": res})[0] == 200
+    # log in as the stage, check again
+    as_stage(env, "open", f"{a}/login")
+    as_stage(env, "fill", "input[name=user]", "operator")
+    as_stage(env, "fill", "input[name=password]", "correct-horse")
+    as_stage(env, "click", "button[type=submit]")
+    as_stage(env, "wait", "1000")
+    status, res = d.call("POST", "/v1/runs/run1/login-check", {"profile": "acct", "login_check": check})
+    assert status == 200 and res == {"logged_in": True, "url": f"{a}/account"}, res
+    # a check address the run may not reach is refused before any browser work
+    bad = dict(check, url=f"http://site-b.test:{site}/account")
+    status, body = d.call("POST", "/v1/runs/run1/login-check", {"profile": "acct", "login_check": bad})
+    assert status == 403 and body["error"]["field"] == "login_check.url"
+    # handoff without a display: a clear refusal
+    status, body = d.call("POST", "/v1/runs/run1/handoff",
+                          {"profile": "acct", "site": "site-a.test", "reason": "login expired"})
+    msg = body["error"]["message"]
+    assert status == 409 and ("DISPLAY" in msg or "container" in msg), msg
+    d.call("POST", "/v1/runs/run1/end", {"outcome": "succeeded"})
+    audit = (d.home / "audit.log").read_text()
+    assert '"login_checked"' in audit and "sf_persist" not in audit
