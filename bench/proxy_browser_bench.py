@@ -157,7 +157,6 @@ def main() -> int:
                "--client", f"bench:{TOKEN}"]
         for i in range(3):
             cmd += ["--resolve", f"site-{i + 1}.test=127.0.0.1"]
-        cmd += ["--decision-log", str(tmp / "decisions.jsonl")] if os.environ.get("SFG_BENCH_DEBUG") else []
         guard = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                  text=True)
         ready = guard.stdout.readline().split()
@@ -170,8 +169,6 @@ def main() -> int:
                    AGENT_BROWSER_PROXY_BYPASS=agent_browser.PROXY_BYPASS)
         guarded = run_loads(env, named_origins[0] + "/", args.loads)
     finally:
-        if os.environ.get("SFG_BENCH_DEBUG") and (tmp / "decisions.jsonl").exists():
-            print((tmp / "decisions.jsonl").read_text()[-3000:])
         if guard is not None:
             guard.terminate()
             guard.wait(10)

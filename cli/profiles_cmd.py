@@ -1,4 +1,10 @@
-"""`sfguard profiles list|show|create|clear`: the logins kept by the guard (sealed at rest)."""
+"""`sfguard profiles list|show|create|clear|check|login`: the logins kept by the guard.
+
+list/show/create/clear work on the guard home directly (sealed at rest). check and login talk
+to the running guard (`sfguard start`) over its control socket: they are short runs of their
+own (`check-<random>`, `login-<random>`), so the profile is leased, unsealed, used through the
+guard's proxy and resealed exactly as in a pipeline run.
+"""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +50,18 @@ def register(sub) -> None:
     a.add_argument("name")
     a.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     a.set_defaults(func=cmd_clear)
+    a = psub.add_parser("check", parents=[home], help="check a profile's login through the running guard "
+                        "(exit 0 logged in, 1 not, 2 error)")
+    a.add_argument("name")
+    _login_check_args(a, required=True)
+    a.set_defaults(func=cmd_check)
+    a = psub.add_parser("login", parents=[home], help="open a visible browser window on a profile so a "
+                        "person can log in (needs a display where the guard runs)")
+    a.add_argument("name")
+    _login_check_args(a, required=False)
+    a.add_argument("--wait", type=float, default=3600, metavar="SECONDS",
+                   help="how long to wait for the confirmation (default 3600)")
+    a.set_defaults(func=cmd_login)
 
 
 class _Ctx:
@@ -159,3 +177,111 @@ def cmd_clear(args) -> int:
     ctx.audit.record("profile_deleted", scope=key.scope, profile=key.name, by="cli")
     print(f"cleared profile {key.name}")
     return 0
+
+
+# -- check and login: through the running guard ------------------------------------------------
+
+def _login_check_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--url", required=True, help="the page to open (http:// or https://)")
+    p.add_argument("--logged-in", dest="logged_in", required=required, metavar="PATTERN",
+                   help="final address pattern when logged in (* wildcards)")
+    p.add_argument("--logged-out", dest="logged_out", action="append", default=[], metavar="PATTERN",
+                   help="final address pattern when logged out (repeatable)")
+    p.add_argument("--selector", help="CSS selector that must be present when logged in")
+    p.add_argument("--allow", action="append", default=[], metavar="PATTERNS",
+                   help="more hosts the browser may reach (comma separated, repeatable); the "
+                        "--url host is always allowed")
+
+
+def _guard_op(args):
+    """The CLI's side of a short guard run (supervisor.guard_ops), with errors as CliError."""
+    from supervisor import demo as guard_ops
+    from supervisor.home import resolve_home
+
+    try:
+        return guard_ops.ProfileOps(resolve_home(args.home), args.name, args.url,
+                                    allow=[p for a in args.allow for p in a.split(",") if p.strip()])
+    except guard_ops.OpError as exc:
+        raise CliError(str(exc), 2) from None
+
+
+def _check_spec(args) -> dict | None:
+    if not args.logged_in:
+        if args.logged_out or args.selector:
+            raise CliError("--logged-out and --selector need --logged-in", 2)
+        return None
+    spec = {"url": args.url, "logged_in": args.logged_in, "logged_out": args.logged_out}
+    if args.selector:
+        spec["selector"] = args.selector
+    return spec
+
+
+def _print_check(name: str, result: dict) -> int:
+    if result["logged_in"]:
+        print(f"profile {name}: logged in (final address {result['url']})")
+        return 0
+    print(f"profile {name}: NOT logged in (final address {result['url']})")
+    return 1
+
+
+def cmd_check(args) -> int:
+    from supervisor import demo as guard_ops
+    _key(args.name)
+    spec = _check_spec(args)
+    ops = _guard_op(args)
+    try:
+        result = ops.check(spec)
+    except guard_ops.OpError as exc:
+        raise CliError(str(exc), 2) from None
+    return _print_check(args.name, result)
+
+
+def cmd_login(args) -> int:
+    from supervisor import demo as guard_ops
+    _key(args.name)
+    spec = _check_spec(args)
+    ops = _guard_op(args)
+    try:
+        session = ops.open_login_window()
+    except guard_ops.HandoffRefused as exc:
+        print(f"sfguard profiles login: cannot open a login window: {exc}", file=sys.stderr)
+        return 1
+    except guard_ops.OpError as exc:
+        raise CliError(str(exc), 2) from None
+    confirmed = False
+    try:
+        payload = session.payload
+        print(f"A browser window is open on {payload.get('url') or args.url} (profile {args.name}).")
+        print("Log in there yourself (password, 2FA), then press Enter here. Ctrl-D aborts.",
+              flush=True)
+        confirmed = _wait_for_enter(args.wait)
+    except KeyboardInterrupt:
+        print("\naborted")
+    finally:
+        problems = session.finish(confirmed)
+    if problems:
+        print("the guard reported problems while closing: " + "; ".join(problems), file=sys.stderr)
+    if not confirmed:
+        print(f"not confirmed: the profile {args.name} was resealed as it is")
+        return 1
+    print(f"confirmed: the browser was closed and profile {args.name} resealed")
+    if spec is None:
+        return 0 if not problems else 1
+    try:
+        return _print_check(args.name, ops.check(spec))
+    except guard_ops.OpError as exc:
+        raise CliError(str(exc), 2) from None
+
+
+def _wait_for_enter(timeout: float) -> bool:
+    """True when the operator pressed Enter within `timeout` seconds; False on EOF or time-out."""
+    import select
+    deadline = time.monotonic() + max(timeout, 0)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            print(f"no confirmation within {timeout:.0f} s")
+            return False
+        ready, _, _ = select.select([sys.stdin], [], [], min(left, 1.0))
+        if ready:
+            return sys.stdin.readline() != ""

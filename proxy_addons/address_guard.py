@@ -37,4 +37,23 @@ class AddressGuard:
             logger.warning("refused a server connection that the guard did not check")
             data.server.error = "sfguard: destination not checked"
             return
-        data.server.address = (target.address, data.server.address[1])
+        address = (target.address, data.server.address[1])
+        if self._is_own_listener(address):
+            logger.warning("refused a server connection to the guard's own listen address")
+            data.server.error = "sfguard: destination is the guard itself"
+            return
+        data.server.address = address
+
+    def load(self, loader) -> None:
+        from mitmproxy import ctx
+        self._proxyserver = ctx.master.addons.get("proxyserver")
+
+    def _is_own_listener(self, address: tuple[str, int]) -> bool:
+        ps = getattr(self, "_proxyserver", None)
+        if ps is None:
+            return False
+        for listen_host, listen_port, *_ in ps.listen_addrs():
+            if listen_port == address[1] and (
+                    listen_host in ("", "0.0.0.0", "::") or listen_host == address[0]):
+                return True
+        return False

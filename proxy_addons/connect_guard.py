@@ -115,7 +115,13 @@ class ConnectGuard:
         if result is None:
             return
         d, addr = result
-        conn.targets[(d.normalized_host, d.port)] = Target(d, addr)
+        target = Target(d, addr)
+        conn.targets[(d.normalized_host, d.port)] = target
+        # Connect to the checked address: set the request's target host to it (the Host header
+        # is left as it is). mitmproxy then reuses server connections per address and counts
+        # them per address (at most 5 open at once), so the address must not change later.
+        flow.request.data.host = addr
+        conn.targets[(addr, d.port)] = target
         flow.request.stream = True
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:

@@ -326,7 +326,10 @@ class LocalBrowserHost:
         session, socket_dir = _session_env_parts(env)
         private_dir(socket_dir)
         try:
-            await self._run_ok(env, "open", "about:blank", timeout=timeout)
+            # The first command starts the stage's daemon and connects it through the gate;
+            # `stream disable` as that first command keeps the stream server off for the
+            # session's life (measured on 0.41.2: 0.18 s, vs 0.3-0.6 s for open + disable).
+            # The stage's own first `open` then creates and pins its tab.
             await self._disable_stream(env)
         except (ab.AgentBrowserError, AnchorError) as exc:
             await self.close_stage_session(env, timeout=min(timeout, 10))

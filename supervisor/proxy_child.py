@@ -33,7 +33,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--listen-port", type=int, default=0)
     p.add_argument("--policy", required=True)
     p.add_argument("--decision-log", required=True)
-    p.add_argument("--run", required=True)
+    p.add_argument("--run", default=None, help="run id for log lines of clients without one")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP")
     return p.parse_args(argv)
 

@@ -270,6 +270,25 @@ def test_plain_http_allowed_strips_proxy_credentials(guard, http_server):
     assert b"proxy-authorization" not in seen.lower() and TOKEN_A.encode() not in seen
 
 
+def test_plain_http_keep_alive_reuses_the_checked_connection(guard, http_server):
+    """Many requests on one client connection: none may stall (mitmproxy allows 5 open server
+    connections per address), and the upstream still sees the original Host header."""
+    s = socket.create_connection(("127.0.0.1", guard.port), timeout=10)
+    target = f"site-a.test:{http_server.port}"
+    for i in range(12):
+        s.sendall(f"GET http://{target}/r{i} HTTP/1.1\r\nHost: {target}\r\n"
+                  f"Proxy-Authorization: {A}\r\n\r\n".encode())
+        status, headers, rest = read_head(s, timeout=5)
+        assert status == 200, i
+        n = int(headers["content-length"])
+        while len(rest) < n:
+            rest += s.recv(65536)
+    s.close()
+    seen = bytes(http_server.received)
+    assert seen.count(f"Host: {target}".encode()) == 12
+    assert http_server.connections == 1  # one checked server connection, reused
+
+
 @pytest.mark.parametrize("host_header", ["site-b.test", "evil.example", "site-a.test:1",
                                          "site-a.test:%d/x"])
 def test_plain_http_with_mismatched_host_header_is_denied(guard, http_server, host_header):
