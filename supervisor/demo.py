@@ -292,7 +292,7 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], stderr_path: Path):
         self.name = name
-        self._stderr = open(stderr_path, "ab")
+        self._stderr = open(stderr_path, "ab", opener=lambda p, f: os.open(p, f, 0o600))
         # Own session: a Ctrl-C in the terminal reaches only the demo, which stops the children
         # in order (the guard first, so it closes its browsers and reseals).
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
@@ -373,6 +373,7 @@ def prepare_pipeline(src: Path, dest: Path, port: int) -> Path:
     text = src.read_text()
     text = re.sub(rf"(?<=[\w.\]]):{EXAMPLE_PORT}\b", f":{port}", text)
     dest.write_text(text)
+    os.chmod(dest, 0o600)
     return dest
 
 
@@ -440,6 +441,14 @@ class RunReport:
     login_by: str | None = None        # "operator (window)" | "demo (headless, no display)"
     heading: str | None = None
     markers: dict[str, str] = field(default_factory=dict)
+
+
+def _gate(st) -> dict:
+    """A stage's gate as plain data (the validator keeps the YAML node, aliases resolved here)."""
+    if st.gate is None:
+        return {}
+    data = st.gate if isinstance(st.gate, dict) else yaml.safe_load(yaml.serialize(st.gate))
+    return data if isinstance(data, dict) else {}
 
 
 def _cond_fires(cond: str | None, output: dict) -> bool:
@@ -517,7 +526,7 @@ class DemoRunner:
         if st.browser is None:
             self.say(f"[{st.id}] no browser: nothing for the guard to do")
             return {}
-        if st.gate and (st.gate.get("handoff") if isinstance(st.gate, dict) else None):
+        if _gate(st).get("handoff"):
             return self._login_stage(run, st, rep)
         if st.browser.login_check is not None:
             return self._check_stage(run, st, rep)
@@ -540,10 +549,11 @@ class DemoRunner:
     def _login_stage(self, run: GuardRun, st, rep: RunReport) -> dict:
         rep.login_ran = True
         spec = st.browser.login_check.model_dump(exclude_none=True)
-        handoff = st.gate["handoff"]
+        gate = _gate(st)
+        handoff = gate["handoff"]
         for attempt in range(1, MAX_LOGIN_ATTEMPTS + 1):
             stage = self._request(run, st, attempt)
-            self.say(f"[{st.id}] gate: {st.gate.get('message', 'confirm')}")
+            self.say(f"[{st.id}] gate: {gate.get('message', 'confirm')}")
             try:
                 payload = run.handoff(st.browser.profile, str(handoff.get("site")),
                                       str(handoff.get("reason")), spec["url"])
@@ -727,3 +737,7 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
                 + (f" and the guard home {guard_home}" if home is None else ""))
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+            if home is None:  # the temporary home's runtime folder goes with it
+                from supervisor.home import runtime_dir
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(runtime_dir(guard_home), ignore_errors=True)

@@ -1,0 +1,43 @@
+"""`sfguard demo`: the example login pipeline, for real, against the local fixture site.
+
+Starts the fixture login site and a guard of its own (a demo site policy that lets the guarded
+browser reach the fixture on 127.0.0.1), then plays the pipeline runner's part for
+docs/examples/login-pipeline.yaml twice: run 1 needs the login, run 2 skips it. The logic lives
+in supervisor.demo; this module parses, calls and prints.
+"""
+from __future__ import annotations
+
+import sys
+
+from cli.main import CliError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="run the example login pipeline against the local fixture site")
+    p.add_argument("--home", metavar="DIR",
+                   help="guard home for the demo (default: a temporary one, deleted at the end)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the demo's temporary files (guard home, demo policy, logs)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from supervisor import demo, tools
+    from supervisor.home import resolve_home
+
+    home = resolve_home(args.home) if args.home else None
+    # With a display and a person at the terminal, the person logs in in the window.
+    interactive = bool(tools.display_available()) and sys.stdin.isatty()
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        result = demo.run_demo(home, args.keep, say, interactive=interactive)
+    except demo.DemoError as exc:
+        raise CliError(str(exc), 1) from None
+    if not result.ok:
+        print("sfguard demo: the runs did not behave as expected (see above)", file=sys.stderr)
+        return 1
+    print("sfguard demo: ok")
+    return 0
