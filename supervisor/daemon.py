@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import policy
-from supervisor import agent_browser, models
+from supervisor import agent_browser, models, redaction
 from supervisor.api import ApiError
 from supervisor.audit import LocalAuditSink
 from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
@@ -118,7 +119,9 @@ class RunProxy:
 
     async def add_client(self, allow: list[str]) -> str:
         name = f"b-{_short_id()}"
-        self.clients[name] = (secrets.token_urlsafe(24), sorted(set(allow)))
+        token = secrets.token_urlsafe(24)
+        redaction.register_secret(token)
+        self.clients[name] = (token, sorted(set(allow)))
         await self._push()
         return name
 
@@ -280,8 +283,7 @@ class Guard:
         self.runtime = runtime_dir(self.home)
         self.scope = scope
         self.policy_path = Path(policy_path or policy.default_policy_path()).absolute()
-        self.site_policy = policy.load_policy(self.policy_path)
-        self.policy_error: str | None = None
+        self.policy_watch = policy.PolicyWatcher(self.policy_path)  # raises PolicyError if invalid
         self.resolve = dict(resolve or {})
         self.keys = default_key_provider(self.home)
         self.store = LocalProfileStore(self.home, self.keys, runtime=self.runtime)
@@ -346,6 +348,27 @@ class Guard:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    @property
+    def site_policy(self) -> policy.SitePolicy:
+        """The policy in force: the last good one (an invalid edit is reported, not applied).
+        The run proxies watch the same file themselves."""
+        return self.policy_watch.policy
+
+    @property
+    def policy_error(self) -> str | None:
+        err = self.policy_watch.error
+        return str(err).replace("\n", "; ") if err is not None else None
+
+    def _check_policy(self) -> None:
+        before = self.policy_watch.error
+        if self.policy_watch.check():
+            digest = hashlib.sha256(self.policy_path.read_bytes()).hexdigest()
+            self.audit.record("policy_reloaded", mode=self.site_policy.mode, policy_sha256=digest)
+            log.info("site policy reloaded from %s", self.policy_path)
+        elif self.policy_watch.error is not None and self.policy_watch.error is not before:
+            log.error("site policy edit refused, the last good policy stays in force: %s",
+                      self.policy_error)
 
     def host_tool_report(self) -> tuple[str, str]:
         ab = tools.find_agent_browser()
@@ -827,6 +850,7 @@ class Guard:
                 log.exception("watchdog pass failed")
 
     async def _watch_once(self) -> None:
+        self._check_policy()
         for run in list(self.runs.values()):
             if run.state != "active":
                 continue

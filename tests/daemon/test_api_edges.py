@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 import subprocess
 import sys
 
@@ -88,3 +89,27 @@ def test_status_cli(daemon):
     out = subprocess.run([sys.executable, "-m", "cli.main", "status", "--home", str(daemon.home)],
                          cwd=ROOT, env=daemon.env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "run     r1 active" in out.stdout
+
+
+def test_policy_edits_apply_live_and_an_invalid_edit_keeps_the_last_good(daemon, tmp_path):
+    pol = tmp_path / "sites.yaml"
+    pol.write_text("version: 1\nmode: enforce\n")
+    daemon.stop()
+    daemon.start("--policy", str(pol))
+    assert daemon.call("GET", "/v1/status")[1]["policy"]["mode"] == "enforce"
+    pol.write_text("version: 1\nmode: report\n")
+    deadline = time.monotonic() + 5
+    while daemon.call("GET", "/v1/status")[1]["policy"]["mode"] != "report":
+        assert time.monotonic() < deadline, "the edit was not applied"
+        time.sleep(0.1)
+    pol.write_text("version: 1\nmode: report\nsurprise: 1\n")
+    deadline = time.monotonic() + 5
+    while (st := daemon.call("GET", "/v1/status")[1]["policy"])["state"] != "error":
+        assert time.monotonic() < deadline, "the invalid edit was not reported"
+        time.sleep(0.1)
+    assert st["mode"] == "report" and "surprise" in st["error"] and ":3:" in st["error"]
+    out = subprocess.run([sys.executable, "-m", "cli.main", "status", "--home", str(daemon.home)],
+                         cwd=ROOT, env=daemon.env, capture_output=True, text=True, timeout=60)
+    assert "last good policy kept" in out.stdout
+    audit = (daemon.home / "audit.log").read_text()
+    assert '"policy_reloaded"' in audit

@@ -190,3 +190,22 @@ def test_kill_9_of_the_daemon_then_restart_sweeps_everything(daemon):
     daemon.call("POST", "/v1/runs", {"run_id": "r2"})
     assert stage(daemon, "r2", "s1")[0] == 200
     daemon.call("POST", "/v1/runs/r2/end", {"outcome": "succeeded"})
+
+
+def test_no_secret_in_any_file_of_the_home_or_the_guard_log(daemon):
+    daemon.call("POST", "/v1/runs", {"run_id": "r1"})
+    env = stage(daemon, "r1", "s1")[1]["env"]
+    stage(daemon, "r1", "s2", profile=None)
+    (anchor, *_) = launches(daemon)
+    proxy_token = anchor["env"]["AGENT_BROWSER_PROXY"].split("@")[0].split(":")[-1]
+    gate_token = env["AGENT_BROWSER_CDP"].rsplit("/", 1)[1]
+    daemon.call("POST", "/v1/runs/r1/end", {"outcome": "failed"})
+    daemon.stop()
+    secrets = [proxy_token.encode(), gate_token.encode(), b"/devtools/browser/"]
+    files = [p for p in daemon.home.rglob("*") if p.is_file() and p.name != "guard.lock"]
+    files.append(daemon.log)
+    assert files
+    for path in files:
+        data = path.read_bytes()
+        for secret in secrets:
+            assert secret not in data, f"{secret!r} found in {path}"

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.home import runtime_dir
+from supervisor.lease import LocalProfileLease
+from supervisor.protocols import LOCAL_SCOPE, ProfileKey
 from tests.demo.conftest import ROOT, SFGUARD, cli_env, leftovers, sfguard
 
 pytestmark = pytest.mark.browser
@@ -108,5 +110,6 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path):
     assert leftovers(str(home), str(runtime_dir(home.absolute())), str(workdir)) == []
     # the guard shut down cleanly: the profile is sealed, no lease is held
     assert not [p for p in home.rglob("*") if p.name in ("Cookies", "Cookies-journal")]
-    assert not [p for p in (home / "leases").rglob("*") if p.is_file() and p.stat().st_size > 0
-                and "holder" in p.read_text(errors="replace")]
+    key = ProfileKey(LOCAL_SCOPE, "fixture")
+    assert LocalProfileLease(home).holder(key) is None
+    assert "sealed" in sfguard("profiles", "show", "fixture", "--home", str(home)).stdout
