@@ -194,14 +194,14 @@ def _login_check_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _guard_op(args):
-    """The CLI's side of a short guard run (supervisor.guard_ops), with errors as CliError."""
-    from supervisor import demo as guard_ops
+    """The CLI's side of a short guard run (supervisor.demo.ProfileOps), with errors as CliError."""
+    from supervisor import demo as ops
     from supervisor.home import resolve_home
 
     try:
-        return guard_ops.ProfileOps(resolve_home(args.home), args.name, args.url,
-                                    allow=[p for a in args.allow for p in a.split(",") if p.strip()])
-    except guard_ops.OpError as exc:
+        return ops.ProfileOps(resolve_home(args.home), args.name, args.url,
+                              allow=[p for a in args.allow for p in a.split(",") if p.strip()])
+    except ops.OpError as exc:
         raise CliError(str(exc), 2) from None
 
 
@@ -225,28 +225,28 @@ def _print_check(name: str, result: dict) -> int:
 
 
 def cmd_check(args) -> int:
-    from supervisor import demo as guard_ops
+    from supervisor import demo as ops
     _key(args.name)
     spec = _check_spec(args)
-    ops = _guard_op(args)
+    profile_ops = _guard_op(args)
     try:
-        result = ops.check(spec)
-    except guard_ops.OpError as exc:
+        result = profile_ops.check(spec)
+    except ops.OpError as exc:
         raise CliError(str(exc), 2) from None
     return _print_check(args.name, result)
 
 
 def cmd_login(args) -> int:
-    from supervisor import demo as guard_ops
+    from supervisor import demo as ops
     _key(args.name)
     spec = _check_spec(args)
-    ops = _guard_op(args)
+    profile_ops = _guard_op(args)
     try:
-        session = ops.open_login_window()
-    except guard_ops.HandoffRefused as exc:
+        session = profile_ops.open_login_window()
+    except ops.HandoffRefused as exc:
         print(f"sfguard profiles login: cannot open a login window: {exc}", file=sys.stderr)
         return 1
-    except guard_ops.OpError as exc:
+    except ops.OpError as exc:
         raise CliError(str(exc), 2) from None
     confirmed = False
     try:
@@ -268,8 +268,8 @@ def cmd_login(args) -> int:
     if spec is None:
         return 0 if not problems else 1
     try:
-        return _print_check(args.name, ops.check(spec))
-    except guard_ops.OpError as exc:
+        return _print_check(args.name, profile_ops.check(spec))
+    except ops.OpError as exc:
         raise CliError(str(exc), 2) from None
 
 

@@ -220,7 +220,10 @@ class LoginWindow:
         problems: list[str] = []
         with contextlib.suppress(OpError):
             problems += self.run.end_stage("login", "succeeded" if confirmed else "cancelled")
-        problems += self.run.end("succeeded" if confirmed else "cancelled")
+        try:
+            problems += self.run.end("succeeded" if confirmed else "cancelled")
+        except OpError as exc:
+            problems.append(f"ending the run failed: {exc}")
         return problems
 
 

@@ -30,11 +30,16 @@ import psutil
 
 from supervisor.home import FILE_MODE, atomic_write, ensure_home, private_dir
 from supervisor.protocols import (
-    Granted, LeaseHolder, ProcessIdentity, ProfileKey, QueueEntry, Waiting, validate_name,
-    validate_run_id,
+    Granted, LeaseHolder, ProcessIdentity, ProfileError, ProfileKey, QueueEntry, Waiting,
+    validate_name, validate_run_id,
 )
 
-__all__ = ["LocalProfileLease", "current_process", "process_alive"]
+__all__ = ["LeaseFileDamaged", "LocalProfileLease", "current_process", "process_alive"]
+
+
+class LeaseFileDamaged(ProfileError):
+    """A `.lease` file cannot be parsed. It is never reset or rewritten: who holds the profile
+    is unknown, so the profile stays unusable until an operator inspects the file."""
 
 
 def current_process() -> ProcessIdentity:
@@ -83,6 +88,11 @@ class _State:
         }
 
 
+def _damaged(path: Path, exc: Exception) -> str:
+    return (f"lease file {path} is damaged ({type(exc).__name__}); it was left untouched: "
+            "inspect it, then remove it only if no guard uses that profile")
+
+
 class LocalProfileLease:
     """ProfileLease on the local disk; safe across processes sharing one guard home.
 
@@ -115,7 +125,14 @@ class LocalProfileLease:
                 data = json.loads(state_path.read_bytes())
             except FileNotFoundError:
                 data = None
-            state = _State(key, data)
+            except ValueError as exc:  # JSON or UTF-8 error: a damaged file
+                raise LeaseFileDamaged(_damaged(state_path, exc)) from None
+            try:
+                if data is not None and not isinstance(data, dict):
+                    raise TypeError("not a JSON object")
+                state = _State(key, data)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise LeaseFileDamaged(_damaged(state_path, exc)) from None
             before = state.to_json()
             yield state
             if write and state.to_json() != before:

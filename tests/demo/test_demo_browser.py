@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -76,11 +77,22 @@ def test_demo_two_runs_login_once_cookie_survives_no_secrets(tmp_path):
         assert len(pids) >= 2
         assert leftovers(str(home), str(runtime_dir(home.absolute())), str(kept)) == []
     finally:
-        import shutil
         shutil.rmtree(kept, ignore_errors=True)
 
+    # The kept home is usable again: a second demo on it seals and unseals the same profile.
+    # (Its fresh fixture site does not know the old login, so its run 1 logs in again.)
+    r2 = sfguard("demo", "--home", str(home), env=env, timeout=600)
+    assert r2.returncode == 0, (r2.stdout, r2.stderr)
+    assert "run 2: the check said logged in, so the login stage was skipped" in r2.stdout
+    assert password not in r2.stdout + r2.stderr and not COOKIE_VALUE.search((r2.stdout + r2.stderr).encode())
+    for p in all_files(home):
+        data = p.read_bytes()
+        assert password.encode() not in data and not COOKIE_VALUE.search(data), p
+    assert leftovers(str(home), str(runtime_dir(home.absolute()))) == []
 
-def test_demo_stops_everything_on_ctrl_c(tmp_path):
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
+def test_demo_stops_everything_on_ctrl_c_or_term(tmp_path, sig, code):
     home = tmp_path / "h"
     proc = subprocess.Popen([*SFGUARD, "demo", "--home", str(home)], cwd=ROOT, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -98,13 +110,13 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path):
             if line.startswith("[check] stage ready"):
                 break
         assert workdir is not None and lines[-1].startswith("[check] stage ready"), "".join(lines)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rest, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    assert proc.returncode == 130, (rest, err)
+    assert proc.returncode == code, (rest, err)
     assert "stopped the guard" in rest and "stopped the fixture site" in rest
     assert not workdir.exists()                         # no --keep: its temp folder is gone
     assert leftovers(str(home), str(runtime_dir(home.absolute())), str(workdir)) == []

@@ -68,7 +68,7 @@ def test_check_before_and_after_a_login(guard, site):
         r = sfguard(*check_args(guard, site, *extra))
         assert r.returncode == code, (extra, r.stdout, r.stderr)
     r = sfguard(*check_args(guard, site))
-    assert f"logged in (final address http://site-a.test:{site}/account)" in r.stdout
+    assert f"logged in (final address http://site-a.test:{site}/account)" in r.stdout, (r.stdout, r.stderr)
     # patterns that match neither address: an error, not a guess
     a = f"http://site-a.test:{site}"
     r = sfguard("profiles", "check", "acct", "--url", f"{a}/account", "--logged-in", f"{a}/elsewhere",

@@ -29,7 +29,7 @@ def test_validate_shipped_policy():
     proc = sfguard("policy", "validate")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "valid" in proc.stdout and "mode enforce" in proc.stdout
-    assert "2 block" in proc.stdout and "5 quiet" in proc.stdout and "tab_quota 8" in proc.stdout
+    assert "2 block" in proc.stdout and "7 quiet" in proc.stdout and "tab_quota 8" in proc.stdout
 
 
 def test_validate_a_good_file(tmp_path):
