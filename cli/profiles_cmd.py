@@ -230,7 +230,7 @@ def cmd_check(args) -> int:
     spec = _check_spec(args)
     profile_ops = _guard_op(args)
     try:
-        result = profile_ops.check(spec)
+        result = profile_ops.check(spec, _note)
     except ops.OpError as exc:
         raise CliError(str(exc), 2) from None
     return _print_check(args.name, result)
@@ -268,9 +268,13 @@ def cmd_login(args) -> int:
     if spec is None:
         return 0 if not problems else 1
     try:
-        return _print_check(args.name, profile_ops.check(spec))
+        return _print_check(args.name, profile_ops.check(spec, _note))
     except ops.OpError as exc:
         raise CliError(str(exc), 2) from None
+
+
+def _note(message: str) -> None:
+    print(f"sfguard profiles: {message}", file=sys.stderr, flush=True)
 
 
 def _wait_for_enter(timeout: float) -> bool:

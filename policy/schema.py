@@ -90,7 +90,8 @@ def _resolve(value: str) -> Any:
         if _INT_RE.fullmatch(value):
             return int(value, 0) if value[:2] in ("0x", "0o") else int(value)
         if _FLOAT_RE.fullmatch(value):
-            return float(value)
+            # YAML spells infinity and NaN ".inf" / ".nan", which Python's float() refuses
+            return float(value.replace(".", "", 1)) if value.lstrip("+-")[1:].lower() in ("inf", "nan") else float(value)
     return value
 
 

@@ -439,7 +439,8 @@ class Guard:
         if tools.display_available():
             return True
         if "headed" in req.model_fields_set:
-            where = " inside a container, where a visible window is not possible" if tools.in_container() else ""
+            where = ("; the guard runs inside a container, where a visible window is not possible"
+                     if tools.in_container() else "")
             raise ApiError(400, "no_display", "headed: true needs a display, but neither DISPLAY nor "
                            f"WAYLAND_DISPLAY is set{where}; set headed: false for this stage or run "
                            "the guard in a desktop session", "browser.headed")
@@ -770,14 +771,18 @@ class Guard:
         was_ready = stage.state == "ready"
         stage.state, stage.outcome = "ended", outcome
         if stage.gate_key and was_ready:
-            with contextlib.suppress(Exception):
-                await self.gate.close_stage_tabs(stage.gate_key)
+            # 1. the stage's session closes its tab and itself, through its still valid token
             if stage.env_full:
                 try:
                     await self.host.close_stage_session(stage.env_full)
-                except Exception as exc:  # the session may never have been opened
+                except Exception as exc:
                     log.debug("stage session close: %s", exc)
+            # 2. any other tab of the stage, over the raw connection
+            with contextlib.suppress(Exception):
+                await self.gate.close_stage_tabs(stage.gate_key)
+            # 3. only then the token: revoking first would leave a session nobody can close
             await self.gate.revoke(stage.gate_key)
+            terminate_recorded(stage.processes, timeout=3)
         browser = run.browsers.get(stage.browser_key or "")
         if browser is not None:
             browser.stages.discard(stage.stage_id)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+import psutil
 import yaml
 
 import policy
@@ -156,13 +157,25 @@ class GuardRun:
             raise _error_of(status, answer)
         return list(answer.get("problems") or [])
 
-    def login_check(self, profile: str, spec: dict) -> dict:
-        """The guard's own {logged_in, url} for `profile` (needs a stage that allowed the host)."""
-        status, answer = self._call("POST", f"/v1/runs/{self.run_id}/login-check",
-                                    {"profile": profile, "login_check": spec})
-        if status != 200:
-            raise _error_of(status, answer)
-        return {"logged_in": bool(answer["logged_in"]), "url": str(answer["url"])}
+    def login_check(self, profile: str, spec: dict,
+                    on_retry: Callable[[str], None] | None = None) -> dict:
+        """The guard's own {logged_in, url} for `profile` (needs a stage that allowed the host).
+
+        A check that timed out inside the guard (`login_check_failed`, "did not finish") is
+        tried once more, after telling `on_retry`: seen now and then on a freshly started anchor
+        (reported to the lead); any other error is raised at once."""
+        for attempt in (1, 2):
+            status, answer = self._call("POST", f"/v1/runs/{self.run_id}/login-check",
+                                        {"profile": profile, "login_check": spec})
+            if status == 200:
+                return {"logged_in": bool(answer["logged_in"]), "url": str(answer["url"])}
+            err = _error_of(status, answer)
+            if attempt == 1 and err.code == "login_check_failed" and "did not finish" in str(err):
+                if on_retry:
+                    on_retry(f"the guard's login check timed out ({err}); trying once more")
+                continue
+            raise err
+        raise AssertionError("unreachable")
 
     def verify(self, profile: str, reported: dict) -> None:
         """Have the guard compare a stage's envelope with its own last check (OpError on 409)."""
@@ -251,7 +264,7 @@ class ProfileOps:
             raise _error_of(status, answer)
         return any(p.get("name") == self.name for p in answer.get("profiles", []))
 
-    def check(self, spec: dict) -> dict:
+    def check(self, spec: dict, on_retry: Callable[[str], None] | None = None) -> dict:
         """{logged_in, url} computed by the guard in a short run of its own."""
         if not self._profile_exists():
             raise OpError(f"no profile {self.name!r} on this guard (create it with `sfguard profiles "
@@ -259,7 +272,7 @@ class ProfileOps:
                           "--url URL`)", "profile_not_found")
         with GuardRun(self.client, _run_id("check")) as run:
             run.stage("check", self._browser(headed=False), wait=0)
-            result = run.login_check(self.name, spec)
+            result = run.login_check(self.name, spec, on_retry)
             run.end_stage("check")
             run.end()
         return result
@@ -302,6 +315,7 @@ class Child:
                                      stdout=subprocess.PIPE, stderr=self._stderr,
                                      start_new_session=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.leftovers: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -327,18 +341,32 @@ class Child:
                 return line
 
     def stop(self, timeout: float) -> int | None:
-        """SIGTERM, wait up to `timeout`, then SIGKILL; by pid, only this process."""
+        """SIGTERM, wait up to `timeout`, then SIGKILL; by pid. Then wait (bounded) for the
+        processes it had started itself (recorded by pid and start time before the signal):
+        any still alive 10 s after it exited are ended by pid too (`self.leftovers`)."""
+        kids: list[psutil.Process] = []
+        with contextlib.suppress(psutil.Error):
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
         try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
+            self._stop_main(timeout)
+            _, alive = psutil.wait_procs(kids, timeout=10)
+            for p in alive:  # psutil checks the start time: never a recycled pid
+                with contextlib.suppress(psutil.Error):
+                    self.leftovers.append(f"{p.pid} {' '.join(p.cmdline()[:3])}")
+                    p.kill()
+            psutil.wait_procs(alive, timeout=5)
             return self.proc.returncode
         finally:
             self._stderr.close()
+
+    def _stop_main(self, timeout: float) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
 
 
 def _child_env() -> dict[str, str]:
@@ -538,7 +566,7 @@ class DemoRunner:
     def _check_stage(self, run: GuardRun, st, rep: RunReport) -> dict:
         self._request(run, st, 1)
         spec = st.browser.login_check.model_dump(exclude_none=True)
-        result = run.login_check(st.browser.profile, spec)
+        result = run.login_check(st.browser.profile, spec, on_retry=lambda m: self.say(f"[{st.id}] {m}"))
         rep.check = result
         self.say(f"[{st.id}] guard login check of {spec['url']}: logged_in={str(result['logged_in']).lower()}, "
                  f"final address {result['url']}")
@@ -579,7 +607,7 @@ class DemoRunner:
                 rep.login_by = "the demo, headless (no display for a login window)"
             self.say(f"[{st.id}] gate confirmed")
             # verify: login_check -- the guard checks the login again after the confirm
-            result = run.login_check(st.browser.profile, spec)
+            result = run.login_check(st.browser.profile, spec, on_retry=lambda m: self.say(f"[{st.id}] {m}"))
             self.say(f"[{st.id}] verify: guard login check says logged_in={str(result['logged_in']).lower()} "
                      f"({result['url']})")
             run.end_stage(st.id, "succeeded" if result["logged_in"] else "failed")
@@ -675,6 +703,7 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
     os.chmod(workdir, 0o700)
     guard_home = home if home is not None else workdir / "home"
     children: list[Child] = []
+    failed = False
     old_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(_sig, _frame):
@@ -726,13 +755,24 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
             say(s)
         return DemoResult(runs, ok, summary)
     except OpError as exc:
+        failed = True
         raise DemoError(f"the guard refused: {exc} ({exc.code})") from None
     except policy.PolicyError as exc:
         raise DemoError(f"the demo site policy is invalid:\n{exc}") from None
+    except DemoError:
+        failed = True
+        raise
     finally:
         for child in children:
             code = child.stop(STOP_S if child.name == "guard" else 10)
             say(f"sfguard demo: stopped the {child.name} (pid {child.proc.pid}, exit {code})")
+            for left in child.leftovers:
+                say(f"sfguard demo: the {child.name} left process {left} running after it exited; "
+                    "ended it (a bug to report)")
+        log_file = workdir / "guard.log"
+        if failed and log_file.exists():  # the guard's own log is redacted by its filter
+            tail = log_file.read_text(errors="replace").strip().splitlines()[-8:]
+            say("sfguard demo: the guard's last log lines:\n  " + "\n  ".join(tail))
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, old_term)
         if keep:

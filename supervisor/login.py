@@ -303,6 +303,9 @@ async def check_login(raw_cdp_url: str, check: LoginCheck, *, timeout: float = 3
             if not isinstance(session, str):
                 raise LoginCheckError("could not attach to the check tab")
             await cdp.call("Page.enable", session=session)
+            # A new tab may be held at start for a debugger when another client of the anchor
+            # auto-attaches with waitForDebuggerOnStart; release it, or navigation never starts.
+            await cdp.call("Runtime.runIfWaitingForDebugger", session=session)
             nav = await cdp.call("Page.navigate", {"url": check.url}, session=session)
             if nav.get("errorText"):
                 raise LoginCheckError(f"the check page {check.url} could not be opened: {nav['errorText']}"

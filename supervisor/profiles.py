@@ -198,6 +198,12 @@ class LocalProfileStore:
         self.keys.delete_key(scope)
         return removed
 
+    def verify(self, key: ProfileKey) -> None:
+        """Authenticate every chunk of the sealed file without unsealing it (start-up check);
+        raises SealError (a ProfileError) naming what is wrong, ProfileNotFound if absent."""
+        sealing.verify_sealed(self._require(key), self.keys.get_key(key.scope, create=False),
+                              key.scope, key.name)
+
     def unsealed(self) -> list[ProfileKey]:
         """Profiles with an unsealed working copy (after a crash: for the start-up sweep)."""
         root = self._runtime_root() / "profiles"

@@ -35,7 +35,7 @@ def test_demo_two_runs_login_once_cookie_survives_no_secrets(tmp_path):
     r = sfguard("demo", "--home", str(home), "--keep", env=env, timeout=600)
     took = time.monotonic() - t0
     out = r.stdout
-    assert r.returncode == 0, (out, r.stderr)
+    assert r.returncode == 0, f"{out[-4000:]}\n{r.stderr[-2000:]}"
     print(f"sfguard demo took {took:.1f} s")
 
     run1, run2 = out.split("== run 2 ")[0].split("== run 1 ")[1], out.split("== run 2 ")[1].split("== summary")[0]
@@ -82,7 +82,7 @@ def test_demo_two_runs_login_once_cookie_survives_no_secrets(tmp_path):
     # The kept home is usable again: a second demo on it seals and unseals the same profile.
     # (Its fresh fixture site does not know the old login, so its run 1 logs in again.)
     r2 = sfguard("demo", "--home", str(home), env=env, timeout=600)
-    assert r2.returncode == 0, (r2.stdout, r2.stderr)
+    assert r2.returncode == 0, f"{r2.stdout[-4000:]}\n{r2.stderr[-2000:]}"
     assert "run 2: the check said logged in, so the login stage was skipped" in r2.stdout
     assert password not in r2.stdout + r2.stderr and not COOKIE_VALUE.search((r2.stdout + r2.stderr).encode())
     for p in all_files(home):

@@ -62,6 +62,7 @@ def crash_and_restart(d) -> None:
     assert alive == [], [p.pid for p in alive]
 
 
+@pytest.mark.slow
 def test_kill9_while_a_stage_waits_for_a_lease(make_fake_guard):
     d = make_fake_guard()
     seed_profile(d)
@@ -77,6 +78,7 @@ def test_kill9_while_a_stage_waits_for_a_lease(make_fake_guard):
     d.call("POST", "/v1/runs/after/end", {"outcome": "succeeded"})
 
 
+@pytest.mark.slow
 def test_kill9_while_an_anchor_launches(make_fake_guard):
     d = make_fake_guard()
     seed_profile(d)
@@ -117,7 +119,6 @@ def test_kill9_while_a_stage_is_active(make_fake_guard):
 def test_kill9_while_a_profile_is_resealed(make_fake_guard):
     d = make_fake_guard()
     seed_profile(d)
-    good = sealed_path(d).read_bytes()
     d.call("POST", "/v1/runs", {"run_id": "r1"})
     assert request_stage(d, "r1", "s1")[0] == 200
     # a big profile makes the reseal take a while: kill the daemon in the middle of it
@@ -140,7 +141,6 @@ def test_kill9_while_a_profile_is_resealed(make_fake_guard):
     assert body["state"] == "ready"
     marker_survived(d, True)
     assert sealed_path(d).read_bytes() != b""
-    _ = good
     d.call("POST", "/v1/runs/after/end", {"outcome": "succeeded"})
 
 

@@ -96,12 +96,17 @@ def run_queue(d, n_runs: int, n_clients: int, budget: float) -> None:
     pos = {r: i for i, r in enumerate(expected)}
     waits = [o for o in outs if o["event"] in ("waiting", "queued") and o.get("holder") is not None]
     assert waits, "no waiting answer was observed"
-    bad = [o for o in waits if not (o["holder"] in pos and pos[o["holder"]] < pos[o["run"]])]
+    # Finding F6 (docs/reliability.md): between one run's release and the next run's grant
+    # (one watchdog tick) a waiting stage answers holder_run "" at position >= 2.
+    gap = [o for o in waits if o["holder"] == "" and (o.get("position") or 2) >= 2]
+    bad = [o for o in waits if o not in gap
+           and not (o["holder"] in pos and pos[o["holder"]] < pos[o["run"]])]
     assert bad == [], bad[:5]
     record_result(f"queue_{n_runs}_runs_{n_clients}_clients", runs=n_runs, clients=n_clients,
-                  seconds=round(elapsed, 1), waiting_answers=len(waits))
+                  seconds=round(elapsed, 1), waiting_answers=len(waits),
+                  holder_empty_answers=len(gap))
     print(f"\n{n_runs} runs from {n_clients} clients served FIFO in {elapsed:.1f}s "
-          f"({len(waits)} waiting answers checked)")
+          f"({len(waits)} waiting answers checked, {len(gap)} with an empty holder)")
 
 
 def test_8_runs_on_one_profile_fifo(make_fake_guard):
