@@ -207,6 +207,7 @@ class Browser:
     stages: set[str] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     restarts: int = 0
+    closing: bool = False          # being closed: the watchdog must not restart it
 
 
 @dataclass
@@ -799,6 +800,7 @@ class Guard:
 
     async def _close_browser(self, run: Run, browser: Browser) -> list[str]:
         problems: list[str] = []
+        browser.closing = True
         if browser.anchor is not None:
             try:
                 await self.host.close_anchor(browser.anchor)
@@ -870,11 +872,14 @@ class Guard:
                 await run.proxy.start()
                 self._save_record(run)
             for browser in list(run.browsers.values()):
-                if browser.anchor is not None and not self.host.alive(browser.anchor):
+                if (browser.anchor is not None and not browser.closing and not browser.lock.locked()
+                        and not self.host.alive(browser.anchor)):
                     await self._restart_browser(run, browser)
 
     async def _restart_browser(self, run: Run, browser: Browser) -> None:
         async with browser.lock:
+            if browser.closing or run.state != "active":
+                return
             log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key)
             dead = browser.anchor
             terminate_recorded(dead.processes, timeout=3)

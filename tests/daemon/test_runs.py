@@ -12,6 +12,7 @@ import subprocess
 import psutil
 import pytest
 
+from supervisor.home import runtime_dir
 from tests.daemon.conftest import FAKE_AB
 
 STAGE_ENV_KEYS = {"AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
@@ -174,15 +175,17 @@ def test_kill_9_of_the_daemon_then_restart_sweeps_everything(daemon):
     daemon.call("POST", "/v1/runs", {"run_id": "r1"})
     stage(daemon, "r1", "s1")
     time.sleep(0.3)
+    marks = (str(daemon.home), str(runtime_dir(daemon.home)))
     owned = [p for p in psutil.process_iter(["cmdline"])
-             if str(daemon.home) in " ".join(p.info["cmdline"] or [])
-             or "sfa-" in " ".join(p.info["cmdline"] or [])]
+             if any(m in " ".join(p.info["cmdline"] or []) for m in marks)
+             and p.pid != daemon.proc.pid]
+    assert any("agent-browser-fake-daemon" in " ".join(p.cmdline()) for p in owned)
     daemon.stop(signal.SIGKILL)
     daemon.start()
-    assert "1 dead run(s)" in daemon.banner
+    assert "1 dead run(s)" in daemon.banner, daemon.banner
     time.sleep(0.5)
     for p in owned:
-        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p.cmdline()
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, (p.cmdline(), daemon.banner)
     st = daemon.call("GET", "/v1/status")[1]
     assert all(l["holder_run"] is None for l in st["leases"])
     assert not (daemon.home / "runs" / "r1.json").exists()
@@ -190,6 +193,12 @@ def test_kill_9_of_the_daemon_then_restart_sweeps_everything(daemon):
     daemon.call("POST", "/v1/runs", {"run_id": "r2"})
     assert stage(daemon, "r2", "s1")[0] == 200
     daemon.call("POST", "/v1/runs/r2/end", {"outcome": "succeeded"})
+    time.sleep(0.5)
+    left = [p for p in psutil.process_iter(["cmdline"])
+            if any(m in " ".join(p.info["cmdline"] or []) for m in marks)
+            and "agent-browser-fake" in " ".join(p.info["cmdline"] or [])
+            and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], [p.info["cmdline"][-4:] for p in left]
 
 
 def test_no_secret_in_any_file_of_the_home_or_the_guard_log(daemon):
