@@ -39,6 +39,7 @@ def run(args) -> int:
     from supervisor import redaction
     from supervisor.daemon import Guard, GuardAlreadyRunning
     from supervisor.home import HomeError, resolve_home
+    from supervisor.protocols import ProfileError
     import policy
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -54,6 +55,8 @@ def run(args) -> int:
         return asyncio.run(_serve(guard, args.tcp))
     except GuardAlreadyRunning as exc:
         raise CliError(str(exc), 3) from None
+    except ProfileError as exc:  # e.g. a damaged lease file: named, left untouched
+        raise CliError(str(exc), 2) from None
 
 
 async def _serve(guard, tcp_port: int | None) -> int:
@@ -65,7 +68,8 @@ async def _serve(guard, tcp_port: int | None) -> int:
     if sock.exists() or sock.is_symlink():
         sock.unlink()  # we hold the instance lock, so this socket is stale
     runners = []
-    app_runner = web.AppRunner(build_app(guard), access_log=None, handle_signals=False)
+    app_runner = web.AppRunner(build_app(guard), access_log=None, handle_signals=False,
+                               max_line_size=65536, max_field_size=65536)
     await app_runner.setup()
     old_umask = os.umask(0o177)
     try:
@@ -77,7 +81,8 @@ async def _serve(guard, tcp_port: int | None) -> int:
     lines = [f"sfguard: API on unix:{sock}"]
     if tcp_port is not None:
         token = secrets.token_urlsafe(32)
-        tcp_runner = web.AppRunner(build_app(guard, token=token), access_log=None, handle_signals=False)
+        tcp_runner = web.AppRunner(build_app(guard, token=token), access_log=None,
+                                   handle_signals=False, max_line_size=65536, max_field_size=65536)
         await tcp_runner.setup()
         await web.TCPSite(tcp_runner, "127.0.0.1", tcp_port).start()
         runners.append(tcp_runner)
@@ -91,6 +96,11 @@ async def _serve(guard, tcp_port: int | None) -> int:
               f"process(es) ended, {len(report['resealed'])} profile(s) resealed, "
               f"{len(report['leases'])} lease(s) released",
               "sfguard: ready"]
+    if report.get("audit"):
+        lines.insert(-1, f"sfguard: WARNING the audit log does not verify: {report['audit']}")
+    if report.get("damaged_profiles"):
+        lines.insert(-1, "sfguard: WARNING sealed profile(s) refused (kept as they are): "
+                     + ", ".join(report["damaged_profiles"]))
     print("\n".join(lines), flush=True)
 
     stop = asyncio.Event()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -19,6 +20,9 @@ from pydantic import BaseModel, ValidationError
 from supervisor import models as m
 
 log = logging.getLogger("sfguard.api")
+#: path parameters are validated like body fields (the same patterns as the models)
+PATH_PARAMS = {"run_id": re.compile(m.RUN_ID), "stage_id": re.compile(m.STAGE_ID),
+               "name": re.compile(m.PROFILE_NAME)}
 MAX_BODY = 256 * 1024
 
 
@@ -164,11 +168,15 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
     def make(route: Route):
         async def handle(request: web.Request) -> web.Response:
             kwargs = dict(request.match_info)
+            for name, value in kwargs.items():
+                if not PATH_PARAMS[name].fullmatch(value):
+                    raise ApiError(400, "invalid_request", f"{name}: not a valid {name} "
+                                   f"(pattern {PATH_PARAMS[name].pattern})", name)
             if route.body is not None:
                 raw = await request.read()
                 try:
                     data = json.loads(raw or b"null")
-                except (ValueError, UnicodeDecodeError):
+                except (ValueError, UnicodeDecodeError, RecursionError):
                     raise ApiError(400, "invalid_json", "the body is not valid JSON") from None
                 if not isinstance(data, dict):
                     raise ApiError(400, "invalid_request", "the body must be a JSON object")

@@ -235,7 +235,7 @@ class Stage:
             since = w.holder_since if w.holder_since is not None else w.queued_since
             return 202, {"state": "waiting", "holder_run": w.holder_run or "", "since": _now_iso(since),
                          "position": w.position}
-        if self.state in ("pending", "waiting"):
+        if self.state in ("pending", "waiting", "relaunching"):
             return 202, {"state": "waiting", "holder_run": "", "since": _now_iso(), "position": None}
         if self.state == "failed" and self.error is not None:
             raise self.error
@@ -322,6 +322,19 @@ class Guard:
     async def start(self) -> dict:
         self.acquire_instance_lock()
         report = sweep(self)
+        # damaged state is reported, never silently reset
+        audit = self.audit.verify()
+        if not audit.ok:
+            log.error("the audit log does not verify: %s; it is kept as it is "
+                      "(see `sfguard audit verify`)", audit)
+            report["audit"] = str(audit)
+        for info in self.store.list(self.scope):
+            try:
+                self.store.verify(info.key)
+            except ProfileError as exc:
+                log.error("profile %s: the sealed file is refused (%s); it is kept, and runs "
+                          "that ask for it get an error", info.key.name, exc)
+                report.setdefault("damaged_profiles", []).append(info.key.name)
         agent_browser.write_pinned_config(self.config_path)
         await self.gate.start()
         self._watch = asyncio.get_running_loop().create_task(self._watchdog())
@@ -835,14 +848,30 @@ class Guard:
             run.problems += await self._close_browser(run, browser)
         if run.proxy is not None:
             await run.proxy.stop()
-        for key in self.lease.release_all(run.run_id):
-            self.audit.record("profile_released", scope=key.scope, profile=key.name,
-                              run=run.run_id, outcome=outcome)
+        try:
+            released = self.lease.release_all(run.run_id)
+        except OSError as exc:
+            released = []
+            run.problems.append(f"releasing the run's leases failed: {exc}; "
+                                "the next start of the guard releases them")
+        for key in released:
+            try:
+                self.audit.record("profile_released", scope=key.scope, profile=key.name,
+                                  run=run.run_id, outcome=outcome)
+            except OSError as exc:
+                run.problems.append(f"the audit record of the release could not be written "
+                                    f"({exc}); the chain up to it is intact")
         if run.workdir is not None:
             shutil.rmtree(run.workdir, ignore_errors=True)
         run.state = "ended"
         with contextlib.suppress(FileNotFoundError):
             (self.runs_dir / f"{run.run_id}.json").unlink()
+        # hand the released profiles over at once, not at the next watchdog tick
+        for other in list(self.runs.values()):
+            if other.state == "active":
+                for st in list(other.stages.values()):
+                    if st.state == "waiting":
+                        asyncio.get_running_loop().create_task(self._advance(other, st))
         self._flush_refusals()
         log.info("run %s ended: %s%s", run.run_id, outcome,
                  f" ({len(run.problems)} problem(s))" if run.problems else "")
@@ -885,6 +914,9 @@ class Guard:
             terminate_recorded(dead.processes, timeout=3)
             agent_browser.remove_session_files(dead.socket_dir, dead.session)
             browser.restarts += 1
+            for sid in browser.stages:  # answer 202 until the new env works
+                if run.stages[sid].state == "ready":
+                    run.stages[sid].state = "relaunching"
             browser.anchor = await self._launch(run, browser, dead.profile_dir if browser.profile else None)
             await self._reattach(run, browser)
 
@@ -893,7 +925,7 @@ class Guard:
         stage returns the refreshed env."""
         for sid in sorted(browser.stages):
             stage = run.stages[sid]
-            if stage.state == "ready" and stage.gate_key:
+            if stage.state in ("ready", "relaunching") and stage.gate_key:
                 await self.gate.revoke(stage.gate_key)
                 stage.state = "pending"
                 async with run.lock:

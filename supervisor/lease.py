@@ -142,10 +142,19 @@ class LocalProfileLease:
 
     def _drop_dead(self, state: _State) -> list[str]:
         released = []
-        if state.holder and not self._alive(state.holder.owner):
+        # One liveness check per distinct owner: a long queue is usually one guard process,
+        # and a psutil look-up per entry made every call O(queue length) (load finding F9).
+        seen: dict[ProcessIdentity, bool] = {}
+
+        def alive(owner: ProcessIdentity) -> bool:
+            if owner not in seen:
+                seen[owner] = self._alive(owner)
+            return seen[owner]
+
+        if state.holder and not alive(state.holder.owner):
             released.append(state.holder.run)
             state.holder = None
-        state.queue = [q for q in state.queue if self._alive(q.owner)]
+        state.queue = [q for q in state.queue if alive(q.owner)]
         return released
 
     def _keys(self) -> list[ProfileKey]:

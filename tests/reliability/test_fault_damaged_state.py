@@ -99,8 +99,6 @@ def test_half_written_run_record_is_reported_and_left_for_inspection(make_fake_g
     d.call("POST", "/v1/runs/r2/end", {"outcome": "succeeded"})
 
 
-@pytest.mark.xfail(strict=True, reason="lead: Guard.start() does not verify the audit chain or "
-                   "the sealed profiles; proposed diff in docs/reliability.md")
 @pytest.mark.parametrize("damage", ["audit", "sealed"])
 def test_start_reports_a_damaged_audit_log_or_sealed_profile(make_fake_guard, damage):
     d = prepared(make_fake_guard)

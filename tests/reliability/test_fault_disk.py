@@ -73,8 +73,6 @@ def test_disk_full_while_resealing(make_fake_guard, tmp_path):
         d.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="lead: Guard._end_run lets an OSError of the audit append "
-                   "escape (500 internal, run stuck 'ending'); proposed diff in docs/reliability.md")
 def test_home_read_only_while_resealing_and_auditing(make_fake_guard, tmp_path):
     """The sealed profiles folder and the audit log go read-only under a live run (the whole
     home cannot be remounted read-only while the daemon holds its instance lock open)."""

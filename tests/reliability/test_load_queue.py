@@ -44,7 +44,9 @@ while pending and time.monotonic() < deadline:
         else:
             print(json.dumps({"run": r, "event": "error", "status": st, "body": ans}), flush=True)
             pending.remove(r)
-    time.sleep(0.2)
+    time.sleep(0.5)
+if pending:
+    print("still waiting at the deadline: " + ",".join(pending), file=sys.stderr)
 sys.exit(1 if pending else 0)
 """
 
@@ -54,9 +56,13 @@ def run_queue(d, n_runs: int, n_clients: int, budget: float) -> None:
     assert request_stage(d, "r-hold", "s1")[0] == 200
     names = [f"q{i:03d}" for i in range(n_runs)]
     groups = [names[i::n_clients] for i in range(n_clients)]
+    # client output goes to files: a full stdout pipe would block a client (and the queue)
+    outdir = d.home.parent / "queue-clients"
+    outdir.mkdir(exist_ok=True)
+    files = [(open(outdir / f"c{i}.out", "w+"), open(outdir / f"c{i}.err", "w+")) for i in range(n_clients)]
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(d.home), ",".join(g), str(budget)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for g in groups]
+                              cwd=ROOT, stdout=o, stderr=e, text=True)
+             for g, (o, e) in zip(groups, files)]
     try:
         def all_queued():
             st = d.call("GET", "/v1/status")[1]
@@ -68,16 +74,19 @@ def run_queue(d, n_runs: int, n_clients: int, budget: float) -> None:
         t0 = time.monotonic()
         assert d.call("POST", "/v1/runs/r-hold/end", {"outcome": "succeeded"})[1]["ok"]
         outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=budget + 60)
-            assert p.returncode == 0, err[-2000:]
-            outs += [json.loads(l) for l in out.splitlines() if l.strip()]
+        for p, (o, e) in zip(procs, files):
+            p.wait(timeout=budget + 60)
+            o.seek(0), e.seek(0)
+            assert p.returncode == 0, e.read()[-2000:]
+            outs += [json.loads(l) for l in o.read().splitlines() if l.strip()]
         elapsed = time.monotonic() - t0
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+        for o, e in files:
+            o.close(), e.close()
     # every run finished cleanly
     ended = {o["run"] for o in outs if o["event"] == "ended" and o["status"] == 200 and o["ok"]}
     assert ended == set(names)
@@ -115,4 +124,4 @@ def test_8_runs_on_one_profile_fifo(make_fake_guard):
 
 @pytest.mark.slow
 def test_50_runs_on_one_profile_fifo(make_fake_guard):
-    run_queue(make_fake_guard(), 50, 5, 400)
+    run_queue(make_fake_guard(), 50, 5, 900)
