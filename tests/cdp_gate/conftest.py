@@ -186,7 +186,22 @@ def sessions():
     yield make
     for s in opened:
         s.close()
+        _kill_by_socket_dir(s.sock_dir)
         shutil.rmtree(s.sock_dir, ignore_errors=True)
+
+
+def _kill_by_socket_dir(sock_dir: Path) -> None:
+    """End any agent-browser daemon this test started in `sock_dir` that is still alive
+    (a `--cdp` session's `close` may not end it when the gate is already gone)."""
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if "agent-browser" not in (proc.info["name"] or ""):
+                continue
+            if proc.environ().get("AGENT_BROWSER_SOCKET_DIR") == str(sock_dir):
+                proc.kill()
+                proc.wait(5)
+        except (psutil.Error, psutil.TimeoutExpired):
+            pass
 
 
 class CdpClient:
