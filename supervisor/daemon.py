@@ -592,7 +592,8 @@ class Guard:
         check_pattern = f"{decision.normalized_host}:{port}" if parts.port else decision.normalized_host
         try:
             await run.proxy.set_allow(browser.client, self._browser_allow(run, browser) + [check_pattern])
-            result = await check_login(browser.anchor.cdp_url, body.login_check)
+            result = await check_login(browser.anchor.cdp_url, body.login_check,
+                                       proxy_auth=(browser.client, run.proxy.clients[browser.client][0]))
         except LoginCheckError as exc:
             raise ApiError(422, "login_check_failed", str(exc), "login_check") from None
         except ValueError as exc:

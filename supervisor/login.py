@@ -43,6 +43,7 @@ message it raises contains the address.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import re
@@ -150,8 +151,10 @@ class _Cdp:
 
     Replies resolve futures by id; events go to one queue the caller drains."""
 
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse):
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse,
+                 proxy_auth: tuple[str, str] | None = None):
         self.ws = ws
+        self._auth = proxy_auth  # answers the run proxy's 407 for the check tab (never logged)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self.events: asyncio.Queue[dict] = asyncio.Queue()
@@ -170,6 +173,8 @@ class _Cdp:
                     fut = self._pending.pop(data["id"], None)
                     if fut is not None and not fut.done():
                         fut.set_result(data)
+                elif data.get("method") in ("Fetch.requestPaused", "Fetch.authRequired"):
+                    await self._answer_fetch(data)
                 elif "method" in data:
                     self.events.put_nowait(data)
         finally:
@@ -177,6 +182,28 @@ class _Cdp:
                 if not fut.done():
                     fut.set_exception(LoginCheckError("the anchor browser closed the CDP connection"))
             self._pending.clear()
+
+    async def _answer_fetch(self, event: dict) -> None:
+        """The check tab is not one of agent-browser's, so nobody else answers the run proxy's
+        credential challenge for it: let every request go on, and give the proxy (and only the
+        proxy) its credentials. Replies to these commands are not awaited."""
+        params = event.get("params") or {}
+        if event["method"] == "Fetch.requestPaused":
+            method, args = "Fetch.continueRequest", {"requestId": params.get("requestId")}
+        else:
+            from_proxy = (params.get("authChallenge") or {}).get("source") == "Proxy"
+            if from_proxy and self._auth:
+                answer = {"response": "ProvideCredentials", "username": self._auth[0],
+                          "password": self._auth[1]}
+            else:
+                answer = {"response": "CancelAuth"}
+            method, args = "Fetch.continueWithAuth", {"requestId": params.get("requestId"),
+                                                      "authChallengeResponse": answer}
+        msg: dict[str, Any] = {"id": next(self._ids), "method": method, "params": args}
+        if event.get("sessionId"):
+            msg["sessionId"] = event["sessionId"]
+        with contextlib.suppress(Exception):
+            await self.ws.send_str(json.dumps(msg))
 
     async def call(self, method: str, params: dict | None = None, *, session: str | None = None) -> dict:
         msg_id = next(self._ids)
@@ -200,7 +227,8 @@ class _Cdp:
             pass
 
 
-async def _open_tab(http: aiohttp.ClientSession, raw_cdp_url: str, deadline: float):
+async def _open_tab(http: aiohttp.ClientSession, raw_cdp_url: str, deadline: float,
+                    proxy_auth: tuple[str, str] | None = None):
     """Connect and create the check's own tab, retrying with a bounded backoff.
 
     Returns (ws, cdp, target_id)."""
@@ -210,7 +238,7 @@ async def _open_tab(http: aiohttp.ClientSession, raw_cdp_url: str, deadline: flo
         try:
             ws = await http.ws_connect(raw_cdp_url, max_msg_size=MAX_MESSAGE,
                                        timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
-            cdp = _Cdp(ws)
+            cdp = _Cdp(ws, proxy_auth)
             created = await cdp.call("Target.createTarget", {"url": "about:blank"})
             target = created.get("targetId")
             if not isinstance(target, str):
@@ -279,7 +307,8 @@ async def _close_tab(cdp: _Cdp, target: str) -> None:
 
 
 async def check_login(raw_cdp_url: str, check: LoginCheck, *, timeout: float = 30,
-                      quiet: float = QUIET_SECONDS) -> LoginResult:
+                      quiet: float = QUIET_SECONDS,
+                      proxy_auth: tuple[str, str] | None = None) -> LoginResult:
     """Run `check` in a new tab of the browser at `raw_cdp_url` and decide.
 
     `raw_cdp_url` is the anchor's browser-level WebSocket address (`Anchor.cdp_url`,
@@ -297,11 +326,14 @@ async def check_login(raw_cdp_url: str, check: LoginCheck, *, timeout: float = 3
     ws = cdp = target = None
     try:
         async with asyncio.timeout(timeout):
-            ws, cdp, target = await _open_tab(http, raw_cdp_url, deadline)
+            ws, cdp, target = await _open_tab(http, raw_cdp_url, deadline, proxy_auth)
             attached = await cdp.call("Target.attachToTarget", {"targetId": target, "flatten": True})
             session = attached.get("sessionId")
             if not isinstance(session, str):
                 raise LoginCheckError("could not attach to the check tab")
+            if proxy_auth is not None:
+                # the tab's requests go through the run's proxy, which asks for credentials
+                await cdp.call("Fetch.enable", {"handleAuthRequests": True}, session=session)
             await cdp.call("Page.enable", session=session)
             # A new tab may be held at start for a debugger when another client of the anchor
             # auto-attaches with waitForDebuggerOnStart; release it, or navigation never starts.
