@@ -162,8 +162,8 @@ class GuardRun:
         """The guard's own {logged_in, url} for `profile` (needs a stage that allowed the host).
 
         A check that timed out inside the guard (`login_check_failed`, "did not finish") is
-        tried once more, after telling `on_retry`: seen now and then on a freshly started anchor
-        (reported to the lead); any other error is raised at once."""
+        tried once more, after telling `on_retry`: seen now and then on a freshly started anchor;
+        any other error is raised at once."""
         for attempt in (1, 2):
             status, answer = self._call("POST", f"/v1/runs/{self.run_id}/login-check",
                                         {"profile": profile, "login_check": spec})

@@ -21,7 +21,7 @@ SCOPE_A, SCOPE_B = "alpha", "beta"
 
 # The `sfguard` console script's own entry (cli.main:main). Not `-m cli.main`: run that way,
 # cli.main is loaded twice (__main__ and cli.main) and CliError raised by a command module is
-# not caught as CliError (reported to the lead).
+# not caught as CliError (fixed since in cli/main.py).
 SFGUARD = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())"]
 
 

@@ -179,7 +179,7 @@ def test_wrong_types_anywhere(api, route, ident, body):
 try:
     import schemathesis
     from schemathesis.core.failures import FailureGroup  # noqa: F401
-except ImportError:  # the lead adds the pin; until then this part is skipped
+except ImportError:  # schemathesis is pinned in requirements.lock; skipped only where it is missing
     schemathesis = None
 
 if schemathesis is not None:

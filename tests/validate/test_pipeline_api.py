@@ -1,4 +1,4 @@
-"""supervisor.pipeline as a library (what `sfguard demo` and the lead's code use)."""
+"""supervisor.pipeline as a library (what `sfguard demo` and the daemon use)."""
 from __future__ import annotations
 
 from pathlib import Path
