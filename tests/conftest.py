@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,3 +39,17 @@ def browser_env() -> dict[str, str]:
     if os.geteuid() == 0:
         env["AGENT_BROWSER_ARGS"] = "--no-sandbox"
     return env
+
+
+@pytest.fixture
+def site():
+    """The fixture login site (fixtures/login_server) on a free port of 127.0.0.1: yields the
+    port; its /hits.json counts what reached it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "fixtures.login_server", "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    line = proc.stdout.readline().decode()
+    assert line.startswith("ready "), line
+    yield port
+    proc.terminate()
+    proc.wait(10)

@@ -22,18 +22,6 @@ from tests.daemon.conftest import ROOT, Daemon
 pytestmark = pytest.mark.browser
 
 
-@pytest.fixture
-def site(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fixtures.login_server", "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    line = proc.stdout.readline().decode()
-    assert line.startswith("ready "), line
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
 def hits(port, host):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/hits.json", timeout=10) as r:
         rows = json.load(r)["hits"]

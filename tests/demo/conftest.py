@@ -45,19 +45,6 @@ def leftovers(*marks: str) -> list[str]:
 
 
 @pytest.fixture
-def site():
-    """The fixture login site on a free port: yields the port."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fixtures.login_server", "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    line = proc.stdout.readline().decode()
-    assert line.startswith("ready "), line
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture
 def guard(tmp_path, site):
     """A real `sfguard start` on a short temp home whose policy lets the browser reach the
     fixture site as site-a.test (resolved to 127.0.0.1). No DISPLAY: headless only."""

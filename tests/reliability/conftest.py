@@ -181,19 +181,6 @@ class FakeGuard(Daemon):
         return seen
 
 
-@pytest.fixture
-def site(tmp_path):
-    """The fixture login site (its /hits.json counts what reached it)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fixtures.login_server", "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    line = proc.stdout.readline().decode()
-    assert line.startswith("ready "), line
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
 def hits(port: int, host: str, path: str | None = None) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/hits.json", timeout=10) as r:
         rows = json.load(r)["hits"]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import free_port
 from tests.daemon.conftest import ROOT
-from tests.reliability.conftest import hits, site, write_policy  # noqa: F401 (fixture)
+from tests.reliability.conftest import hits, write_policy
 
 pytestmark = pytest.mark.reliability
 EXAMPLES = int(os.environ.get("SFGUARD_FUZZ_EXAMPLES", "25")) * 8
