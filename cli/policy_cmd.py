@@ -1,11 +1,14 @@
 """`sfguard policy validate|explain`: check a site policy and explain its decisions.
 
-    sfguard policy validate [FILE]
-        exit 0 with a one-line summary when FILE (default: the shipped policy) is valid,
-        exit 1 with every error (file:line:col: field: message (hint: ...)) when it is not.
+    sfguard policy validate [FILE] [--strict]
+        exit 0 with a one-line summary when FILE (default: the shipped policy) is valid, after
+        any warnings (duplicate entries, allow_always entries a block rule shadows), each as
+        "warning: file:line:col: field: message (hint: ...)"; exit 1 with every error when it
+        is not valid, or with --strict when there are warnings.
     sfguard policy explain HOST[:PORT] ... [--allow PATTERNS] [--policy FILE] [--json]
         for each host: the normalised host and port, the decision, the reason code and the rule
-        that decided. Exit 0 when every host was explained (denials included), 2 for bad
+        that decided. A host without a port is explained once when every policy port gets the
+        same decision, else once per port. Exit 0 when every host was explained (denials included), 2 for bad
         arguments or an invalid policy.
 """
 from __future__ import annotations
@@ -35,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     val = psub.add_parser("validate", help="check a policy file",
                           description="Check a policy file; exit 0 when valid, 1 with every error when not.")
     val.add_argument("file", nargs="?", help="policy file (default: the shipped policy/sites.yaml)")
+    val.add_argument("--strict", action="store_true",
+                     help="treat warnings (duplicate entries, shadowed allow_always) as errors")
     val.set_defaults(func=cmd_validate)
 
     exp = psub.add_parser(
@@ -59,8 +64,10 @@ def _summary(p: policy.SitePolicy) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from policy.lint import lint_policy  # noqa: PLC0415 (only validate needs it)
+
     try:
-        p = policy.load_policy(args.file)
+        p, warnings = lint_policy(args.file)
     except policy.PolicyError as exc:
         for issue in exc.issues:
             print(issue)
@@ -69,7 +76,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"... and {exc.more} more")
         print(f"{count} error{'s' if count != 1 else ''}: the policy is not valid", file=sys.stderr)
         return 1
-    print(_summary(p))
+    strict = getattr(args, "strict", False)
+    kind = "error" if strict else "warning"
+    for issue in warnings:
+        print(f"{kind}: {issue}")
+    n = len(warnings)
+    if strict and n:
+        print(f"{n} error{'s' if n != 1 else ''} (--strict: warnings count as errors): "
+              "the policy is not accepted", file=sys.stderr)
+        return 1
+    print(_summary(p) + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
     return 0
 
 
@@ -105,15 +121,36 @@ def _explain(args: argparse.Namespace) -> int:
         except policy.PolicyError as exc:
             raise _Usage("bad --allow pattern:\n" + str(exc)) from None
 
-    for i, text in enumerate(args.hosts):
-        decision = explain_one(p, text, allow)
-        if args.json:
-            print(json.dumps(decision.as_dict(), ensure_ascii=False))
-        else:
-            if i:
-                print()
-            print(_human(p, decision, text))
+    first = True
+    for text in args.hosts:
+        for decision in explain_ports(p, text, allow):
+            if args.json:
+                print(json.dumps(decision.as_dict(), ensure_ascii=False))
+            else:
+                if not first:
+                    print()
+                print(_human(p, decision, text))
+            first = False
     return 0
+
+
+def explain_ports(p: policy.SitePolicy, text: str,
+                  allow: policy.RuleSet | None) -> list[policy.Decision]:
+    """The decisions for one HOST[:PORT] argument. With a port (or a malformed argument): one.
+    Without: the decision for each of the policy's ports; one decision (port not given) when
+    they all agree, else one per port, so that a port-specific rule is never hidden."""
+    decision = explain_one(p, text, allow)
+    if decision.port is not None or decision.normalized_host is None or len(p.ports) < 2:
+        return [decision]
+    per_port = [explain_one(p, policy.join_host_port(decision.normalized_host, port), allow)
+                for port in sorted(p.ports)]
+    if len({(d.decision, d.reason, d.rule) for d in per_port}) == 1:
+        return [decision] if _same(decision, per_port[0]) else per_port
+    return per_port
+
+
+def _same(a: policy.Decision, b: policy.Decision) -> bool:
+    return (a.decision, a.reason, a.rule) == (b.decision, b.reason, b.rule)
 
 
 def explain_one(p: policy.SitePolicy, text: str, allow: policy.RuleSet | None) -> policy.Decision:
@@ -128,7 +165,7 @@ def explain_one(p: policy.SitePolicy, text: str, allow: policy.RuleSet | None) -
         return policy.engine.replace(
             decision, explanation=f"'{printable_host(text)}' is not a valid HOST[:PORT]: {exc.reason}.")
     decision = p.decide(raw_host, port, allow)
-    if decision.allowed and not decision.would_deny and decision.normalized_host:
+    if decision.allowed and decision.normalized_host:
         host = decision.normalized_host
         if ":" in host or host.replace(".", "").isdigit():
             decision = p.check_address(decision, host)
@@ -155,7 +192,8 @@ def _human(p: policy.SitePolicy, d: policy.Decision, asked: str) -> str:
                          "(private, loopback and link-local addresses are refused unless "
                          "private_networks.allow lists them)")
     if p.mode == "report":
-        lines.append("  note:       the policy is in report mode: nothing is denied, would-be denials are logged")
+        lines.append("  note:       the policy is in report mode: hosts outside the allow and block "
+                     "lists pass and are logged as would_deny; every other check still denies")
     return "\n".join(lines)
 
 

@@ -12,12 +12,14 @@ See docs/policy.md for the reviewer's guide and DESIGN.md 4.1 for the contract.
 """
 from .engine import DEFAULT_PORTS, Decision, SitePolicy, special_address
 from .errors import MalformedHost, PolicyError, PolicyIssue
-from .hosts import normalize_host, split_host_port
+from .hosts import (allow_pattern_for_url, join_host_port, normalize_host, split_host_port,
+                    url_host_port)
 from .patterns import Match, Pattern, PatternError, RuleSet, compile_patterns, parse_pattern
 from .schema import MAX_POLICY_BYTES, default_policy_path, load_policy, parse_policy
 from .watch import PolicyWatcher
 
 __all__ = [
+    "allow_pattern_for_url", "join_host_port", "url_host_port",
     "DEFAULT_PORTS", "Decision", "MAX_POLICY_BYTES", "MalformedHost", "Match", "Pattern",
     "PatternError", "PolicyError", "PolicyWatcher", "PolicyIssue", "RuleSet", "SitePolicy", "compile_patterns",
     "default_policy_path", "load_policy", "normalize_host", "parse_pattern", "parse_policy",

@@ -12,8 +12,17 @@ Order (DESIGN.md 4.1), first answer wins:
 5. anything else                       -> deny  not_allowed
 
 After DNS the proxy calls `check_address` for every resolved address (private_address), and it
-refuses SNI or Host header mismatches itself through `refuse`. In `mode: report` every denial
-becomes decision "allow" with reason "would_deny:<code>"; that happens in one place, `_finish`.
+refuses SNI or Host header mismatches itself through `refuse`.
+
+`mode: report` relaxes only the allow and block lists: a `not_allowed` or `blocked_by_policy`
+denial becomes decision "allow" with reason "would_deny:<code>" (in one place, `_finish`). Every
+other check (malformed host, port, private and special addresses, SNI and Host agreement,
+credentials, request limits) denies in every mode, and `check_address` judges the addresses of
+a would-deny host like those of an allowed one.
+
+An IP or CIDR pattern exempts an address from the private-address check only when the pattern
+lies inside one special-purpose block (``127.0.0.1``, ``10.1.0.0/16``): a wide pattern such as
+``0.0.0.0/1`` never opens loopback, private or metadata addresses.
 """
 from __future__ import annotations
 
@@ -27,6 +36,8 @@ from .hosts import normalize_host_ex, printable_host
 from .patterns import Match, RuleSet, suffixes
 
 DEFAULT_PORTS = frozenset({80, 443})
+#: The only reasons that report mode turns into "would_deny": the allow and block lists.
+REPORT_RELAXES = frozenset({"not_allowed", "blocked_by_policy"})
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,17 @@ def special_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str 
     return None
 
 
+def exempting_network(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+    """True when an IP/CIDR pattern for `net` may exempt its addresses from the private-address
+    check: the whole range lies inside one special-purpose block (``127.0.0.1``,
+    ``10.0.0.0/8``, ``fd00::/8``). A range that spans public space or several blocks
+    (``0.0.0.0/1``, ``8.0.0.0/5``) exempts nothing."""
+    for block, _label in _SPECIAL_RANGES:
+        if net.version == block.version and net.subnet_of(block):
+            return True
+    return False
+
+
 class SitePolicy:
     """A loaded site policy. Build with `policy.load_policy` / `policy.parse_policy`."""
 
@@ -170,7 +192,7 @@ class SitePolicy:
         if not allow:
             if normalized is not None and self.quiet._count:
                 quiet = self.quiet.match(normalized, is_ip, port, parents=parents) is not None
-            if self.mode == "report":
+            if self.mode == "report" and reason in REPORT_RELAXES:
                 return _make(host, port, normalized, "allow", "would_deny:" + reason, rule, False,
                              quiet, "report mode, would deny: " + explanation, None, self.mode)
             return _make(host, port, normalized, "deny", reason, rule, False, quiet, explanation,
@@ -241,8 +263,9 @@ class SitePolicy:
     def check_address(self, decision: Decision, address: str) -> Decision:
         """Judge one resolved address of an allowed host. Returns `decision` unchanged when the
         address is fine (or the decision is already a denial or a report-mode would-deny), or a
-        private_address denial (honouring report mode). Pure: no DNS here."""
-        if not decision.allowed or decision.would_deny:
+        private_address denial (in every mode). A report-mode would-deny decision is checked
+        like an allowed one. Pure: no DNS here."""
+        if not decision.allowed:
             return decision
         text = (address if isinstance(address, str) else str(address)).strip("[]")
         try:
@@ -262,7 +285,7 @@ class SitePolicy:
                 return decision
         if decision.allowed_by_ip and decision.network:
             net = ipaddress.ip_network(decision.network)
-            if addr.version == net.version and addr in net:
+            if addr.version == net.version and addr in net and exempting_network(net):
                 return decision
         return self.refuse(
             decision, "private_address",
@@ -271,7 +294,7 @@ class SitePolicy:
 
     def refuse(self, decision: Decision, reason: str, explanation: str) -> Decision:
         """A denial for a check the proxy makes itself (sni_mismatch, host_header_mismatch, ...)
-        about the host of `decision`; honours report mode."""
+        about the host of `decision`. Enforced in every mode (report mode relaxes only the lists)."""
         normalized = decision.normalized_host
         is_ip = False
         if normalized is not None:

@@ -240,3 +240,50 @@ def printable_host(text: object) -> str:
     if len(text) > _PRINTABLE_LIMIT:
         out += "..."
     return out
+
+
+def join_host_port(host: str, port: int | None) -> str:
+    """The one way to write HOST:PORT: ``example.com:443``, ``[2001:db8::1]:443``.
+
+    An IPv6 literal is bracketed when a port follows (a host already in brackets is kept as
+    it is); without a port the host is returned unchanged (patterns accept a bare IPv6
+    address). The host is not normalised here.
+    """
+    if port is None:
+        return host
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def url_host_port(url: str) -> tuple[str, int, bool]:
+    """(normalised host, port, port named in the URL) of an http:// or https:// URL.
+
+    The port defaults to 80 or 443 by scheme. Raises MalformedHost with a readable reason for
+    another scheme, a URL without a host, a bad port or a malformed host.
+    """
+    from urllib.parse import urlsplit  # noqa: PLC0415 (only this helper needs it)
+
+    if not isinstance(url, str):
+        raise MalformedHost("a URL must be text")
+    try:
+        parts = urlsplit(url)
+        explicit = parts.port
+    except ValueError:
+        raise MalformedHost("the URL has an invalid port") from None
+    if parts.scheme not in ("http", "https"):
+        raise MalformedHost("only http:// and https:// URLs are accepted")
+    if not parts.hostname:
+        raise MalformedHost("the URL has no host")
+    port = explicit if explicit is not None else (443 if parts.scheme == "https" else 80)
+    if not 1 <= port <= 65535:
+        raise MalformedHost(f"port {port} is out of range (1-65535)")
+    return normalize_host(parts.hostname), port, explicit is not None
+
+
+def allow_pattern_for_url(url: str) -> str:
+    """The allow_domains pattern that lets a browser reach `url`: its normalised host, with
+    ``:PORT`` when the URL names a port (``http://[::1]:8080/`` -> ``[::1]:8080``).
+    Raises MalformedHost (see `url_host_port`)."""
+    host, port, explicit = url_host_port(url)
+    return join_host_port(host, port if explicit else None)

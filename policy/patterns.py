@@ -11,6 +11,9 @@ port (IPv6 with a port needs brackets: ``[::1]:8080``, ``[fd00::/8]:8080``):
 ``10.0.0.0/8``      every address in the CIDR range (host bits must be zero)
 ==================  =========================================================================
 
+Where a pattern allows (allow lists, ``allow_always``, ``private_networks.allow``) an IP range
+wider than ``/8`` (IPv4) or ``/32`` (IPv6) is refused as a catch-all, like ``*`` alone, unless
+it lies inside one special-purpose block (``fd00::/8`` inside the ULA block ``fc00::/7``).
 Anything else is an error with a hint: ``*`` alone, a wildcard that is not the whole leftmost
 label (``a*.b.com``, ``a.*.com``), ``.example.com`` (write ``*.example.com``), a wildcard over a
 public suffix (``*.com``, ``*.co.uk``), empty labels, URLs, malformed hosts.
@@ -38,6 +41,12 @@ from typing import Iterable
 
 from .errors import MalformedHost, PolicyError, PolicyIssue
 from .hosts import normalize_host_ex, parse_port, split_host_port_raw
+
+
+#: Shortest CIDR prefix accepted where a pattern allows (allow_domains, --allow, allow_always,
+#: private_networks.allow); a wider range is refused like a bare `*`.
+CATCH_ALL_V4 = 8
+CATCH_ALL_V6 = 32
 
 
 class PatternError(ValueError):
@@ -220,6 +229,12 @@ def _parse_network(body: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     return net
 
 
+def _inside_special_block(net) -> bool:
+    from .engine import exempting_network  # noqa: PLC0415 (engine imports this module)
+
+    return exempting_network(net)
+
+
 def parse_pattern(text: object, *, allow_list: bool = True) -> Pattern:
     """Parse one pattern. `allow_list` makes wildcards over private-section public suffixes an
     error too (see the module docstring). Raises PatternError with a hint."""
@@ -250,6 +265,14 @@ def parse_pattern(text: object, *, allow_list: bool = True) -> Pattern:
 
     if "/" in body and "*" not in body:
         net = _parse_network(body)
+        if allow_list and net.prefixlen < (CATCH_ALL_V4 if net.version == 4 else CATCH_ALL_V6) \
+                and not _inside_special_block(net):
+            widest = "/8" if net.version == 4 else "/32"
+            raise PatternError(
+                f"{net} is a catch-all: an IP range wider than {widest} would match a large part of "
+                "the Internet",
+                f"name the hosts, or a range of {widest} or narrower (e.g. "
+                f"{'10.0.0.0/8' if net.version == 4 else '2001:db8::/32'})")
         if net.prefixlen == net.max_prefixlen:
             return Pattern("ip", str(net.network_address), port)
         return Pattern("cidr", str(net), port)

@@ -113,9 +113,7 @@ class GuardProxy:
     @property
     def url(self) -> str:
         assert self.address is not None, "not started"
-        host, port = self.address
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{port}"
+        return "http://" + policy.join_host_port(*self.address)
 
     async def start(self) -> tuple[str, int]:
         """Start listening; returns (host, port). Raises GuardStartError."""

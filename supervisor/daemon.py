@@ -589,7 +589,7 @@ class Guard:
             raise ApiError(403, "login_check_not_allowed", f"the check address's host is refused "
                            f"for this run: {decision.explanation}", "login_check.url")
         browser = await self._leased_browser(run, body.profile, headed=False)
-        check_pattern = f"{decision.normalized_host}:{port}" if parts.port else decision.normalized_host
+        check_pattern = policy.allow_pattern_for_url(body.login_check.url)
         try:
             await run.proxy.set_allow(browser.client, self._browser_allow(run, browser) + [check_pattern])
             result = await check_login(browser.anchor.cdp_url, body.login_check,

@@ -92,15 +92,11 @@ class DemoError(Exception):
 def host_pattern(url: str) -> str:
     """The allow_domains pattern for a URL's host: `host`, or `host:port` when the URL names a
     port; IPv6 literals bracketed. Raises OpError for a URL that is not http(s) with a host."""
-    parts = urlsplit(url)
     try:
-        port = parts.port
-    except ValueError:
-        raise OpError(f"{url!r} has an invalid port", "invalid_url") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise OpError(f"{url!r} is not an http:// or https:// address", "invalid_url")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{host}:{port}" if port else host
+        return policy.allow_pattern_for_url(url)
+    except policy.MalformedHost as exc:
+        raise OpError(f"{url!r} is not a usable http:// or https:// address: {exc.reason}",
+                      "invalid_url") from None
 
 
 def _error_of(status: int, answer: Any) -> OpError:

@@ -482,7 +482,7 @@ class _Validator:
             enode, epath = _locate(doc, node, path, ("login_check", "url"))
             self.issue(doc, enode, epath,
                        f"the proxy would deny the check page ({d.reason}): add "
-                       f"{(parts.hostname or '') + (f':{parts.port}' if parts.port else '')!r} to allow_domains",
+                       f"{policy.join_host_port(parts.hostname or '', parts.port)!r} to allow_domains",
                        "check_url_denied")
 
     # ---- routes and gates

@@ -204,8 +204,9 @@ def test_decision_is_a_frozen_value(site):
 REPORT_CASES = [
     ("www.linkedin.com", 443, ALLOW, "would_deny:blocked_by_policy", "sites.yaml:10 *.linkedin.com"),
     ("nowhere.test", 443, ALLOW, "would_deny:not_allowed", None),
-    ("example.com", 8443, ALLOW, "would_deny:port_not_allowed", None),
-    ("0x7f.1", 443, ALLOW, "would_deny:malformed_host", None),
+    # Report mode relaxes only the allow and block lists: ports and malformed hosts still deny.
+    ("example.com", 8443, DENY, "port_not_allowed", None),
+    ("0x7f.1", 443, DENY, "malformed_host", None),
     ("a.example.com", 443, ALLOW, "allowed_by_run", "--allow *.example.com"),
     ("docs.python.org", 443, ALLOW, "allowed_by_policy", "sites.yaml:6 docs.python.org"),
 ]
@@ -301,12 +302,16 @@ def test_check_address_leaves_denials_alone(site, run_allow):
 
 
 def test_check_address_in_report_mode(run_allow):
+    # Report mode relaxes the lists only: private addresses deny, for a would-deny host too.
     site = parse_policy(POLICY.replace("mode: enforce", "mode: report"), "sites.yaml")
     allowed = site.decide("a.example.com", 443, run_allow)
     d = site.check_address(allowed, "169.254.169.254")
-    assert (d.decision, d.reason) == ("allow", "would_deny:private_address")
+    assert (d.decision, d.reason) == ("deny", "private_address")
     would = site.decide("nowhere.test", 443)
-    assert site.check_address(would, "127.0.0.1") is would
+    assert would.would_deny
+    d = site.check_address(would, "127.0.0.1")
+    assert (d.decision, d.reason) == ("deny", "private_address")
+    assert site.check_address(would, "93.184.216.34") is would
 
 
 def test_refuse_for_proxy_checks(site, run_allow):
@@ -314,8 +319,9 @@ def test_refuse_for_proxy_checks(site, run_allow):
     d = site.refuse(allowed, "sni_mismatch", "the TLS server name differs from the CONNECT host.")
     assert (d.decision, d.reason, d.normalized_host, d.port) == ("deny", "sni_mismatch", "a.example.com", 443)
     report = parse_policy(POLICY.replace("mode: enforce", "mode: report"), "sites.yaml")
-    d = report.refuse(report.decide("a.example.com", 443, run_allow), "host_header_mismatch", "x")
-    assert (d.decision, d.reason) == ("allow", "would_deny:host_header_mismatch")
+    for reason in ("host_header_mismatch", "sni_mismatch", "resolve_failed"):
+        d = report.refuse(report.decide("a.example.com", 443, run_allow), reason, "x")
+        assert (d.decision, d.reason) == ("deny", reason)
 
 
 def test_decision_fields_are_the_contract(site):
