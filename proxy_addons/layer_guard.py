@@ -5,14 +5,28 @@ mitmproxy asks the `next_layer` hook what protocol comes next. The guard answers
 1. A new client connection (regular proxy mode): an HTTP/1 proxy layer with a bounded
    request head (`BoundedHttpLayer`). A client that starts with TLS (a "secure web proxy"
    client) is closed: the guard speaks plain HTTP to its clients only.
-2. Inside an allowed CONNECT tunnel, from the client's first bytes:
-   - a TLS ClientHello: its SNI, when present, must equal the CONNECT host after
-     normalisation; then the tunnel becomes raw TCP passthrough (no CA, no decryption;
-     HTTP/2 and WebSocket inside simply flow). A mismatch is a `sni_mismatch` denial: the
-     decision is logged and the connection is closed before any server connection is opened.
-   - plain HTTP (e.g. `ws://` tunnelled by a browser): its Host header must name the CONNECT
-     host (`host_header_mismatch` otherwise), then raw passthrough.
-   - anything else: raw passthrough to the checked address.
+2. Inside an allowed CONNECT tunnel, the client's first message is buffered whole before
+   anything is decided, and nothing reaches the server before the decision (the server
+   connection is only opened by the passthrough layer chosen afterwards). The wait is bounded
+   by `MAX_FIRST_MESSAGE` bytes and the head-read timeout; a one-byte first write is enough
+   to choose the path:
+   - first byte 0x16, a TLS handshake: `client_hello.read_client_hello` reads the complete
+     ClientHello across any number of writes and TLS records. It must carry exactly one
+     server_name entry, of type host_name, equal to the CONNECT host after normalisation
+     (`sni_mismatch` otherwise: two names, a name of another type, a foreign name). An
+     ECH/ESNI extension is accepted only with such an outer name. No server_name at all is
+     accepted only when the CONNECT host is an IP literal (clients send no SNI for an
+     address); for a name it is `sni_missing`. A malformed ClientHello is
+     `tls_hello_invalid`. Then the tunnel becomes raw TCP passthrough (no CA, no decryption;
+     HTTP/2 and WebSocket inside simply flow).
+   - first byte an upper-case letter: an HTTP/1 request (e.g. `ws://` tunnelled by a
+     browser). Its head is bounded like any request head (bytes and header lines,
+     `request_head_too_large`), must have at most one Host header and that header must
+     name the CONNECT host (`host_header_mismatch`); anything that is not an HTTP/1 request
+     line is `tunnel_protocol_refused`.
+   - anything else (a binary protocol on a port a pattern allowed explicitly): raw
+     passthrough to the checked address.
+   Every refusal is logged and closes the connection, in every policy mode.
 3. Anything else (e.g. an HTTP upgrade on a plain proxied request): closed.
 
 The SNI is judged here rather than in `tls_clienthello` because no TLS layer is ever built:
@@ -21,18 +35,18 @@ mitmproxy's TLS layers would need a certificate authority to intercept, and the 
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 
-from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer
 from mitmproxy.proxy.layers import TCPLayer
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
-from mitmproxy.proxy.layers.tls import parse_client_hello
 
 import policy
 
+from .client_hello import NEED_MORE, BadHello, could_be_tls, read_client_hello
 from .layers import BoundedHttpLayer, CloseLayer
 from .state import GuardState
 
@@ -40,9 +54,19 @@ logger = logging.getLogger("sfguard.proxy.layers")
 
 #: Most bytes waited for before a tunnel's first message (ClientHello / request head) is judged.
 MAX_FIRST_MESSAGE = 64 * 1024
-_HTTP_METHOD = re.compile(rb"^[A-Z]{3,10} ")
-_HTTP_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} [^ \r\n]+ HTTP/1\.[01]\r?\n")
-_HOST_LINE = re.compile(rb"\r\nhost:[ \t]*([^\r\n]*?)[ \t]*\r\n", re.IGNORECASE)
+#: A prefix of an HTTP/1 request line: a method in capitals, then (once there) a space.
+_HTTP_PREFIX = re.compile(rb"^[A-Z]{1,10}(?: |\Z)")
+_HTTP_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} [^ \r\n]+ HTTP/1\.[01]\r\n")
+_HOST_LINE = re.compile(rb"\r\nhost[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.IGNORECASE)
+_PASS = object()
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class LayerGuard:
@@ -66,7 +90,9 @@ class LayerGuard:
                 logger.info("closed a client that spoke TLS to the proxy port")
                 nextlayer.layer = CloseLayer(context)
             else:
-                nextlayer.layer = BoundedHttpLayer(context, HTTPMode.regular, self.s.max_head_bytes)
+                nextlayer.layer = BoundedHttpLayer(
+                    context, HTTPMode.regular, self.s.max_head_bytes, self.s.max_header_count,
+                    on_refuse=self._head_refused)
             return
 
         conn = self.s.conns.get(context.client.id)
@@ -79,49 +105,108 @@ class LayerGuard:
             return
         host, port = conn.tunnel
         target = conn.targets[conn.tunnel]
-        if starts_like_tls_record(data):
-            try:
-                hello = parse_client_hello(data)
-            except ValueError:
-                hello = None
-                named, ok = "an unreadable ClientHello", False
+        if could_be_tls(data):
+            verdict = self._judge_tls(data, host, port)
+        elif data[:1].isupper():
+            verdict = self._judge_http(data, host, port)
+        else:
+            verdict = _PASS  # another protocol (the port was allowed explicitly): raw bytes
+        if verdict is None:
+            if len(data) > MAX_FIRST_MESSAGE:
+                verdict = ("first_message_too_large", "TUNNEL",
+                           f"The guard closed a tunnel to {policy.join_host_port(host, port)}: its "
+                           f"first message was not complete within {MAX_FIRST_MESSAGE} bytes.")
             else:
-                if hello is None:
-                    if len(data) > MAX_FIRST_MESSAGE:
-                        nextlayer.layer = CloseLayer(context)
-                    return  # wait for the rest of the ClientHello
-                if hello.sni is None:
-                    named, ok = "", True
-                else:
-                    named, ok = hello.sni, self._same_host(hello.sni, host)
-            if not ok:
-                if not self._refuse(conn, target, "sni_mismatch",
-                                    f"The guard closed a tunnel to {host}:{port}: its TLS "
-                                    f"ClientHello names a different server "
-                                    f"({self._shown(named)})."):
-                    nextlayer.layer = CloseLayer(context)
-                    return
-        elif _HTTP_METHOD.match(data) and (b"\n" not in data or _HTTP_REQUEST_LINE.match(data)):
-            end = data.find(b"\r\n\r\n")
-            if end < 0:
-                if len(data) > MAX_FIRST_MESSAGE:
-                    nextlayer.layer = CloseLayer(context)
-                return  # wait for the whole request line and head
-            m = _HOST_LINE.search(data[: end + 2])
-            if m is not None:
-                value = m.group(1).decode("latin-1")
-                try:
-                    same = policy.split_host_port(value, default_port=port) == (host, port)
-                except policy.MalformedHost:
-                    same = False
-                if not same and not self._refuse(
-                        conn, target, "host_header_mismatch",
-                        f"The guard closed a tunnel to {host}:{port}: the request inside "
-                        f"names a different host ({self._shown(value)})."):
-                    nextlayer.layer = CloseLayer(context)
-                    return
+                return  # wait for the rest (the head-read timeout bounds the wait)
+        if verdict is not _PASS:
+            reason, method, explanation = verdict
+            self._refuse(conn, target, reason, method, explanation)
+            nextlayer.layer = CloseLayer(context)
+            return
         conn.head_done = True  # the head-read timeout no longer applies
         nextlayer.layer = TCPLayer(context, ignore=True)
+
+    def _head_refused(self, reason: str) -> None:
+        """A CONNECT or plain-HTTP request head over the limits (answered 431 and closed).
+        The client is not known yet (its credentials are in the refused head)."""
+        logger.info("refused a request head over the limits (%s)", reason)
+        self.s.decision_log.write(run=self.s.run, client=None, method="HTTP", host=None, port=None,
+                                  decision="deny", reason=reason, rule=None, addr=None)
+
+    # -- the first message of a tunnel -------------------------------------------------------
+    def _judge_tls(self, data: bytes, host: str, port: int):
+        """None: wait; _PASS; or (reason, method, explanation) to refuse."""
+        hello = read_client_hello(data)
+        if hello is NEED_MORE:
+            return None
+        where = policy.join_host_port(host, port)
+        if isinstance(hello, BadHello):
+            return ("tls_hello_invalid", "TLS",
+                    f"The guard closed a tunnel to {where}: its TLS ClientHello is not valid "
+                    f"({hello.reason}).")
+        names = hello.server_names
+        if not hello.has_sni_extension:
+            if hello.encrypted:
+                return ("sni_mismatch", "TLS",
+                        f"The guard closed a tunnel to {where}: an encrypted ClientHello "
+                        "needs an outer server name equal to the CONNECT host.")
+            if _is_ip(host):
+                return _PASS  # clients send no SNI for an IP address (RFC 6066)
+            return ("sni_missing", "TLS",
+                    f"The guard closed a tunnel to {where}: its TLS ClientHello names no "
+                    "server; the guard needs the name to match the CONNECT host.")
+        if len(names) != 1 or names[0][0] != 0:
+            shown = ", ".join(f"type {t}: {self._shown(n.decode('latin-1'))}" for t, n in names[:4])
+            return ("sni_mismatch", "TLS",
+                    f"The guard closed a tunnel to {where}: its TLS ClientHello must name exactly "
+                    f"one host_name ({len(names)} given: {shown}).")
+        name = names[0][1]
+        if not self._same_host(name, host):
+            return ("sni_mismatch", "TLS",
+                    f"The guard closed a tunnel to {where}: its TLS ClientHello names a "
+                    f"different server ({self._shown(name.decode('latin-1'))}).")
+        return _PASS
+
+    def _judge_http(self, data: bytes, host: str, port: int):
+        """None: wait; _PASS; or a refusal. The request inside must be HTTP/1 and name the
+        CONNECT host in exactly one Host header."""
+        where = policy.join_host_port(host, port)
+        line_end = data.find(b"\n")
+        if line_end < 0:
+            if len(data) > 8192 or not _HTTP_PREFIX.match(data):
+                return ("tunnel_protocol_refused", "TUNNEL",
+                        f"The guard closed a tunnel to {where}: its first bytes are neither "
+                        "TLS nor an HTTP/1 request.")
+            return None
+        if not _HTTP_REQUEST_LINE.match(data):
+            return ("tunnel_protocol_refused", "TUNNEL",
+                    f"The guard closed a tunnel to {where}: its first bytes are neither TLS nor "
+                    "an HTTP/1 request.")
+        end = data.find(b"\r\n\r\n")
+        head = data if end < 0 else data[:end + 2]
+        lines = head.count(b"\n")
+        if lines > self.s.max_header_count + 1 or len(head) > self.s.max_head_bytes:
+            return ("request_head_too_large", "TUNNEL",
+                    f"The guard closed a tunnel to {where}: the request head inside is over "
+                    f"{self.s.max_header_count} headers or {self.s.max_head_bytes} bytes.")
+        if end < 0:
+            return None
+        hosts = _HOST_LINE.findall(head)
+        if len(hosts) > 1:
+            return ("host_header_mismatch", "TUNNEL",
+                    f"The guard closed a tunnel to {where}: the request inside has "
+                    f"{len(hosts)} Host headers.")
+        if hosts:
+            value = hosts[0].decode("latin-1")
+            try:
+                same = policy.split_host_port(value, default_port=port) == (host, port)
+            except policy.MalformedHost:
+                same = False
+            if not same:
+                return ("host_header_mismatch", "TUNNEL",
+                        f"The guard closed a tunnel to {where}: the request inside names a "
+                        f"different host ({self._shown(value)}).")
+        return _PASS
 
     # -- helpers -----------------------------------------------------------------------------
     @staticmethod
@@ -132,9 +217,15 @@ class LayerGuard:
             return None
 
     @staticmethod
-    def _same_host(sni: str, host: str) -> bool:
+    def _same_host(sni: bytes, host: str) -> bool:
         try:
-            return policy.normalize_host(sni) == host
+            text = sni.decode("ascii")
+        except UnicodeDecodeError:
+            return False  # a host_name is ASCII (A-labels) on the wire
+        if not text or text[0] == "[" or ":" in text:
+            return False  # a host_name is a DNS name, never an IP literal in brackets
+        try:
+            return policy.normalize_host(text) == host
         except policy.MalformedHost:
             return False
 
@@ -142,9 +233,7 @@ class LayerGuard:
     def _shown(text: str) -> str:
         return text[:100].encode("ascii", "backslashreplace").decode("ascii")
 
-    def _refuse(self, conn, target, reason: str, explanation: str) -> bool:
-        """Ask policy to refuse; log it; True when the result still allows (report mode)."""
+    def _refuse(self, conn, target, reason: str, method: str, explanation: str) -> None:
+        """Record the refusal (enforced in every mode; the caller closes the connection)."""
         d = self.s.policy.refuse(target.decision, reason, explanation)
-        self.s.log_decision(d, client=conn.client, method="TLS" if reason == "sni_mismatch" else "TUNNEL",
-                            addr=target.address)
-        return d.allowed
+        self.s.log_decision(d, client=conn.client, method=method, addr=target.address)

@@ -1,44 +1,68 @@
 """Two small mitmproxy layers the guard uses (protocol plumbing, no policy).
 
-- `BoundedHttpLayer`: mitmproxy's HTTP layer with a bound on the size of a request head
-  (request line plus headers). mitmproxy itself buffers a head until it is complete, with no
-  limit; over-long header lines or thousands of headers would grow memory without end. Over
-  the bound the client gets `431` and the connection is closed.
+- `BoundedHttpLayer`: mitmproxy's HTTP layer with bounds on a request head (CONNECT or plain
+  HTTP): its size in bytes and its number of lines. mitmproxy itself buffers a head until it
+  is complete, with no limit; over-long header lines or thousands of headers would grow memory
+  and parsing time without end. Over a bound the client gets `431`, the connection is closed
+  and `on_refuse(reason)` is called (the guard writes a decision-log line). Lines are counted
+  as they arrive, so a head trickled byte by byte costs linear time.
 - `CloseLayer`: closes the client connection at once (used to kill a connection, e.g. a TLS
   ClientHello whose SNI does not match the CONNECT host). Nothing reaches any server.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers import HttpLayer
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 
+_HEAD_BODY = b"sfguard: request head too large (too many bytes or headers), connection shut\n"
 _HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-    b"Content-Type: text/plain; charset=utf-8\r\nConnection: close\r\nContent-Length: 49\r\n\r\n"
-    b"sfguard: request head too large, connection shut\n"
+    b"Content-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+    b"X-Sfguard-Decision: deny; reason=request_head_too_large\r\n"
+    b"Content-Length: " + str(len(_HEAD_BODY)).encode() + b"\r\n\r\n" + _HEAD_BODY
 )
 
 
 class BoundedHttpLayer(HttpLayer):
-    """HttpLayer that refuses request heads larger than `max_head_bytes`."""
+    """HttpLayer that refuses request heads over `max_head_bytes` or `max_header_count`
+    header lines."""
 
-    def __init__(self, context, mode, max_head_bytes: int) -> None:
+    def __init__(self, context, mode, max_head_bytes: int, max_header_count: int = 128,
+                 on_refuse: Callable[[str], None] | None = None) -> None:
         super().__init__(context, mode)
         self.max_head_bytes = max_head_bytes
+        self.max_lines = max_header_count + 2  # the request line and the empty line end it
+        self.on_refuse = on_refuse
         self._refused = False
+        self._lines = 0       # line ends in the connection's buffer (plus the new data)
+        self._seen = 0        # buffer length after the last event we counted
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if self._refused:
             return
         if isinstance(event, events.DataReceived) and event.connection is self.context.client:
             conn = self.connections.get(self.context.client)
-            if (isinstance(conn, Http1Server) and conn.state == conn.read_headers
-                    and len(conn.buf) + len(event.data) > self.max_head_bytes):
-                self._refused = True
-                yield commands.SendData(self.context.client, _HEAD_TOO_LARGE)
-                yield commands.CloseConnection(self.context.client)
-                return
+            if isinstance(conn, Http1Server) and conn.state == conn.read_headers:
+                buffered = len(conn.buf)
+                if buffered != self._seen:  # a head was taken out since: count afresh
+                    self._lines = bytes(conn.buf).count(b"\n") if buffered else 0
+                self._lines += event.data.count(b"\n")
+                self._seen = buffered + len(event.data)
+                reason = None
+                if self._seen > self.max_head_bytes:
+                    reason = "request_head_too_large"
+                elif self._lines > self.max_lines:
+                    reason = "too_many_headers"
+                if reason is not None:
+                    self._refused = True
+                    if self.on_refuse is not None:
+                        self.on_refuse(reason)
+                    yield commands.SendData(self.context.client, _HEAD_TOO_LARGE)
+                    yield commands.CloseConnection(self.context.client)
+                    return
         yield from super()._handle_event(event)
 
 

@@ -63,7 +63,8 @@ class GuardConfig:
     decision_log: str | None = None        # None, "-" (stdout) or a file path (append, 0600)
     run: str | None = None                 # run id for log lines of clients without their own
     head_timeout: float = 10.0             # seconds to finish the first request head
-    max_head_bytes: int = 64 * 1024        # largest request head accepted
+    max_head_bytes: int = 64 * 1024        # largest request head accepted (CONNECT, HTTP, tunnel)
+    max_header_count: int = 128            # most header lines in one request head
     policy_poll_interval: float = 0.25     # seconds between policy file checks
     quiet_flush_interval: float = 60.0     # seconds between quiet-denial aggregate lines
 
@@ -123,7 +124,7 @@ class GuardProxy:
         self.state = GuardState(
             self.registry, self.policy_status, Resolver(self.config.resolve), self.decision_log,
             run=self.config.run, head_timeout=self.config.head_timeout,
-            max_head_bytes=self.config.max_head_bytes)
+            max_head_bytes=self.config.max_head_bytes, max_header_count=self.config.max_header_count)
 
         opts = options.Options()
         master = Master(opts, event_loop=asyncio.get_running_loop())

@@ -84,7 +84,8 @@ class GuardState:
 
     def __init__(self, registry: ClientRegistry, policy_status: PolicyStatus,
                  resolver: Resolver, decision_log: DecisionLog, run: str | None = None,
-                 head_timeout: float = 10.0, max_head_bytes: int = 64 * 1024) -> None:
+                 head_timeout: float = 10.0, max_head_bytes: int = 64 * 1024,
+                 max_header_count: int = 128) -> None:
         self.registry = registry
         self.policy_status = policy_status
         self.resolver = resolver
@@ -92,6 +93,7 @@ class GuardState:
         self.run = run
         self.head_timeout = head_timeout
         self.max_head_bytes = max_head_bytes
+        self.max_header_count = max_header_count
         self.conns: dict[str, ConnState] = {}
         self.running = asyncio.Event()  # set once mitmproxy's servers listen
 

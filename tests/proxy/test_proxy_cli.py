@@ -219,9 +219,15 @@ def test_foreign_sni_in_allowed_tunnel_is_killed_and_logged(guard, echo_server):
     assert hits[0]["client"] == "a"
 
 
-@pytest.mark.parametrize("sni", ["site-a.test", "SITE-A.test.", None])
-def test_matching_or_absent_sni_passes_through_untouched(guard, echo_server, sni):
-    reply = connect(guard.port, f"site-a.test:{echo_server.port}", A)
+@pytest.mark.parametrize("sni,connect_host", [
+    ("site-a.test", "site-a.test"), ("SITE-A.test.", "site-a.test"),
+    (None, "127.0.0.1"),  # no SNI: accepted only for an IP-literal CONNECT host
+])
+def test_matching_or_absent_sni_passes_through_untouched(proxies, site_policy, echo_server, sni,
+                                                        connect_host):
+    guard = proxies(["--allow", "site-a.test,127.0.0.1", "--policy", str(site_policy),
+                     "--client", f"a:{TOKEN_A}", "--resolve", "site-a.test=127.0.0.1"])
+    reply = connect(guard.port, f"{connect_host}:{echo_server.port}", A)
     assert reply.status == 200
     hello = client_hello(sni)
     reply.sock.sendall(hello)
