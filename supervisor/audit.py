@@ -6,8 +6,19 @@
      "hash": "<sha256>", "prev": "<hash of the previous record>", "seq": 7, "ts": 1764679...}
 
 `hash` = sha256 over the canonical JSON (sorted keys, no spaces) of the record without
-`hash`. The first record's `prev` is 64 zeros. `<home>/audit.head` (0600) holds the last
-`seq` and `hash`, rewritten after every append, so a cut-off tail is detected too.
+`hash` and `mac`. The first record's `prev` is 64 zeros. `<home>/audit.head` (0600) holds
+the last `seq` and `hash`, rewritten after every append, so a cut-off tail is detected too.
+
+The chain is keyed: every record also carries `mac` = HMAC-SHA256 over the canonical JSON of
+the record without `mac` (so over its `hash` and `prev` too), and the head file carries a
+`mac` over its `seq` and `hash`. The key is the KeyProvider's audit key (a key of its own,
+never a sealing key; keyring or `<home>/keys/audit.hmac`). Whoever rewrites the log and the
+head without the key (recomputing every sha256) is detected. Logs written before the key
+existed have no `mac`: their records still verify with the plain hash chain; once a keyed
+record exists, every later record and the head must be keyed.
+
+An absent or empty log is not "intact" when the home shows records must have existed: sealed
+profiles under `<home>/profiles/`, or the audit key itself (made with the first keyed record).
 
 Appends from several processes are serialised with fcntl.flock on `<home>/audit.lock`
 around read-head + append + fsync + write-head. The chain continues from the head file, so
@@ -21,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -121,7 +133,19 @@ def canonical(obj: Any) -> bytes:
 
 
 def record_hash(rec: dict) -> str:
-    return hashlib.sha256(canonical({k: v for k, v in rec.items() if k != "hash"})).hexdigest()
+    return hashlib.sha256(canonical({k: v for k, v in rec.items()
+                                     if k != "hash" and k != "mac"})).hexdigest()
+
+
+def record_mac(key: bytes, rec: dict) -> str:
+    """HMAC-SHA256 of the record without `mac` (its `hash` and `prev` included)."""
+    return hmac.new(key, canonical({k: v for k, v in rec.items() if k != "mac"}),
+                    hashlib.sha256).hexdigest()
+
+
+def head_mac(key: bytes, seq: int, digest: str) -> str:
+    return hmac.new(key, canonical({"hash": digest, "seq": seq, "what": "audit.head"}),
+                    hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -139,13 +163,40 @@ class VerifyResult:
 
 
 class LocalAuditSink:
-    """AuditSink writing `<home>/audit.log` with a hash chain and a head file."""
+    """AuditSink writing `<home>/audit.log` with a keyed hash chain and a head file.
 
-    def __init__(self, home: Path):
+    `keys` is the KeyProvider (default: `default_key_provider(home)`, as the profile store)."""
+
+    def __init__(self, home: Path, keys: Any = None):
         self.home = ensure_home(home)
         self.log_path = self.home / LOG_FILE
         self.head_path = self.home / HEAD_FILE
         self.lock_path = self.home / LOCK_FILE
+        if keys is None:
+            from supervisor.keys import default_key_provider  # noqa: PLC0415
+            keys = default_key_provider(self.home)
+        self.keys = keys
+        self._key: bytes | None = None
+
+    def _audit_key(self, create: bool) -> bytes | None:
+        if self._key is None:
+            self._key = self.keys.get_audit_key(create=create)
+        return self._key
+
+    def _evidence(self) -> str | None:
+        """Why this home must have audit records, or None (a fresh home)."""
+        profiles = self.home / "profiles"
+        try:
+            for _n, path in zip(range(10_000), profiles.rglob("profile.sealed")):
+                return "the home holds sealed profiles"
+        except OSError:
+            pass
+        try:
+            if self._audit_key(create=False) is not None:
+                return "the audit key exists, so keyed records were written"
+        except Exception:  # a damaged key is evidence too
+            return "the audit key exists, so keyed records were written"
+        return None
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -157,13 +208,18 @@ class LocalAuditSink:
             os.close(fd)
 
     def _head(self) -> tuple[int, str] | None:
+        head = self._head_full()
+        return None if head is None else (head[0], head[1])
+
+    def _head_full(self) -> tuple[int, str, str | None] | None:
         try:
             d = json.loads(self.head_path.read_bytes())
-            return int(d["seq"]), str(d["hash"])
+            mac = d.get("mac")
+            return int(d["seq"]), str(d["hash"]), (mac if isinstance(mac, str) else None)
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError):
-            return (-1, "")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return (-1, "", None)
 
     def _last_line_record(self) -> tuple[int, str] | None:
         """(seq, hash) of the log's last line, read from the end (the log may be large)."""
@@ -200,9 +256,11 @@ class LocalAuditSink:
         with self._locked():
             # Continue the chain from the head file (the truth), else from the log's last line.
             last = self._head() or self._last_line_record() or (0, GENESIS)
+            key = self._audit_key(create=True)
             rec = {"seq": last[0] + 1, "ts": round(time.time(), 6), "event": event,
                    "fields": clean, "prev": last[1]}
             rec["hash"] = record_hash(rec)
+            rec["mac"] = record_mac(key, rec)
             line = canonical(rec) + b"\n"
             fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
                          FILE_MODE)
@@ -211,7 +269,9 @@ class LocalAuditSink:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            atomic_write(self.head_path, canonical({"seq": rec["seq"], "hash": rec["hash"]}))
+            atomic_write(self.head_path, canonical({
+                "seq": rec["seq"], "hash": rec["hash"],
+                "mac": head_mac(key, rec["seq"], rec["hash"])}))
         return rec
 
     def _iter_lines(self) -> Iterator[tuple[int, bytes]]:
@@ -239,9 +299,15 @@ class LocalAuditSink:
         return out
 
     def verify(self) -> VerifyResult:
-        """Check every record's hash, seq and link, and the tail against the head file."""
+        """Check every record's hash, MAC, seq and link, the tail against the head file, and
+        that an absent or empty log is possible for this home."""
         with self._locked():
+            try:
+                key = self._audit_key(create=False)
+            except Exception as exc:  # KeyMissing: damaged or not private
+                return VerifyResult(False, 0, None, f"the audit key cannot be used: {exc}")
             prev_hash, seq, count = GENESIS, 0, 0
+            keyed = False
             for n, line in self._iter_lines():
                 if not line.endswith(b"\n"):
                     return VerifyResult(False, count, n, "last line is incomplete (cut mid-record)")
@@ -261,12 +327,37 @@ class LocalAuditSink:
                                         "(record deleted, inserted or moved)")
                 if rec.get("event") not in EVENTS:
                     return VerifyResult(False, count, n, "unknown event")
+                if "mac" in rec:
+                    if key is None:
+                        return VerifyResult(False, count, n, "the record is keyed but the audit key "
+                                            "is missing (key deleted, or the log comes from "
+                                            "another home)")
+                    if not isinstance(rec["mac"], str) or not hmac.compare_digest(
+                            rec["mac"], record_mac(key, rec)):
+                        return VerifyResult(False, count, n, "record MAC does not match (rewritten "
+                                            "without the audit key)")
+                    keyed = True
+                elif keyed:
+                    return VerifyResult(False, count, n, "an unkeyed record after keyed ones "
+                                        "(rewritten without the audit key)")
                 prev_hash, seq, count = rec["hash"], rec["seq"], count + 1
-            head = self._head()
+            head = self._head_full()
             if head is None:
                 if count:
                     return VerifyResult(False, count, None, f"head file {HEAD_FILE} is missing")
+                evidence = self._evidence()
+                if evidence:
+                    return VerifyResult(False, 0, None, f"the audit log is missing or empty, but "
+                                        f"{evidence} (log deleted or emptied)")
                 return VerifyResult(True, 0)
+            if head[0] == seq and head[1] == prev_hash and count:
+                if key is not None and not keyed:
+                    return VerifyResult(False, count, None, "the audit key exists but no record is "
+                                        "keyed (log rewritten without the audit key)")
+                if keyed and (head[2] is None or not hmac.compare_digest(
+                        head[2], head_mac(key, head[0], head[1]))):
+                    return VerifyResult(False, count, None, f"head file {HEAD_FILE} MAC does not "
+                                        "match (rewritten without the audit key)")
             if head[0] != seq or head[1] != prev_hash:
                 if head[0] > seq:
                     return VerifyResult(False, count, count + 1, f"log ends at record {seq} but the "

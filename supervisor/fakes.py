@@ -46,6 +46,13 @@ class FakeKeyProvider:
     def delete_key(self, scope: str) -> bool:
         return self.keys.pop(scope, None) is not None
 
+    def get_audit_key(self, *, create: bool = True) -> bytes | None:
+        if "#audit" not in self.keys:
+            if not create:
+                return None
+            self.keys["#audit"] = secrets.token_bytes(32)
+        return self.keys["#audit"]
+
     def describe(self) -> str:
         return "in-memory keys (test fake)"
 

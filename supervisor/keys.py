@@ -22,6 +22,10 @@ from supervisor.protocols import ProfileError, validate_name
 
 KEY_BYTES = 32
 KEYRING_SERVICE = "sfguard"
+#: The audit chain's HMAC key: a key of its own, never a scope's sealing key. Its file name and
+#: keyring user cannot collide with a scope (scope names have no '.' and no '#').
+AUDIT_KEY_FILE = "audit.hmac"
+AUDIT_KEYRING_USER = "#audit-chain"
 
 
 class KeyMissing(ProfileError):
@@ -67,6 +71,24 @@ class FileKeyProvider:
         except FileNotFoundError:
             return False
 
+    def get_audit_key(self, *, create: bool = True) -> bytes | None:
+        """The audit chain's HMAC key (`<home>/keys/audit.hmac`); None when absent and not
+        created. KeyMissing when it is damaged or not private."""
+        path = self.folder / AUDIT_KEY_FILE
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                return None
+            private_dir(self.folder)
+            key = secrets.token_bytes(KEY_BYTES)
+            atomic_write(path, base64.b64encode(key) + b"\n", FILE_MODE)
+            return key
+        if st.st_uid != os.getuid() or (st.st_mode & 0o077) or not os.path.isfile(path) \
+                or os.path.islink(path):
+            raise KeyMissing("the audit key file is not private (0600, ours): refusing it")
+        return _decode_key(path.read_bytes().strip(), "the audit key file is damaged")
+
     def describe(self) -> str:
         return f"key file ({self.folder}, 0600; no keyring backend on this machine)"
 
@@ -110,9 +132,31 @@ class KeyringKeyProvider:
         except keyring.errors.PasswordDeleteError:
             return False
 
+    def get_audit_key(self, *, create: bool = True) -> bytes | None:
+        """The audit chain's HMAC key, an entry of its own in the keyring."""
+        user = f"{self._tag}:{AUDIT_KEYRING_USER}"
+        stored = self._kr.get_password(KEYRING_SERVICE, user)
+        if stored is None:
+            if not create:
+                return None
+            key = secrets.token_bytes(KEY_BYTES)
+            self._kr.set_password(KEYRING_SERVICE, user, base64.b64encode(key).decode())
+            return key
+        return _decode_key(stored.encode(), "the keyring entry of the audit key is damaged")
+
     def describe(self) -> str:
         kr = type(self._kr)
         return f"keyring ({kr.__module__}.{kr.__name__})"
+
+
+def _decode_key(raw: bytes, damaged: str) -> bytes:
+    try:
+        key = base64.b64decode(raw, validate=True)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise KeyMissing(damaged)
+    return key
 
 
 def keyring_usable() -> bool:

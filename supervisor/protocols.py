@@ -187,10 +187,12 @@ class ProfileLease(Protocol):
 
 @runtime_checkable
 class KeyProvider(Protocol):
-    """Per-scope 32-byte keys. Deleting a scope's key makes its sealed data unreadable."""
+    """Per-scope 32-byte keys. Deleting a scope's key makes its sealed data unreadable.
+    `get_audit_key` is the audit chain's HMAC key, a key of its own (None: absent, not made)."""
 
     def get_key(self, scope: str, *, create: bool = True) -> bytes: ...
     def delete_key(self, scope: str) -> bool: ...
+    def get_audit_key(self, *, create: bool = True) -> bytes | None: ...
     def describe(self) -> str: ...
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from supervisor.audit import AuditFieldError, LocalAuditSink
 from supervisor.fakes import FakeAuditSink
+from supervisor.keys import FileKeyProvider
 from tests.profiles.conftest import ROOT, sfguard
 
 
@@ -18,9 +19,16 @@ def fill(sink, n=6):
         sink.record("profile_leased", scope="local", profile=f"p{i % 2}", run=f"run-{i}")
 
 
+def local_sink(home):
+    """The sink with the key provider the CLI uses on this machine (no keyring backend: the
+    key file). Explicit, because another test module defines a keyring backend class, which
+    makes `keyring` in this process pick it."""
+    return LocalAuditSink(home, FileKeyProvider(home))
+
+
 @pytest.fixture
 def sink(tmp_path):
-    s = LocalAuditSink(tmp_path / "home")
+    s = local_sink(tmp_path / "home")
     fill(s)
     return s
 
@@ -56,7 +64,7 @@ def _edit_and_rehash(ls):
     rec["fields"]["run"] = "run-evil"
     rec["hash"] = record_hash(rec)
     ls[2] = json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n"
-    return ls, 4                                  # record 3 is self-consistent; 4 no longer links
+    return ls, 3                                  # the hash fits, the keyed MAC does not
 
 
 def _delete(ls):
@@ -133,7 +141,7 @@ def test_concurrent_appenders_keep_chain(tmp_path):
              for w in range(4)]
     for p in procs:
         assert p.wait(timeout=60) == 0
-    r = LocalAuditSink(home).verify()
+    r = local_sink(home).verify()
     assert r.ok and r.records == 200
 
 
