@@ -19,11 +19,12 @@ mitmproxy asks the `next_layer` hook what protocol comes next. The guard answers
      address); for a name it is `sni_missing`. A malformed ClientHello is
      `tls_hello_invalid`. Then the tunnel becomes raw TCP passthrough (no CA, no decryption;
      HTTP/2 and WebSocket inside simply flow).
-   - first byte an upper-case letter: an HTTP/1 request (e.g. `ws://` tunnelled by a
-     browser). Its head is bounded like any request head (bytes and header lines,
-     `request_head_too_large`), must have at most one Host header and that header must
-     name the CONNECT host (`host_header_mismatch`); anything that is not an HTTP/1 request
-     line is `tunnel_protocol_refused`.
+   - first byte an upper-case letter: the first line is awaited. An HTTP/1 request (e.g.
+     `ws://` tunnelled by a browser) has its head bounded like any request head (bytes and
+     header lines, `request_head_too_large`), must have at most one Host header and that
+     header must name the CONNECT host (`host_header_mismatch`). A first line that mentions
+     `HTTP/` but is not a clean request line (tabs, a lower-case method, no space) is
+     `tunnel_protocol_refused`; a text protocol whose first line does not mention it passes.
    - anything else (a binary protocol on a port a pattern allowed explicitly): raw
      passthrough to the checked address.
    Every refusal is logged and closes the connection, in every policy mode.
@@ -168,20 +169,22 @@ class LayerGuard:
         return _PASS
 
     def _judge_http(self, data: bytes, host: str, port: int):
-        """None: wait; _PASS; or a refusal. The request inside must be HTTP/1 and name the
-        CONNECT host in exactly one Host header."""
+        """None: wait; _PASS; or a refusal. An HTTP/1 request inside must name the CONNECT
+        host in at most one Host header. A first line that mentions HTTP/ but is not a clean
+        request line is refused (a server might read it as a request the guard did not
+        check); a text protocol whose first line does not (Redis' `PING`) passes."""
         where = policy.join_host_port(host, port)
         line_end = data.find(b"\n")
         if line_end < 0:
-            if len(data) > 8192 or not _HTTP_PREFIX.match(data):
-                return ("tunnel_protocol_refused", "TUNNEL",
-                        f"The guard closed a tunnel to {where}: its first bytes are neither "
-                        "TLS nor an HTTP/1 request.")
-            return None
+            if not _HTTP_PREFIX.match(data):
+                return _PASS  # cannot become an HTTP request line: another protocol
+            return None  # wait for the whole first line
         if not _HTTP_REQUEST_LINE.match(data):
-            return ("tunnel_protocol_refused", "TUNNEL",
-                    f"The guard closed a tunnel to {where}: its first bytes are neither TLS nor "
-                    "an HTTP/1 request.")
+            if b"HTTP/" in data[:line_end].upper():
+                return ("tunnel_protocol_refused", "TUNNEL",
+                        f"The guard closed a tunnel to {where}: its first line is not a "
+                        "well-formed HTTP/1 request line.")
+            return _PASS
         end = data.find(b"\r\n\r\n")
         head = data if end < 0 else data[:end + 2]
         lines = head.count(b"\n")

@@ -243,12 +243,17 @@ def test_a_normal_head_with_many_headers_still_passes(guard, upstream):
     (b"G", None),  # a prefix: waits, then times out; nothing is sent
     (b"GET/x HTTP/1.1\r\n", "tunnel_protocol_refused"),
     (b"Get / HTTP/1.1\r\n", "tunnel_protocol_refused"),
+    (b"GET / HTTP/1.1\n", "tunnel_protocol_refused"),
+    (b"PING\r\n", "passes"),       # a text protocol on an allowed port: raw bytes
+    (b"SEND 5\n", "passes"),
     (b"GET /\tHTTP/1.1\r\nHost: evil.test\r\n\r\n", "tunnel_protocol_refused"),
 ])
 def test_http_inside_a_tunnel(guard, upstream, data, reason):
     sock = tunnel(guard, upstream)
     send_pieces(sock, data, [1, 2])
-    if reason is None:
+    if reason == "passes":
+        assert_passed(sock, data, upstream)
+    elif reason is None:
         assert wait_closed(sock, timeout=10)
         sock.close()
         assert upstream.connections == 0 and bytes(upstream.received) == b""
