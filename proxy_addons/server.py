@@ -35,6 +35,7 @@ from mitmproxy.master import Master  # noqa: E402
 
 import policy
 
+from . import dispatch
 from .address_guard import AddressGuard
 from .clients import Client, ClientRegistry
 from .connect_guard import ConnectGuard
@@ -128,6 +129,7 @@ class GuardProxy:
 
         opts = options.Options()
         master = Master(opts, event_loop=asyncio.get_running_loop())
+        dispatch.install(master)  # call only the hooks that exist (measured: see dispatch.py)
         ps = proxyserver.Proxyserver()
         master.addons.add(
             ps,
