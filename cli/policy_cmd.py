@@ -1,16 +1,19 @@
 """`sfguard policy validate|explain`: check a site policy and explain its decisions.
 
-    sfguard policy validate [FILE]
+    sfguard policy validate [--policy FILE | FILE] [--json]
         exit 0 with a one-line summary when FILE (default: the shipped policy) is valid,
         exit 1 with every error (file:line:col: field: message (hint: ...)) when it is not.
-    sfguard policy explain HOST[:PORT] ... [--allow PATTERNS] [--policy FILE] [--json]
-        for each host: the normalised host and port, the decision, the reason code and the rule
-        that decided. Exit 0 when every host was explained (denials included), 2 for bad
+    sfguard policy explain HOST[:PORT]... | - [--allow PATTERNS] [--policy FILE] [--json] [--exit-code]
+        for each host (`-`: one per line from stdin): the normalised host and port, the
+        decision, the reason code and the rule that decided. Exit 0 when every host was
+        explained (denials included; with --exit-code: 1 when any host is denied), 2 for bad
         arguments or an invalid policy.
+    sfguard policy test|replay|diff: see cli/policy_test_cmd.py.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -29,12 +32,17 @@ class _Usage(Exception):
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("policy", help="validate the site policy and explain its decisions",
                             description="Validate the site policy and explain its decisions.")
-    psub = parser.add_subparsers(dest="policy_command", metavar="SUBCOMMAND")
+    psub = parser.add_subparsers(dest="policy_command", metavar="COMMAND")
     psub.required = True
 
     val = psub.add_parser("validate", help="check a policy file",
                           description="Check a policy file; exit 0 when valid, 1 with every error when not.")
-    val.add_argument("file", nargs="?", help="policy file (default: the shipped policy/sites.yaml)")
+    val.add_argument("file", nargs="?", metavar="FILE",
+                     help="policy file (default: the shipped policy/sites.yaml); same as --policy FILE")
+    val.add_argument("--policy", dest="policy_file", metavar="FILE",
+                     help="policy file (default: the shipped policy/sites.yaml)")
+    val.add_argument("--json", action="store_true",
+                     help="print one JSON object: {file, valid, errors: [{file, line, col, field, message, hint}], summary}")
     val.set_defaults(func=cmd_validate)
 
     exp = psub.add_parser(
@@ -43,12 +51,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "decision, the reason code and the rule (file:line) that decided. Address checks "
                      "that need DNS are made by the proxy."))
     exp.add_argument("hosts", nargs="+", metavar="HOST[:PORT]",
-                     help="a host, optionally with a port; IPv6 with a port as [2001:db8::1]:443")
+                     help="a host, optionally with a port; IPv6 with a port as [2001:db8::1]:443; "
+                          "- reads hosts from stdin, one per line")
     exp.add_argument("--allow", action="append", default=[], metavar="PATTERNS",
                      help="a run's allow_domains, comma-separated (may be repeated)")
     exp.add_argument("--policy", metavar="FILE", help="policy file (default: the shipped one)")
     exp.add_argument("--json", action="store_true", help="one JSON object per host per line")
+    exp.add_argument("--exit-code", action="store_true",
+                     help="exit 1 when any host is denied (report mode: would be denied)")
     exp.set_defaults(func=cmd_explain)
+
+    from cli import policy_test_cmd
+    policy_test_cmd.register(psub)
 
 
 def _summary(p: policy.SitePolicy) -> str:
@@ -59,9 +73,22 @@ def _summary(p: policy.SitePolicy) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if args.file and args.policy_file and args.file != args.policy_file:
+        print("sfguard policy validate: error: give the policy file once (FILE or --policy FILE)",
+              file=sys.stderr)
+        return 2
+    path = args.policy_file or args.file
     try:
-        p = policy.load_policy(args.file)
+        p = policy.load_policy(path)
     except policy.PolicyError as exc:
+        if args.json:
+            print(json.dumps({"file": path or str(policy.default_policy_path()), "valid": False,
+                              "errors": [dataclasses.asdict(i) for i in exc.issues],
+                              "more": exc.more}))
+            return 2 if _unreadable(exc) else 1
+        if _unreadable(exc):
+            print(f"sfguard policy validate: error: {exc.issues[0]}", file=sys.stderr)
+            return 2
         for issue in exc.issues:
             print(issue)
         count = len(exc.issues) + exc.more
@@ -69,8 +96,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"... and {exc.more} more")
         print(f"{count} error{'s' if count != 1 else ''}: the policy is not valid", file=sys.stderr)
         return 1
+    if args.json:
+        print(json.dumps({"file": p.source, "valid": True, "errors": [], "more": 0,
+                          "summary": p.summary() | {"version": p.version}}))
+        return 0
     print(_summary(p))
     return 0
+
+
+def _unreadable(exc: policy.PolicyError) -> bool:
+    """The file could not be read at all (missing, a folder, unreadable): a usage error (2),
+    not a policy that failed its check (1)."""
+    return len(exc.issues) == 1 and exc.issues[0].field == "(file)" and \
+        exc.issues[0].message.startswith("cannot read")
 
 
 def _split_allow(values: list[str]) -> list[str]:
@@ -105,15 +143,24 @@ def _explain(args: argparse.Namespace) -> int:
         except policy.PolicyError as exc:
             raise _Usage("bad --allow pattern:\n" + str(exc)) from None
 
-    for i, text in enumerate(args.hosts):
+    hosts = list(args.hosts)
+    if "-" in hosts:
+        if hosts != ["-"]:
+            raise _Usage("give hosts as arguments or - (one per line on stdin), not both")
+        hosts = [line.strip() for line in sys.stdin if line.strip() and not line.lstrip().startswith("#")]
+        if not hosts:
+            raise _Usage("no hosts on stdin (one HOST[:PORT] per line)")
+    denied = False
+    for i, text in enumerate(hosts):
         decision = explain_one(p, text, allow)
+        denied = denied or not decision.allowed or decision.would_deny
         if args.json:
             print(json.dumps(decision.as_dict(), ensure_ascii=False))
         else:
             if i:
                 print()
             print(_human(p, decision, text))
-    return 0
+    return 1 if args.exit_code and denied else 0
 
 
 def explain_one(p: policy.SitePolicy, text: str, allow: policy.RuleSet | None) -> policy.Decision:
