@@ -15,11 +15,19 @@ from cli.main import CliError
 
 def register(sub) -> None:
     p = sub.add_parser("start", help="run the guard daemon in the foreground",
-                       description="Run the guard: control API on a unix socket in the home.")
-    p.add_argument("--home", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+                       description=("Run the guard in the foreground: the control API on a unix "
+                                    "socket in the home (guard.sock, 0600) and, with --tcp, on "
+                                    "127.0.0.1 with a bearer token. Stop it with Ctrl-C or SIGTERM: "
+                                    "every run is torn down. Exit 3 when a guard already runs on "
+                                    "this home, 2 for an unusable home or policy."))
+    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
     p.add_argument("--policy", metavar="FILE", help="site policy (default: the shipped policy/sites.yaml)")
     p.add_argument("--tcp", metavar="PORT", type=int,
-                   help="also listen on 127.0.0.1:PORT with a bearer token (printed once)")
+                   help="also listen on 127.0.0.1:PORT with a bearer token (printed once, "
+                        "or written to --token-file)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="with --tcp: write the bearer token to FILE (created 0600, replaced "
+                        "atomically) instead of printing it")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
                    help="DNS override for the run proxies, like curl's --resolve (tests, demos)")
     p.set_defaults(func=run)
