@@ -175,8 +175,15 @@ def parse_case_file(text: str, source: str) -> CaseFile:
                 if case is not None:
                     cases.append(case)
     if problems:
-        raise CaseFileError(problems)
+        raise CaseFileError(sorted(problems, key=_line_of))
     return CaseFile(source, policy_path, tuple(cases))
+
+
+def _line_of(problem: str) -> int:
+    """The line number in a `FILE:LINE: ...` problem (for sorting)."""
+    head = problem.split(": ", 1)[0]
+    tail = head.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
 
 
 def _case(node: yaml.Node, i: int, source: str, problems: list[str]) -> Case | None:
