@@ -41,14 +41,11 @@ def _loc(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if p not in ("function-after", "function-before"))
 
 
-def validation_error(exc: ValidationError) -> ApiError:
+def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+    """The first error, worded as `sfguard validate` words it (supervisor.models.error_message)."""
     first = exc.errors()[0]
-    field = _loc(first["loc"]) or None
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown field"
-    elif first["type"] == "missing":
-        msg = "required field is missing"
+    field = m.field_path(first["loc"]) or None
+    msg = m.error_message(first, model)
     return ApiError(400, "invalid_request", f"{field}: {msg}" if field else msg, field)
 
 
@@ -183,7 +180,7 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                 try:
                     kwargs["body"] = route.body.model_validate(data)
                 except ValidationError as exc:
-                    raise validation_error(exc) from None
+                    raise validation_error(exc, route.body) from None
             status, answer = await getattr(target, route.handler)(**kwargs)
             return web.json_response(answer, status=status)
         return handle
