@@ -120,40 +120,169 @@ class RunEnd(Strict):
     outcome: Literal["succeeded", "failed", "cancelled", "abandoned"]
 
 
+#: Every error code the guard answers with (ErrorBody.code). Per route, the OpenAPI document
+#: lists the ones that route can give (supervisor/api.py ROUTES).
+ERROR_CODES = (
+    # edge: any route
+    "invalid_request", "invalid_json", "body_too_large", "unauthorized", "not_found",
+    "method_not_allowed", "http_error", "internal",
+    # runs and stages
+    "run_exists", "run_not_found", "run_ended", "stage_not_found", "stage_active", "attempt_used",
+    "stage_not_waiting", "no_pipeline", "no_display", "browser_failed",
+    # profiles
+    "invalid_name", "profile_not_found", "profile_leased",
+    # login check, envelope verification, handoff
+    "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
+    "envelope_mismatch", "handoff_impossible",
+)
+ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
+
+
 class ErrorBody(Strict):
-    code: str
-    message: str
-    field: str | None = None
+    code: ErrorCode = Field(description="a stable code; see ERROR_CODES in supervisor/models.py")
+    message: str = Field(description="one sentence for a person; never a secret")
+    field: str | None = Field(default=None, description=(
+        "the dotted path of the offending input (browser.allow_domains.2), or null"))
 
 
 class ErrorAnswer(Strict):
     error: ErrorBody
 
 
-class StageReady(Strict):
+class Answer(BaseModel):
+    """A 2xx answer. Clients must ignore fields they do not know (the guard may add some)."""
+    model_config = ConfigDict(extra="allow")
+
+
+class StageReady(Answer):
     state: Literal["ready"]
-    env: dict[str, str]
+    env: dict[str, str] = Field(description=(
+        "the stage's environment: AGENT_BROWSER_CDP (the CDP gate with this stage's token), "
+        "AGENT_BROWSER_SESSION, AGENT_BROWSER_SOCKET_DIR, AGENT_BROWSER_PIN_TAB, "
+        "AGENT_BROWSER_CONFIG, AGENT_BROWSER_IDLE_TIMEOUT_MS; identical on every poll and resume"))
 
 
-class StageWaiting(Strict):
+class StageWaiting(Answer):
     state: Literal["waiting"]
-    holder_run: str
-    since: str
-    position: int | None = None
+    holder_run: str = Field(description="the run that holds the profile ('' while starting)")
+    since: str = Field(description="UTC time (ISO 8601) since the holder has it, or since queued")
+    position: int | None = Field(default=None, description="1 = next in the profile's queue")
 
 
-class StageEnded(Strict):
+class StageEnded(Answer):
     state: Literal["ended"]
     outcome: str
 
 
-class RunCreated(Strict):
+class RunCreated(Answer):
     run_id: str
-    state: str
+    state: Literal["active"]
 
 
-class Ok(Strict):
+class Ok(Answer):
     ok: bool = True
+
+
+class EndAnswer(Answer):
+    ok: bool = Field(description="false when teardown reported problems (listed)")
+    problems: list[str] = Field(default_factory=list)
+
+
+class RunEndAnswer(EndAnswer):
+    outcome: str | None = None
+
+
+class RunStageInfo(Answer):
+    stage_id: str
+    attempt: int
+    state: Literal["pending", "waiting", "ready", "relaunching", "ended", "failed"]
+    profile: str | None
+    outcome: str | None
+    holder_run: str | None
+
+
+class RunBrowserInfo(Answer):
+    profile: str | None
+    throwaway: bool
+    headed: bool
+    alive: bool
+    stages: list[str]
+    restarts: int
+
+
+class RunProxyInfo(Answer):
+    port: int | None
+    alive: bool
+    restarts: int
+
+
+class RunInfo(Answer):
+    """A run as the guard holds it: names and states, never a secret."""
+    run_id: str
+    state: Literal["active", "ending", "ended"]
+    outcome: str | None
+    created: str
+    pipeline: bool = Field(description="the run was created with a pipeline path")
+    stages: list[RunStageInfo]
+    browsers: list[RunBrowserInfo]
+    proxy: RunProxyInfo | None
+    problems: list[str]
+
+
+class GuardInfo(Answer):
+    pid: int
+    since: str
+    home: str
+    key_provider: str
+    scope: str
+
+
+class PolicyState(Answer):
+    file: str
+    mode: Literal["enforce", "report"]
+    state: Literal["ok", "error"] = Field(description="error: an invalid edit was refused and the "
+                                          "last good policy is in force")
+    error: str | None
+
+
+class QueueEntryInfo(Answer):
+    run: str
+    since: str
+
+
+class LeaseInfo(Answer):
+    profile: str
+    holder_run: str | None
+    since: str | None
+    queue: list[QueueEntryInfo]
+
+
+class StatusAnswer(Answer):
+    guard: GuardInfo
+    policy: PolicyState
+    runs: list[RunInfo]
+    leases: list[LeaseInfo]
+
+
+class ProfileInfoAnswer(Answer):
+    name: str
+    scope: str
+    created: str
+    last_used: str | None
+    size: int
+    leased_by: str | None
+
+
+class ProfilesAnswer(Answer):
+    profiles: list[ProfileInfoAnswer]
+
+
+class HandoffAnswer(Answer):
+    """The gate payload a runner shows the person (supervisor.handoff.HandoffPayload)."""
+    kind: Literal["local_window", "live_view"]
+    site: str
+    reason: str
+    url: str | None = None
 
 
 class LoginCheckRequest(Strict):
@@ -175,9 +304,9 @@ class LoginVerifyRequest(Strict):
     _profile = field_validator("profile")(BrowserField._profile_name.__func__)
 
 
-class LoginResultAnswer(Strict):
-    logged_in: bool
-    url: str
+class LoginResultAnswer(Answer):
+    logged_in: bool = Field(description="computed by the guard from the final address (and selector)")
+    url: str = Field(description="the final address the check page landed on")
 
 
 class HandoffRequest(Strict):
