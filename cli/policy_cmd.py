@@ -32,7 +32,7 @@ class _Usage(Exception):
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("policy", help="validate the site policy and explain its decisions",
                             description="Validate the site policy and explain its decisions.")
-    psub = parser.add_subparsers(dest="policy_command", metavar="COMMAND")
+    psub = parser.add_subparsers(dest="policy_command", metavar="SUBCOMMAND")
     psub.required = True
 
     val = psub.add_parser("validate", help="check a policy file",

@@ -189,7 +189,9 @@ def cmd_clear(args) -> int:
     try:
         ctx.store.delete(key)
     except ProfileBusy as exc:
-        raise CliError(f"{exc} (a crashed run left it unsealed: `sfguard sweep` reseals it)", 1) from None
+        from cli.guardhint import with_home
+        raise CliError(f"{exc} (a crashed run left it unsealed: `{with_home('sfguard sweep', args.home)}` "
+                       "reseals it)", 1) from None
     except ProfileError as exc:
         raise CliError(str(exc), 1) from None
     finally:

@@ -290,6 +290,9 @@ def read_decision_log(lines: Iterable[str]) -> DecisionLog:
             log.skipped.append((n, "not a decision record"))
             continue
         run = rec.get("run") if isinstance(rec.get("run"), str) else None
+        if rec.get("source") == "cdp_gate":
+            log.skipped.append((n, "a CDP gate refusal, not a host decision"))
+            continue
         if rec["reason"] == "quiet_denials":
             hosts = rec.get("hosts")
             if not isinstance(hosts, dict):

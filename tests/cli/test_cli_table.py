@@ -55,6 +55,8 @@ def test_help_has_a_description(path):
     assert description and not description.startswith(("positional arguments", "options")), proc.stdout
     assert "--home HOME" not in proc.stdout        # one spelling: --home DIR
     assert "ACTION" not in usage                   # one spelling: SUBCOMMAND
+    if len(path) == 1 and any(len(p) == 2 and p[0] == path[0] for p in COMMANDS):
+        assert "SUBCOMMAND" in usage, usage
 
 
 def test_top_level_help_names_every_command_and_the_exit_codes():
