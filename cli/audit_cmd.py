@@ -7,27 +7,39 @@ import time
 
 from cli.main import CliError
 from supervisor.audit import LocalAuditSink
-from supervisor.home import ensure_home
+from supervisor.home import existing_home
 from supervisor.protocols import validate_name, validate_run_id
 
 
 def register(sub) -> None:
     home = argparse.ArgumentParser(add_help=False)
     home.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
-    p = sub.add_parser("audit", help="verify and show the audit log")
-    asub = p.add_subparsers(dest="audit_command", metavar="ACTION")
+    p = sub.add_parser("audit", help="verify and show the audit log",
+                       description=("The guard's append-only, hash-chained audit log "
+                                    "(<home>/audit.log): verify finds any edit, cut or reorder; show "
+                                    "prints records. Both only read: they create nothing."))
+    asub = p.add_subparsers(dest="audit_command", metavar="SUBCOMMAND")
     asub.required = True
-    a = asub.add_parser("verify", parents=[home], help="check the hash chain (exit 0 when intact)")
+    a = asub.add_parser("verify", parents=[home], help="check the hash chain (exit 0 when intact)",
+                        description="Check every record's hash, sequence and link and the tail "
+                                    "against the head file. Exit 0 intact, 1 damaged, 2 no such home.")
+    a.add_argument("--json", action="store_true",
+                   help="print one JSON object: {ok, records, line, problem, message}")
     a.set_defaults(func=cmd_verify)
-    a = asub.add_parser("show", parents=[home], help="print audit records")
-    a.add_argument("--profile", metavar="NAME")
-    a.add_argument("--run", metavar="ID")
+    a = asub.add_parser("show", parents=[home], help="print audit records",
+                        description="Print audit records, oldest first, filtered by profile and/or run.")
+    a.add_argument("--profile", metavar="NAME", help="only records about this profile")
+    a.add_argument("--run", metavar="ID", help="only records about this run")
     a.add_argument("--json", action="store_true", help="one JSON record per line")
     a.set_defaults(func=cmd_show)
 
 
 def cmd_verify(args) -> int:
-    result = LocalAuditSink(ensure_home(args.home)).verify()
+    result = LocalAuditSink(existing_home(args.home), read_only=True).verify()
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": result.ok, "records": result.records, "line": result.line,
+                          "problem": result.reason, "message": str(result)}))
+        return 0 if result.ok else 1
     if result.ok:
         print(str(result))
         return 0
@@ -42,7 +54,7 @@ def cmd_show(args) -> int:
             validate_run_id(args.run)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    recs = LocalAuditSink(ensure_home(args.home)).records(profile=args.profile, run=args.run)
+    recs = LocalAuditSink(existing_home(args.home), read_only=True).records(profile=args.profile, run=args.run)
     for r in recs:
         if args.json:
             print(json.dumps(r, sort_keys=True))

@@ -13,7 +13,11 @@ from cli.main import CliError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="run the example login pipeline against the local fixture site")
+    p = sub.add_parser("demo", help="run the example login pipeline against the local fixture site",
+                       description=("Run docs/examples/login-pipeline.yaml for real: start the "
+                                    "fixture login site and a guard of its own, then play the "
+                                    "pipeline runner's part twice (run 1 logs in, run 2 finds the "
+                                    "login and skips it). Exit 0 when both runs behave as expected."))
     p.add_argument("--home", metavar="DIR",
                    help="guard home for the demo (default: a temporary one, deleted at the end)")
     p.add_argument("--keep", action="store_true",

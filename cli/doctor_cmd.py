@@ -10,7 +10,13 @@ REQUIRED_PACKAGES = ("mitmproxy", "aiohttp", "pydantic", "PyYAML", "psutil", "ke
 
 
 def register(sub) -> None:
-    p = sub.add_parser("doctor", help="check the tools and packages sfguard needs")
+    p = sub.add_parser("doctor", help="check the tools and packages sfguard needs",
+                       description=("Report sfguard's version, the Python packages, agent-browser, "
+                                    "the browser, the display and the keyring this machine has, and "
+                                    "how to get what is missing. Exit 0 when everything required is "
+                                    "present, 1 when something is missing."))
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: {version, ok, checks: [{status, what, detail}]}")
     p.set_defaults(func=run)
 
 
@@ -30,29 +36,42 @@ def _keyring_backend() -> tuple[bool, str]:
 
 
 def run(args) -> int:
-    missing = 0
-    lines: list[str] = []
+    from cli.main import version
+    checks: list[tuple[str, str, str]] = []   # (status, what, detail)
     for name in REQUIRED_PACKAGES:
         try:
-            lines.append(f"ok       python package {name} {md.version(name)}")
+            checks.append(("ok", f"python package {name}", md.version(name)))
         except md.PackageNotFoundError:
-            missing += 1
-            lines.append(f"MISSING  python package {name}: run ./dev setup")
+            checks.append(("missing", f"python package {name}", "run ./dev setup"))
     for tool in (tools.find_agent_browser(), tools.find_browser()):
         if tool.found:
-            lines.append(f"ok       {tool.name} {tool.version or '(version unknown)'} at {tool.path} ({tool.source})")
+            checks.append(("ok", tool.name, f"{tool.version or '(version unknown)'} at {tool.path} ({tool.source})"))
         else:
-            missing += 1
-            lines.append(f"MISSING  {tool.name}: {tool.source}; {tool.hint}")
+            checks.append(("missing", tool.name, f"{tool.source}; {tool.hint}"))
     disp = tools.display_available()
     if disp:
-        lines.append(f"ok       display {disp} is set: headed browsers and local login windows work")
+        checks.append(("ok", "display", f"{disp} is set: headed browsers and local login windows work"))
     else:
         note = " (inside a container)" if tools.in_container() else ""
-        lines.append("info     no display (DISPLAY/WAYLAND_DISPLAY unset)" + note
-                     + ": browsers run headless; a local login window is not possible")
+        checks.append(("info", "display", "no display (DISPLAY/WAYLAND_DISPLAY unset)" + note
+                       + ": browsers run headless; a local login window is not possible"))
     ok, text = _keyring_backend()
-    lines.append(("ok       keyring " if ok else "info     ") + text)
+    checks.append(("ok" if ok else "info", "keyring", text))
+    missing = sum(1 for c in checks if c[0] == "missing")
+    if getattr(args, "json", False):
+        import json
+        print(json.dumps({"version": version(), "ok": not missing,
+                          "checks": [{"status": s, "what": w, "detail": d} for s, w, d in checks]},
+                         indent=2))
+        return 1 if missing else 0
+    lines = [f"ok       sfguard {version()}"]
+    for status, what, detail in checks:
+        if status == "ok":
+            lines.append(f"ok       {what} {detail}")
+        elif status == "missing":
+            lines.append(f"MISSING  {what}: {detail}")
+        else:
+            lines.append(f"info     {detail}" if what == "display" or what == "keyring" else f"info     {what}: {detail}")
     print("\n".join(lines))
     if missing:
         print(f"{missing} required piece(s) missing")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -24,7 +25,11 @@ COMMAND_MODULES = (
     "cli.validate_cmd",
     "cli.demo_cmd",
     "cli.doctor_cmd",
+    "cli.completion_cmd",
 )
+
+#: One exit-code table for every command (docs/reference.md, "Exit codes").
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GUARD = 0, 1, 2, 3
 
 
 class CliError(Exception):
@@ -46,11 +51,24 @@ def _modules_for(argv: list[str]) -> tuple[str, ...]:
     return COMMAND_MODULES
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("sfguard")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: run ./dev setup)"
+
+
+EPILOG = ("exit codes: 0 ok, 1 the check failed (denied, invalid, not logged in, ...), "
+          "2 usage or input error, 3 the guard is not running (or already running, for start)")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sfguard",
         description="Lend pipeline stages a guarded, logged-in browser.",
+        epilog=EPILOG,
     )
+    parser.add_argument("--version", action="version", version=f"sfguard {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _modules_for(sys.argv[1:] if argv is None else argv):
@@ -60,14 +78,27 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _command_name(args: argparse.Namespace) -> str:
+    """`policy test`, `profiles list`, ...: the command and its subcommand, as typed."""
+    words = [args.command]
+    sub = getattr(args, f"{args.command}_command", None)
+    if isinstance(sub, str):
+        words.append(sub)
+    return " ".join(words)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    from supervisor.home import HomeError
     try:
         return int(args.func(args) or 0)
     except CliError as exc:
-        print(f"sfguard {args.command}: error: {exc}", file=sys.stderr)
+        print(f"sfguard {_command_name(args)}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except HomeError as exc:
+        print(f"sfguard {_command_name(args)}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -76,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("SFGUARD_DEBUG") == "1":
             raise
         print(
-            f"sfguard {args.command}: internal error: {type(exc).__name__}: {exc} "
+            f"sfguard {_command_name(args)}: internal error: {type(exc).__name__}: {exc} "
             "(set SFGUARD_DEBUG=1 for details)",
             file=sys.stderr,
         )

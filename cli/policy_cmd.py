@@ -1,19 +1,23 @@
 """`sfguard policy validate|explain`: check a site policy and explain its decisions.
 
-    sfguard policy validate [FILE] [--strict]
+    sfguard policy validate [--policy FILE | FILE] [--strict] [--json]
         exit 0 with a one-line summary when FILE (default: the shipped policy) is valid, after
         any warnings (duplicate entries, allow_always entries a block rule shadows), each as
         "warning: file:line:col: field: message (hint: ...)"; exit 1 with every error when it
-        is not valid, or with --strict when there are warnings.
-    sfguard policy explain HOST[:PORT] ... [--allow PATTERNS] [--policy FILE] [--json]
-        for each host: the normalised host and port, the decision, the reason code and the rule
-        that decided. A host without a port is explained once when every policy port gets the
-        same decision, else once per port. Exit 0 when every host was explained (denials included), 2 for bad
+        is not valid, or with --strict when there are warnings; 2 when it cannot be read.
+    sfguard policy explain HOST[:PORT]... | - [--allow PATTERNS] [--policy FILE] [--json] [--exit-code]
+        for each host (`-`: one per line from stdin): the normalised host and port, the
+        decision, the reason code and the rule that decided. A host without a port is explained
+        once when every policy port gets the same decision, else once per port. Exit 0 when
+        every host was explained (denials included; with --exit-code: 1 when any host is
+        denied), 2 for bad
         arguments or an invalid policy.
+    sfguard policy test|replay|diff: see cli/policy_test_cmd.py.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -37,9 +41,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     val = psub.add_parser("validate", help="check a policy file",
                           description="Check a policy file; exit 0 when valid, 1 with every error when not.")
-    val.add_argument("file", nargs="?", help="policy file (default: the shipped policy/sites.yaml)")
+    val.add_argument("file", nargs="?", metavar="FILE",
+                     help="policy file (default: the shipped policy/sites.yaml); same as --policy FILE")
+    val.add_argument("--policy", dest="policy_file", metavar="FILE",
+                     help="policy file (default: the shipped policy/sites.yaml)")
     val.add_argument("--strict", action="store_true",
                      help="treat warnings (duplicate entries, shadowed allow_always) as errors")
+    val.add_argument("--json", action="store_true",
+                     help="print one JSON object: {file, valid, errors: [{file, line, col, field, message, hint}], warnings, summary}")
     val.set_defaults(func=cmd_validate)
 
     exp = psub.add_parser(
@@ -48,12 +57,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "decision, the reason code and the rule (file:line) that decided. Address checks "
                      "that need DNS are made by the proxy."))
     exp.add_argument("hosts", nargs="+", metavar="HOST[:PORT]",
-                     help="a host, optionally with a port; IPv6 with a port as [2001:db8::1]:443")
+                     help="a host, optionally with a port; IPv6 with a port as [2001:db8::1]:443; "
+                          "- reads hosts from stdin, one per line")
     exp.add_argument("--allow", action="append", default=[], metavar="PATTERNS",
                      help="a run's allow_domains, comma-separated (may be repeated)")
     exp.add_argument("--policy", metavar="FILE", help="policy file (default: the shipped one)")
     exp.add_argument("--json", action="store_true", help="one JSON object per host per line")
+    exp.add_argument("--exit-code", action="store_true",
+                     help="exit 1 when any host is denied (report mode: would be denied)")
     exp.set_defaults(func=cmd_explain)
+
+    from cli import policy_test_cmd
+    policy_test_cmd.register(psub)
 
 
 def _summary(p: policy.SitePolicy) -> str:
@@ -66,9 +81,22 @@ def _summary(p: policy.SitePolicy) -> str:
 def cmd_validate(args: argparse.Namespace) -> int:
     from policy.lint import lint_policy  # noqa: PLC0415 (only validate needs it)
 
+    if args.file and args.policy_file and args.file != args.policy_file:
+        print("sfguard policy validate: error: give the policy file once (FILE or --policy FILE)",
+              file=sys.stderr)
+        return 2
+    path = args.policy_file or args.file
     try:
-        p, warnings = lint_policy(args.file)
+        p, warnings = lint_policy(path)
     except policy.PolicyError as exc:
+        if args.json:
+            print(json.dumps({"file": path or str(policy.default_policy_path()), "valid": False,
+                              "errors": [dataclasses.asdict(i) for i in exc.issues],
+                              "more": exc.more}))
+            return 2 if _unreadable(exc) else 1
+        if _unreadable(exc):
+            print(f"sfguard policy validate: error: {exc.issues[0]}", file=sys.stderr)
+            return 2
         for issue in exc.issues:
             print(issue)
         count = len(exc.issues) + exc.more
@@ -77,16 +105,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"{count} error{'s' if count != 1 else ''}: the policy is not valid", file=sys.stderr)
         return 1
     strict = getattr(args, "strict", False)
+    n = len(warnings)
+    if args.json:
+        print(json.dumps({"file": p.source, "valid": not (strict and n), "errors":
+                          [dataclasses.asdict(i) for i in warnings] if strict else [],
+                          "warnings": [] if strict else [dataclasses.asdict(i) for i in warnings],
+                          "more": 0, "summary": p.summary() | {"version": p.version}}))
+        return 1 if strict and n else 0
     kind = "error" if strict else "warning"
     for issue in warnings:
         print(f"{kind}: {issue}")
-    n = len(warnings)
     if strict and n:
         print(f"{n} error{'s' if n != 1 else ''} (--strict: warnings count as errors): "
               "the policy is not accepted", file=sys.stderr)
         return 1
     print(_summary(p) + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
     return 0
+
+
+def _unreadable(exc: policy.PolicyError) -> bool:
+    """The file could not be read at all (missing, a folder, unreadable): a usage error (2),
+    not a policy that failed its check (1)."""
+    return len(exc.issues) == 1 and exc.issues[0].field == "(file)" and \
+        exc.issues[0].message.startswith("cannot read")
 
 
 def _split_allow(values: list[str]) -> list[str]:
@@ -121,9 +162,18 @@ def _explain(args: argparse.Namespace) -> int:
         except policy.PolicyError as exc:
             raise _Usage("bad --allow pattern:\n" + str(exc)) from None
 
+    hosts = list(args.hosts)
+    if "-" in hosts:
+        if hosts != ["-"]:
+            raise _Usage("give hosts as arguments or - (one per line on stdin), not both")
+        hosts = [line.strip() for line in sys.stdin if line.strip() and not line.lstrip().startswith("#")]
+        if not hosts:
+            raise _Usage("no hosts on stdin (one HOST[:PORT] per line)")
+    denied = False
     first = True
-    for text in args.hosts:
+    for text in hosts:
         for decision in explain_ports(p, text, allow):
+            denied = denied or not decision.allowed or decision.would_deny
             if args.json:
                 print(json.dumps(decision.as_dict(), ensure_ascii=False))
             else:
@@ -131,7 +181,7 @@ def _explain(args: argparse.Namespace) -> int:
                     print()
                 print(_human(p, decision, text))
             first = False
-    return 0
+    return 1 if args.exit_code and denied else 0
 
 
 def explain_ports(p: policy.SitePolicy, text: str,

@@ -15,7 +15,7 @@ import time
 
 from cli.main import CliError
 from supervisor.audit import LocalAuditSink
-from supervisor.home import ensure_home
+from supervisor.home import ensure_home, existing_home
 from supervisor.keys import default_key_provider
 from supervisor.lease import LocalProfileLease
 from supervisor.profiles import LocalProfileStore
@@ -33,31 +33,48 @@ def _home_parent() -> argparse.ArgumentParser:
 
 def register(sub) -> None:
     home = _home_parent()
-    p = sub.add_parser("profiles", help="list, show, create and clear saved browser logins")
-    psub = p.add_subparsers(dest="profiles_command", metavar="ACTION")
+    p = sub.add_parser("profiles", help="list, show, create, clear, check and log in to saved browser logins",
+                       description=("The browser logins the guard keeps, sealed at rest: list, show, "
+                                    "create and clear work on the guard home; check and login go "
+                                    "through the running guard (exit 3 when none runs)."))
+    psub = p.add_subparsers(dest="profiles_command", metavar="SUBCOMMAND")
     psub.required = True
-    a = psub.add_parser("list", parents=[home], help="all profiles of this guard")
+    a = psub.add_parser("list", parents=[home], help="all profiles of this guard",
+                        description="List the profiles of this guard's scope with their state "
+                                    "(sealed, unsealed, leased by a run). Creates nothing.")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.set_defaults(func=cmd_list)
-    a = psub.add_parser("show", parents=[home], help="one profile")
-    a.add_argument("name")
+    a = psub.add_parser("show", parents=[home], help="one profile",
+                        description="Show one profile: created, last used, size, state, lease "
+                                    "holder and queue. Exit 1 when there is no such profile.")
+    a.add_argument("name", help="profile name")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.set_defaults(func=cmd_show)
-    a = psub.add_parser("create", parents=[home], help="create an empty sealed profile")
-    a.add_argument("name")
+    a = psub.add_parser("create", parents=[home], help="create an empty sealed profile",
+                        description="Create an empty profile, sealed under this guard's key "
+                                    "(the home is created when missing). Exit 1 when it exists.")
+    a.add_argument("name", help="profile name")
     a.set_defaults(func=cmd_create)
-    a = psub.add_parser("clear", parents=[home], help="delete a profile and its login")
-    a.add_argument("name")
+    a = psub.add_parser("clear", parents=[home], help="delete a profile and its login",
+                        description="Delete a profile and the login it holds (asks unless --yes; "
+                                    "refused while a run leases it).")
+    a.add_argument("name", help="profile name")
     a.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     a.set_defaults(func=cmd_clear)
     a = psub.add_parser("check", parents=[home], help="check a profile's login through the running guard "
-                        "(exit 0 logged in, 1 not, 2 error)")
-    a.add_argument("name")
+                        "(exit 0 logged in, 1 not, 2 error, 3 no guard)",
+                        description="Open --url in the profile's browser through the running guard "
+                                    "and match the final address: exit 0 logged in, 1 not logged in, "
+                                    "2 bad input, 3 no guard running.")
+    a.add_argument("name", help="profile name")
     _login_check_args(a, required=True)
     a.set_defaults(func=cmd_check)
     a = psub.add_parser("login", parents=[home], help="open a visible browser window on a profile so a "
-                        "person can log in (needs a display where the guard runs)")
-    a.add_argument("name")
+                        "person can log in (needs a display where the guard runs)",
+                        description="Open a visible browser on the profile through the running guard "
+                                    "so a person logs in, then reseal it on Enter; with --logged-in, "
+                                    "check the login afterwards. Exit 3 when no guard runs.")
+    a.add_argument("name", help="profile name")
     _login_check_args(a, required=False)
     a.add_argument("--wait", type=float, default=3600, metavar="SECONDS",
                    help="how long to wait for the confirmation (default 3600)")
@@ -65,8 +82,10 @@ def register(sub) -> None:
 
 
 class _Ctx:
-    def __init__(self, args):
-        self.home = ensure_home(args.home)
+    def __init__(self, args, read_only: bool = False):
+        # read-only commands (list, show) never create the home, a key or a lease file
+        self.read_only = read_only
+        self.home = existing_home(args.home) if read_only else ensure_home(args.home)
         self.keys = default_key_provider(self.home)
         self.store = LocalProfileStore(self.home, self.keys)
         self.lease = LocalProfileLease(self.home)
@@ -86,13 +105,14 @@ def _when(t: float | None) -> str | None:
 
 def _describe(ctx: _Ctx, key: ProfileKey) -> dict:
     info = ctx.store.info(key)
-    holder = ctx.lease.holder(key)
+    tracked = not ctx.read_only or ctx.lease.has_state(key)
+    holder = ctx.lease.holder(key) if tracked else None
     state = "leased" if holder else ("unsealed" if info.unsealed else "sealed")
     return {"name": key.name, "scope": key.scope, "created": _when(info.created),
             "last_used": _when(info.last_used), "size": info.size, "state": state,
             "leased_by": holder.run if holder else None,
             "leased_since": _when(holder.since) if holder else None,
-            "waiting": [q.run for q in ctx.lease.queue(key)]}
+            "waiting": [q.run for q in ctx.lease.queue(key)] if tracked else []}
 
 
 def _line(d: dict) -> str:
@@ -102,7 +122,7 @@ def _line(d: dict) -> str:
 
 
 def cmd_list(args) -> int:
-    ctx = _Ctx(args)
+    ctx = _Ctx(args, read_only=True)
     rows = [_describe(ctx, info.key) for info in ctx.store.list(LOCAL_SCOPE)]
     if args.json:
         print(json.dumps({"profiles": rows, "key_provider": ctx.keys.describe()}, indent=2))
@@ -117,7 +137,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_show(args) -> int:
-    ctx = _Ctx(args)
+    ctx = _Ctx(args, read_only=True)
     key = _key(args.name)
     try:
         d = _describe(ctx, key)
@@ -169,7 +189,9 @@ def cmd_clear(args) -> int:
     try:
         ctx.store.delete(key)
     except ProfileBusy as exc:
-        raise CliError(f"{exc} (a crashed run left it unsealed: `sfguard sweep` reseals it)", 1) from None
+        from cli.guardhint import with_home
+        raise CliError(f"{exc} (a crashed run left it unsealed: `{with_home('sfguard sweep', args.home)}` "
+                       "reseals it)", 1) from None
     except ProfileError as exc:
         raise CliError(str(exc), 1) from None
     finally:
@@ -202,7 +224,17 @@ def _guard_op(args):
         return ops.ProfileOps(resolve_home(args.home), args.name, args.url,
                               allow=[p for a in args.allow for p in a.split(",") if p.strip()])
     except ops.OpError as exc:
-        raise CliError(str(exc), 2) from None
+        raise _op_error(args, exc) from None
+
+
+def _op_error(args, exc) -> CliError:
+    """An OpError as the CLI's answer: no guard -> 3 with a hint that keeps --home; else 2."""
+    from cli.guardhint import no_guard
+    from supervisor import demo as ops
+    from supervisor.home import resolve_home
+    if isinstance(exc, ops.GuardNotRunning):
+        return no_guard(resolve_home(args.home), args.home)
+    return CliError(str(exc), 2)
 
 
 def _check_spec(args) -> dict | None:
@@ -232,7 +264,7 @@ def cmd_check(args) -> int:
     try:
         result = profile_ops.check(spec, _note)
     except ops.OpError as exc:
-        raise CliError(str(exc), 2) from None
+        raise _op_error(args, exc) from None
     return _print_check(args.name, result)
 
 
@@ -247,7 +279,7 @@ def cmd_login(args) -> int:
         print(f"sfguard profiles login: cannot open a login window: {exc}", file=sys.stderr)
         return 1
     except ops.OpError as exc:
-        raise CliError(str(exc), 2) from None
+        raise _op_error(args, exc) from None
     confirmed = False
     try:
         payload = session.payload
@@ -270,7 +302,7 @@ def cmd_login(args) -> int:
     try:
         return _print_check(args.name, profile_ops.check(spec, _note))
     except ops.OpError as exc:
-        raise CliError(str(exc), 2) from None
+        raise _op_error(args, exc) from None
 
 
 def _note(message: str) -> None:

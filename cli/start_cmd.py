@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import signal
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
@@ -15,11 +17,19 @@ from cli.main import CliError
 
 def register(sub) -> None:
     p = sub.add_parser("start", help="run the guard daemon in the foreground",
-                       description="Run the guard: control API on a unix socket in the home.")
-    p.add_argument("--home", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+                       description=("Run the guard in the foreground: the control API on a unix "
+                                    "socket in the home (guard.sock, 0600) and, with --tcp, on "
+                                    "127.0.0.1 with a bearer token. Stop it with Ctrl-C or SIGTERM: "
+                                    "every run is torn down. Exit 3 when a guard already runs on "
+                                    "this home, 2 for an unusable home or policy."))
+    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
     p.add_argument("--policy", metavar="FILE", help="site policy (default: the shipped policy/sites.yaml)")
     p.add_argument("--tcp", metavar="PORT", type=int,
-                   help="also listen on 127.0.0.1:PORT with a bearer token (printed once)")
+                   help="also listen on 127.0.0.1:PORT with a bearer token (printed once, "
+                        "or written to --token-file)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="with --tcp: write the bearer token to FILE (created 0600, replaced "
+                        "atomically) instead of printing it")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
                    help="DNS override for the run proxies, like curl's --resolve (tests, demos)")
     p.set_defaults(func=run)
@@ -51,15 +61,37 @@ def run(args) -> int:
         raise CliError(f"the site policy is invalid:\n{exc}", 2) from None
     except HomeError as exc:
         raise CliError(str(exc), 2) from None
+    if args.token_file and args.tcp is None:
+        raise CliError("--token-file needs --tcp PORT (the unix socket needs no token)", 2)
+    token_file = _token_path(args.token_file) if args.token_file else None
     try:
-        return asyncio.run(_serve(guard, args.tcp))
+        return asyncio.run(_serve(guard, args.tcp, token_file))
     except GuardAlreadyRunning as exc:
         raise CliError(str(exc), 3) from None
     except ProfileError as exc:  # e.g. a damaged lease file: named, left untouched
         raise CliError(str(exc), 2) from None
 
 
-async def _serve(guard, tcp_port: int | None) -> int:
+def _token_path(path: str) -> Path:
+    """--token-file checked before the guard starts (a bad path must not leave a half-started guard)."""
+    target = Path(path).expanduser().absolute()
+    if not target.parent.is_dir():
+        raise CliError(f"--token-file: the folder {target.parent} does not exist", 2)
+    if target.is_dir():
+        raise CliError(f"--token-file: {target} is a folder", 2)
+    if not os.access(target.parent, os.W_OK):
+        raise CliError(f"--token-file: cannot write in {target.parent}", 2)
+    return target
+
+
+def _write_token(target: Path, token: str) -> Path:
+    """The TCP token in a 0600 file, replaced atomically (never a half-written token)."""
+    from supervisor.home import atomic_write
+    atomic_write(target, token.encode() + b"\n", 0o600)
+    return target
+
+
+async def _serve(guard, tcp_port: int | None, token_file: Path | None = None) -> int:
     from supervisor.api import build_app
     from supervisor.client import socket_path
 
@@ -79,14 +111,18 @@ async def _serve(guard, tcp_port: int | None) -> int:
     os.chmod(sock, 0o600)
     runners.append(app_runner)
     lines = [f"sfguard: API on unix:{sock}"]
+    token_path: Path | None = None
     if tcp_port is not None:
         token = secrets.token_urlsafe(32)
+        if token_file:
+            token_path = _write_token(token_file, token)
         tcp_runner = web.AppRunner(build_app(guard, token=token), access_log=None,
                                    handle_signals=False, max_line_size=65536, max_field_size=65536)
         await tcp_runner.setup()
         await web.TCPSite(tcp_runner, "127.0.0.1", tcp_port).start()
         runners.append(tcp_runner)
-        lines.append(f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token: {token})")
+        lines.append(f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token in {token_path})"
+                     if token_path else f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token: {token})")
     ab, br = guard.host_tool_report()
     lines += [f"sfguard: home {guard.home} (runtime {guard.runtime})",
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
@@ -114,4 +150,7 @@ async def _serve(guard, tcp_port: int | None) -> int:
     await guard.stop()
     if sock.exists():
         sock.unlink()
+    if token_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            token_path.unlink()   # the token dies with this guard
     return 0

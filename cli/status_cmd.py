@@ -7,19 +7,25 @@ from cli.main import CliError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("status", help="show runs, leases, queues, browsers, proxies and policy state")
-    p.add_argument("--home", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    p = sub.add_parser("status", help="show runs, leases, queues, browsers, proxies and policy state",
+                       description=("Ask the running guard what it holds: runs and their stages, "
+                                    "profile leases and queues, browsers, run proxies and the site "
+                                    "policy's state (the same data as GET /v1/status). Exit 3 when "
+                                    "no guard runs on this home."))
+    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
     p.add_argument("--json", action="store_true", help="print the /v1/status answer as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from supervisor.client import GuardClient, GuardUnavailable
+    from cli.guardhint import no_guard
     from supervisor.home import resolve_home
+    home = resolve_home(args.home)
     try:
-        status, body = GuardClient(resolve_home(args.home), timeout=10).call("GET", "/v1/status")
-    except GuardUnavailable as exc:
-        raise CliError(str(exc), 1) from None
+        status, body = GuardClient(home, timeout=10).call("GET", "/v1/status")
+    except GuardUnavailable:
+        raise no_guard(home, args.home) from None
     if status != 200:
         raise CliError(f"the guard answered {status}: {body}", 1)
     if args.json:

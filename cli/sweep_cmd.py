@@ -7,17 +7,26 @@ from cli.main import CliError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("sweep", help="end processes, reseal profiles and release leases left by dead runs")
-    p.add_argument("--home", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    p = sub.add_parser("sweep", help="end processes, reseal profiles and release leases left by dead runs",
+                       description=("Clean up after a crashed guard: end the browsers, proxies and "
+                                    "agent-browser daemons its runs left (by recorded pid and start "
+                                    "time), reseal unsealed profiles and release their leases. "
+                                    "`sfguard start` does the same at start. Exit 3 when a guard is "
+                                    "running on this home (it owns its runs)."))
+    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
     p.add_argument("--policy", metavar="FILE", help="site policy (default: the shipped one)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the sweep report as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import policy
     from supervisor.daemon import Guard, GuardAlreadyRunning, sweep
-    from supervisor.home import resolve_home
-    guard = Guard(resolve_home(args.home), args.policy)
+    from supervisor.home import existing_home
+    try:
+        guard = Guard(existing_home(args.home), args.policy)
+    except policy.PolicyError as exc:
+        raise CliError(f"the site policy is invalid:\n{exc}", 2) from None
     try:
         guard.acquire_instance_lock()
     except GuardAlreadyRunning:

@@ -35,10 +35,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     except policy.PolicyError as exc:
         print(f"sfguard validate: error: the site policy is invalid:\n{exc}", file=sys.stderr)
         return 2
+    if report.issues and report.issues[0].code == "file":
+        print(f"sfguard validate: error: {report.issues[0]}", file=sys.stderr)
+        return 2
     for issue in report.issues:
         print(issue)
-    if report.issues and report.issues[0].code == "file":
-        return 2
     n_err, n_warn = len(report.errors), len(report.warnings)
     browsers = sum(1 for s in report.stages if s.has_browser)
     if n_err:

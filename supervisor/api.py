@@ -41,15 +41,28 @@ def _loc(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if p not in ("function-after", "function-before"))
 
 
-def validation_error(exc: ValidationError) -> ApiError:
+def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+    """The first error, worded as `sfguard validate` words it (supervisor.models.error_message)."""
     first = exc.errors()[0]
-    field = _loc(first["loc"]) or None
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown field"
-    elif first["type"] == "missing":
-        msg = "required field is missing"
+    field = m.field_path(first["loc"]) or None
+    msg = m.error_message(first, model)
     return ApiError(400, "invalid_request", f"{field}: {msg}" if field else msg, field)
+
+
+#: the longest a stage GET may wait for a change (`?wait=SECONDS`)
+MAX_WAIT = 60.0
+
+# Errors every route can give, and those of routes with a body or path parameters.
+# (invalid_request on every route: a bad path parameter or an unknown query parameter)
+EDGE_ERRORS: tuple[tuple[int, tuple[str, ...]], ...] = (
+    (400, ("invalid_request",)), (401, ("unauthorized",)), (405, ("method_not_allowed",)),
+    (500, ("internal",)))
+BODY_ERRORS = ((400, ("invalid_json",)), (413, ("body_too_large",)))
+STATUS_TEXT = {400: "bad input", 401: "no or a wrong bearer token (TCP listener only)",
+               403: "refused by the site policy", 404: "no such run, stage or profile",
+               405: "method not allowed on this route", 409: "conflicts with the current state",
+               413: "body too large", 422: "the check could not decide", 500: "a bug: see the guard's log",
+               503: "the browser could not be started"}
 
 
 @dataclass(frozen=True)
@@ -59,37 +72,99 @@ class Route:
     handler: str  # name of the Supervisor coroutine
     summary: str
     body: type[BaseModel] | None = None
-    answers: tuple[tuple[int, type[BaseModel] | None], ...] = ()
+    answers: tuple[tuple[int, Any], ...] = ()     # (status, model or tuple of models)
+    errors: tuple[tuple[int, tuple[str, ...]], ...] = ()   # beyond the edge, body and path errors
+    description: str = ""
+    query: tuple[str, ...] = ()                   # accepted query parameters
+
+    def error_codes(self) -> dict[int, tuple[str, ...]]:
+        """status -> error codes this route can answer (edge, body, path and its own)."""
+        out: dict[int, list[str]] = {}
+        groups = list(EDGE_ERRORS) + (list(BODY_ERRORS) if self.body else []) + list(self.errors)
+        for status, codes in groups:
+            for code in codes:
+                if code not in out.setdefault(status, []):
+                    out[status].append(code)
+        return {k: tuple(v) for k, v in sorted(out.items())}
 
 
+_RUN = ((404, ("run_not_found",)),)
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/runs", "api_create_run", "Register a run", m.CreateRun,
-          ((201, m.RunCreated),)),
-    Route("GET", "/v1/runs/{run_id}", "api_get_run", "A run's state (no secrets)"),
+          ((201, m.RunCreated),), ((409, ("run_exists",)),),
+          "Register a pipeline run before its first browser stage. `pipeline` (the pipeline file's "
+          "path) lets stages use the profile `@pipeline`, a name derived from that path."),
+    Route("GET", "/v1/runs/{run_id}", "api_get_run", "A run's state (no secrets)", None,
+          ((200, m.RunInfo),), _RUN,
+          "The run's stages, browsers and proxy as the guard holds them: names and states only."),
     Route("POST", "/v1/runs/{run_id}/end", "api_end_run", "End a run: tear down its browsers, "
-          "reseal its profiles, release its leases", m.RunEnd, ((200, m.Ok),)),
+          "reseal its profiles, release its leases", m.RunEnd, ((200, m.RunEndAnswer),), _RUN,
+          "Call once the run is terminal (any outcome). Ends every stage still open, closes the "
+          "browsers gracefully (cookies are flushed), reseals profiles, stops the run's proxy and "
+          "hands released profiles to the next run in their queue. Ending an ended run answers "
+          "the same again."),
     Route("POST", "/v1/runs/{run_id}/stages", "api_request_stage",
           "Ask for a stage's browser: ready with the stage env, or waiting for a lease",
-          m.StageRequest, ((200, m.StageReady), (202, m.StageWaiting))),
+          m.StageRequest, ((200, m.StageReady), (202, m.StageWaiting)),
+          _RUN + ((400, ("no_pipeline", "no_display")),
+                  (409, ("run_ended", "stage_active", "attempt_used", "browser_failed")),
+                  (503, ("browser_failed",))),
+          "200 `ready` with the env to start the stage with; 202 `waiting` when another run "
+          "holds the profile (poll the stage, or long-poll with ?wait=). The same request again "
+          "(same stage_id, attempt and browser) is a resume and answers the same env."),
     Route("GET", "/v1/runs/{run_id}/stages/{stage_id}", "api_get_stage",
           "Poll a stage: the same answer as the request, identical env on resume",
-          None, ((200, m.StageReady), (202, m.StageWaiting))),
+          None, ((200, (m.StageReady, m.StageEnded)), (202, m.StageWaiting)),
+          _RUN + ((404, ("stage_not_found",)), (409, ("browser_failed",)), (503, ("browser_failed",))),
+          f"Without `wait`, answers at once. With `?wait=SECONDS` (0-{MAX_WAIT:.0f}) a waiting "
+          "stage's answer is held until it is ready or failed, or the time is up (then 202 "
+          "again); poll again at once. Without long-poll, poll every 1-2 seconds.",
+          query=("wait",)),
+    Route("DELETE", "/v1/runs/{run_id}/stages/{stage_id}", "api_cancel_stage",
+          "Withdraw a waiting stage request: leave the profile's queue",
+          None, ((200, m.StageEnded),),
+          _RUN + ((404, ("stage_not_found",)), (409, ("stage_not_waiting",))),
+          "For a stage that is waiting (202): it leaves the queue and ends as `cancelled`; the "
+          "run keeps its place only if another of its stages still waits for that profile. A "
+          "ready stage is ended with POST .../end instead (409 stage_not_waiting). Deleting an "
+          "ended stage answers its end again."),
     Route("POST", "/v1/runs/{run_id}/stages/{stage_id}/end", "api_end_stage",
           "End a stage: close its tabs and session, revoke its CDP token", m.StageEnd,
-          ((200, m.Ok),)),
+          ((200, m.EndAnswer),), _RUN + ((404, ("stage_not_found",)),),
+          "Call when the stage is terminal. The stage's gate token stops working; the run's "
+          "browser and lease stay for the run's next stages."),
     Route("POST", "/v1/runs/{run_id}/login-check", "api_login_check",
           "Check a profile's login in the run's browser: {logged_in, url}, computed by the guard",
-          m.LoginCheckRequest, ((200, m.LoginResultAnswer),)),
+          m.LoginCheckRequest, ((200, m.LoginResultAnswer),),
+          _RUN + ((400, ("no_pipeline", "invalid_pattern")), (403, ("login_check_not_allowed",)),
+                  (409, ("run_ended", "profile_leased")), (422, ("login_check_failed",))),
+          "The guard opens login_check.url in the run's browser for the profile (leasing it if "
+          "needed), reads the final address (and the selector) and matches the patterns. The "
+          "runner puts this answer into the check stage's envelope; the guard keeps it for "
+          "login-check/verify."),
     Route("POST", "/v1/runs/{run_id}/login-check/verify", "api_login_verify",
           "Compare what a stage reported with the guard's own last login check (409 on mismatch)",
-          m.LoginVerifyRequest, ((200, m.Ok),)),
+          m.LoginVerifyRequest, ((200, m.Ok),), _RUN + ((409, ("no_login_check", "envelope_mismatch")),),
+          "For `verify: login_check`: after a login stage (or before trusting an envelope), the "
+          "runner sends what it was told; the guard answers 409 envelope_mismatch when its own "
+          "last check of that profile in this run says otherwise."),
     Route("POST", "/v1/runs/{run_id}/handoff", "api_handoff",
           "Open the profile's browser for a person to log in; answers the gate payload",
-          m.HandoffRequest),
-    Route("GET", "/v1/status", "api_status", "Runs, leases, queues, anchors, proxies, policy"),
-    Route("GET", "/v1/profiles", "api_list_profiles", "Profiles of this guard's scope"),
+          m.HandoffRequest, ((200, m.HandoffAnswer),),
+          _RUN + ((400, ("no_pipeline",)), (409, ("run_ended", "handoff_impossible", "profile_leased")),),
+          "For a login stage's gate: reopens the run's browser on the profile headed (needs a "
+          "display where the guard runs; 409 handoff_impossible names the cause) and answers the "
+          "payload to show the person. End the login stage when the person confirms."),
+    Route("GET", "/v1/status", "api_status", "Runs, leases, queues, anchors, proxies, policy", None,
+          ((200, m.StatusAnswer),), (),
+          "What `sfguard status` prints: every run, profile lease and queue, and the site policy's "
+          "state (an invalid edit keeps the last good policy)."),
+    Route("GET", "/v1/profiles", "api_list_profiles", "Profiles of this guard's scope", None,
+          ((200, m.ProfilesAnswer),), (), "Names, sizes, times and lease holders; never contents."),
     Route("DELETE", "/v1/profiles/{name}", "api_delete_profile", "Delete a profile (not while leased)",
-          None, ((200, m.Ok),)),
+          None, ((200, m.Ok),), ((400, ("invalid_name",)), (404, ("profile_not_found",)),
+                                 (409, ("profile_leased",))),
+          "Deletes the sealed profile and its login; refused while a run leases it."),
 )
 
 
@@ -104,33 +179,76 @@ def openapi_document() -> dict[str, Any]:
         components[model.__name__] = schema
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
+    def answer_schema(model: Any) -> dict[str, Any]:
+        if isinstance(model, tuple):
+            return {"oneOf": [ref(x) for x in model]}
+        return ref(model)
+
     err = ref(m.ErrorAnswer)
     paths: dict[str, Any] = {}
     for r in ROUTES:
-        op: dict[str, Any] = {"summary": r.summary, "operationId": r.handler.removeprefix("api_")}
-        params = [seg[1:-1] for seg in r.path.split("/") if seg.startswith("{")]
+        op: dict[str, Any] = {"summary": r.summary, "description": r.description,
+                              "operationId": r.handler.removeprefix("api_")}
+        params: list[dict[str, Any]] = [
+            {"name": p, "in": "path", "required": True,
+             "schema": {"type": "string", "pattern": m.PROFILE_NAME if p == "name" else m.RUN_ID}}
+            for p in (seg[1:-1] for seg in r.path.split("/") if seg.startswith("{"))]
+        if "wait" in r.query:
+            params.append({"name": "wait", "in": "query", "required": False,
+                           "description": f"long-poll: hold a waiting answer up to this many seconds "
+                                          f"(0-{MAX_WAIT:.0f})",
+                           "schema": {"type": "number", "minimum": 0, "maximum": MAX_WAIT}})
         if params:
-            op["parameters"] = [{"name": p, "in": "path", "required": True,
-                                 "schema": {"type": "string", "pattern": m.RUN_ID if p != "name"
-                                            else m.PROFILE_NAME}} for p in params]
+            op["parameters"] = params
         if r.body:
             op["requestBody"] = {"required": True,
                                  "content": {"application/json": {"schema": ref(r.body)}}}
         responses: dict[str, Any] = {}
-        for status, model in r.answers or ((200, None),):
-            content = {"application/json": {"schema": ref(model) if model else {"type": "object"}}}
-            responses[str(status)] = {"description": "ok", "content": content}
-        for status in ("400", "404", "409", "413"):
-            responses[status] = {"description": "error",
-                                 "content": {"application/json": {"schema": err}}}
+        for status, model in r.answers:
+            responses[str(status)] = {"description": "waiting" if status == 202 else "ok",
+                                      "content": {"application/json": {"schema": answer_schema(model)}}}
+        for status, codes in r.error_codes().items():
+            responses[str(status)] = {
+                "description": f"{STATUS_TEXT.get(status, 'error')}; error.code is one of: {', '.join(codes)}",
+                "content": {"application/json": {"schema": err}},
+                "x-error-codes": list(codes)}
         op["responses"] = responses
         paths.setdefault(r.path, {})[r.method.lower()] = op
+    paths["/v1/openapi.json"] = {"get": {
+        "summary": "This document", "description": "The OpenAPI document of this API.",
+        "operationId": "openapi", "security": [{}, {"bearer": []}],
+        "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}},
+                      "401": {"description": STATUS_TEXT[401], "x-error-codes": ["unauthorized"],
+                              "content": {"application/json": {"schema": err}}}}}}
+    components["ErrorBody"]["properties"]["code"]["enum"] = list(m.ERROR_CODES)
     return {
         "openapi": "3.1.0",
-        "info": {"title": "sfguard control API", "version": "1"},
+        "info": {"title": "sfguard control API", "version": "1",
+                 "description": ("The guard's control API for pipeline runners. JSON in and out; "
+                                 "every error is {\"error\": {\"code\", \"message\", \"field\"}}. "
+                                 "On the unix socket (<home>/guard.sock, 0600) no token is needed; "
+                                 "on the optional TCP listener (sfguard start --tcp PORT) every "
+                                 "request carries Authorization: Bearer TOKEN. The runner's "
+                                 "sequence: docs/runner-guide.md.")},
+        "security": [{}, {"bearer": []}],
         "paths": paths,
-        "components": {"schemas": components},
+        "components": {"schemas": components, "securitySchemes": {"bearer": {
+            "type": "http", "scheme": "bearer",
+            "description": "the TCP listener's token (printed by sfguard start --tcp, or written to "
+                           "--token-file); not needed on the unix socket"}}},
     }
+
+
+def _wait_seconds(values: list[str]) -> float:
+    if len(values) != 1:
+        raise ApiError(400, "invalid_request", "wait: give it once", "wait")
+    try:
+        wait = float(values[0])
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait <= MAX_WAIT:  # also refuses nan and inf
+        raise ApiError(400, "invalid_request", f"wait: seconds from 0 to {MAX_WAIT:.0f}", "wait")
+    return wait
 
 
 Handler = Callable[..., Awaitable[tuple[int, Any]]]
@@ -167,11 +285,18 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
 
     def make(route: Route):
         async def handle(request: web.Request) -> web.Response:
-            kwargs = dict(request.match_info)
+            kwargs: dict[str, Any] = dict(request.match_info)
             for name, value in kwargs.items():
                 if not PATH_PARAMS[name].fullmatch(value):
                     raise ApiError(400, "invalid_request", f"{name}: not a valid {name} "
                                    f"(pattern {PATH_PARAMS[name].pattern})", name)
+            for name in request.query:
+                if name not in route.query:
+                    raise ApiError(400, "invalid_request", f"{name}: unknown query parameter"
+                                   + (f" (this route takes: {', '.join(route.query)})" if route.query else ""),
+                                   name)
+            if "wait" in request.query:
+                kwargs["wait"] = _wait_seconds(request.query.getall("wait"))
             if route.body is not None:
                 raw = await request.read()
                 try:
@@ -183,7 +308,7 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                 try:
                     kwargs["body"] = route.body.model_validate(data)
                 except ValidationError as exc:
-                    raise validation_error(exc) from None
+                    raise validation_error(exc, route.body) from None
             status, answer = await getattr(target, route.handler)(**kwargs)
             return web.json_response(answer, status=status)
         return handle

@@ -165,10 +165,12 @@ class VerifyResult:
 class LocalAuditSink:
     """AuditSink writing `<home>/audit.log` with a keyed hash chain and a head file.
 
-    `keys` is the KeyProvider (default: `default_key_provider(home)`, as the profile store)."""
+    `keys` is the KeyProvider (default: `default_key_provider(home)`, as the profile store).
+    `read_only` (`sfguard audit verify|show`): create nothing, neither the home nor the lock."""
 
-    def __init__(self, home: Path, keys: Any = None):
-        self.home = ensure_home(home)
+    def __init__(self, home: Path, keys: Any = None, read_only: bool = False):
+        self.read_only = read_only
+        self.home = Path(home) if read_only else ensure_home(home)
         self.log_path = self.home / LOG_FILE
         self.head_path = self.home / HEAD_FILE
         self.lock_path = self.home / LOCK_FILE
@@ -200,6 +202,10 @@ class LocalAuditSink:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        if self.read_only and not os.path.lexists(self.lock_path):
+            # record() creates the lock before its first line: no lock, no writer to wait for
+            yield
+            return
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

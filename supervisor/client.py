@@ -45,7 +45,7 @@ class GuardClient:
             conn.request(method, route, body=payload, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             raise GuardUnavailable(f"no guard is running on {self.path}: start it with `sfguard start`") from exc
         finally:
             conn.close()

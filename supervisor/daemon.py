@@ -55,6 +55,9 @@ PROXY_START_TIMEOUT = 20.0
 STAGE_ENV_KEYS = ("AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
                   "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS")
 WATCH_INTERVAL = 0.25
+#: a stage answer that may still change; long-poll re-checks it every LONG_POLL_STEP seconds
+WAITING_STATES = ("pending", "waiting", "relaunching")
+LONG_POLL_STEP = 0.1
 
 
 def _now_iso(ts: float | None = None) -> str:
@@ -499,12 +502,45 @@ class Guard:
         await self._advance(run, stage)
         return stage.answer()
 
-    async def api_get_stage(self, run_id: str, stage_id: str) -> tuple[int, Any]:
+    async def api_get_stage(self, run_id: str, stage_id: str, wait: float = 0.0) -> tuple[int, Any]:
         run = self._run(run_id)
         stage = run.stages.get(stage_id)
         if stage is None:
             raise ApiError(404, "stage_not_found", f"no stage {stage_id!r} in run {run_id!r}", "stage_id")
+        # long-poll (?wait=, at most api.MAX_WAIT): hold a waiting answer until it changes
+        deadline = time.monotonic() + wait
+        while stage.state in WAITING_STATES and run.state == "active" and time.monotonic() < deadline:
+            await asyncio.sleep(min(LONG_POLL_STEP, max(deadline - time.monotonic(), 0)))
         return stage.answer()
+
+    async def api_cancel_stage(self, run_id: str, stage_id: str) -> tuple[int, Any]:
+        """DELETE of a waiting stage request: it leaves the profile's queue and ends cancelled."""
+        run = self._run(run_id)
+        stage = run.stages.get(stage_id)
+        if stage is None:
+            raise ApiError(404, "stage_not_found", f"no stage {stage_id!r} in run {run_id!r}", "stage_id")
+        async with run.lock:
+            if stage.state in ("ended", "failed"):
+                return 200, {"state": "ended", "outcome": stage.outcome or "failed"}
+            if stage.state not in WAITING_STATES:
+                raise ApiError(409, "stage_not_waiting", f"stage {stage_id!r} is {stage.state}, not "
+                               "waiting: end it with POST .../end", "stage_id")
+            stage.state, stage.outcome = "ended", "cancelled"
+            profile = stage.browser_req.profile
+            others = [s for s in run.stages.values() if s is not stage and s.state in WAITING_STATES
+                      and s.browser_req.profile == profile]
+            if profile is not None and not others:
+                key = self._profile_key(run, profile)
+                holder = self.lease.holder(key)
+                if holder is None or holder.run != run.run_id:
+                    self.lease.release(key, run.run_id)   # leaves the queue (never a held lease)
+        log.info("stage %s/%s left the queue", run_id, stage_id)
+        for other in list(self.runs.values()):   # the places behind it move up now
+            if other.state == "active":
+                for st in list(other.stages.values()):
+                    if st.state == "waiting":
+                        await self._advance(other, st)
+        return 200, {"state": "ended", "outcome": "cancelled"}
 
     async def api_end_stage(self, run_id: str, stage_id: str, body: models.StageEnd) -> tuple[int, Any]:
         run = self._run(run_id)

@@ -29,8 +29,15 @@ def resolve_home(flag: str | os.PathLike | None = None) -> Path:
 
 def private_dir(path: Path) -> Path:
     """Create `path` (and parents) and make it 0700; refuse symlinks and foreign owners."""
-    path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-    st = os.lstat(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        st = os.lstat(path)
+    except FileExistsError:
+        raise HomeError(f"{path} is a file, not a folder") from None
+    except NotADirectoryError:
+        raise HomeError(f"{path}: a part of this path is a file, not a folder") from None
+    except OSError as exc:
+        raise HomeError(f"{path}: cannot create or use this folder: {exc.strerror}") from None
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise HomeError(f"{path} is not a plain directory")
     if st.st_uid != os.getuid():
@@ -38,6 +45,18 @@ def private_dir(path: Path) -> Path:
     if stat.S_IMODE(st.st_mode) != DIR_MODE:
         os.chmod(path, DIR_MODE)
     return path
+
+
+def existing_home(flag: str | os.PathLike | None = None) -> Path:
+    """The guard home for read-only commands: resolved, never created. HomeError when it does
+    not exist or is not a folder, naming the path (so a typo in --home is seen, not masked)."""
+    home = resolve_home(flag)
+    if not home.exists():
+        raise HomeError(f"no guard home at {home} (check --home or $SFGUARD_HOME; `sfguard start` "
+                        "or `sfguard profiles create` makes one)")
+    if not home.is_dir():
+        raise HomeError(f"{home} is a file, not a guard home folder")
+    return home
 
 
 def ensure_home(flag: str | os.PathLike | None = None) -> Path:

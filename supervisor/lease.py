@@ -211,6 +211,11 @@ class LocalProfileLease:
         validate_run_id(run)
         return [key for key in self._keys() if self.release(key, run)]
 
+    def has_state(self, key: ProfileKey) -> bool:
+        """True when `key` was ever leased or queued here (read-only callers skip the rest)."""
+        state_path, _ = self._paths(key)
+        return state_path.exists()
+
     def holder(self, key: ProfileKey) -> LeaseHolder | None:
         with self._locked(key) as st:
             self._drop_dead(st)

@@ -6,9 +6,11 @@ field is the dotted path of the offending input, e.g. `browser.allow_domains.2`.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+import difflib
+import typing
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 import policy
 
@@ -26,11 +28,36 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
 
-class LoginCheck(Strict):
+class StrictTypes(Strict):
+    """No coercion: `headed: "yes"` or `headed: 1` is an error, not true (YAML and JSON alike)."""
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False, strict=True)
+
+
+#: a login-check URL pattern that starts with this is a regular expression (supervisor/login.py)
+URL_REGEX_PREFIX = "re:"
+
+
+def _url_pattern(pattern: str) -> str:
+    """A glob (`*` wildcards) or `re:REGEX` URL pattern; a regex must compile (the same rule as
+    supervisor.login.compile_pattern, checked here so the API and `sfguard validate` agree)."""
+    if pattern.startswith(URL_REGEX_PREFIX):
+        body = pattern[len(URL_REGEX_PREFIX):]
+        if not body:
+            raise ValueError(f"URL pattern {pattern!r} has an empty regular expression after 're:'")
+        try:
+            re.compile(body, re.DOTALL)
+        except re.error as exc:
+            raise ValueError(f"URL pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    return pattern
+
+
+UrlPattern = Annotated[str, StringConstraints(min_length=1, max_length=1024), AfterValidator(_url_pattern)]
+
+
+class LoginCheck(StrictTypes):
     url: Annotated[str, StringConstraints(min_length=1, max_length=2048)]
-    logged_in: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
-    logged_out: list[Annotated[str, StringConstraints(min_length=1, max_length=1024)]] = Field(
-        default_factory=list, max_length=32)
+    logged_in: UrlPattern
+    logged_out: list[UrlPattern] = Field(default_factory=list, max_length=32)
     selector: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
 
     @field_validator("url")
@@ -41,15 +68,26 @@ class LoginCheck(Strict):
         return v
 
 
-class BrowserField(Strict):
+def _one_pattern(text: str) -> str:
+    """One allow_domains entry (an error names its index: browser.allow_domains.2)."""
+    try:
+        policy.parse_pattern(text, allow_list=True)
+    except policy.PatternError as exc:
+        raise ValueError(f"{exc.message}: {text!r}" + (f" (hint: {exc.hint})" if exc.hint else "")) from None
+    return text
+
+
+AllowPattern = Annotated[str, StringConstraints(min_length=1, max_length=300), AfterValidator(_one_pattern)]
+
+
+class BrowserField(StrictTypes):
     """A stage's `browser` field, as in the spec: profile, headed, allow_domains, login_check."""
 
     profile: str | None = Field(default=None, description=(
         "profile name (^[a-z0-9][a-z0-9_-]{0,63}$) or '@pipeline' for the run's "
         "pipeline-derived identity; omitted: a throw-away browser"))
     headed: bool = True
-    allow_domains: list[Annotated[str, StringConstraints(min_length=1, max_length=300)]] = Field(
-        default_factory=list, max_length=256)
+    allow_domains: list[AllowPattern] = Field(default_factory=list, max_length=256)
     login_check: LoginCheck | None = None
 
     @field_validator("profile")
@@ -60,17 +98,6 @@ class BrowserField(Strict):
         if not re.fullmatch(PROFILE_NAME, v):
             raise ValueError("profile names are 1-64 of a-z 0-9 _ - and start with a letter or "
                              "digit (never a path)")
-        return v
-
-    @field_validator("allow_domains")
-    @classmethod
-    def _patterns(cls, v: list[str]) -> list[str]:
-        try:
-            policy.compile_patterns(v, source="allow_domains")
-        except policy.PolicyError as exc:
-            first = exc.issues[0]
-            raise ValueError(f"{first.field}: {first.message}"
-                             + (f" (hint: {first.hint})" if first.hint else "")) from None
         return v
 
 
@@ -93,40 +120,169 @@ class RunEnd(Strict):
     outcome: Literal["succeeded", "failed", "cancelled", "abandoned"]
 
 
+#: Every error code the guard answers with (ErrorBody.code). Per route, the OpenAPI document
+#: lists the ones that route can give (supervisor/api.py ROUTES).
+ERROR_CODES = (
+    # edge: any route
+    "invalid_request", "invalid_json", "body_too_large", "unauthorized", "not_found",
+    "method_not_allowed", "http_error", "internal",
+    # runs and stages
+    "run_exists", "run_not_found", "run_ended", "stage_not_found", "stage_active", "attempt_used",
+    "stage_not_waiting", "no_pipeline", "no_display", "browser_failed",
+    # profiles
+    "invalid_name", "profile_not_found", "profile_leased",
+    # login check, envelope verification, handoff
+    "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
+    "envelope_mismatch", "handoff_impossible",
+)
+ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
+
+
 class ErrorBody(Strict):
-    code: str
-    message: str
-    field: str | None = None
+    code: ErrorCode = Field(description="a stable code; see ERROR_CODES in supervisor/models.py")
+    message: str = Field(description="one sentence for a person; never a secret")
+    field: str | None = Field(default=None, description=(
+        "the dotted path of the offending input (browser.allow_domains.2), or null"))
 
 
 class ErrorAnswer(Strict):
     error: ErrorBody
 
 
-class StageReady(Strict):
+class Answer(BaseModel):
+    """A 2xx answer. Clients must ignore fields they do not know (the guard may add some)."""
+    model_config = ConfigDict(extra="allow")
+
+
+class StageReady(Answer):
     state: Literal["ready"]
-    env: dict[str, str]
+    env: dict[str, str] = Field(description=(
+        "the stage's environment: AGENT_BROWSER_CDP (the CDP gate with this stage's token), "
+        "AGENT_BROWSER_SESSION, AGENT_BROWSER_SOCKET_DIR, AGENT_BROWSER_PIN_TAB, "
+        "AGENT_BROWSER_CONFIG, AGENT_BROWSER_IDLE_TIMEOUT_MS; identical on every poll and resume"))
 
 
-class StageWaiting(Strict):
+class StageWaiting(Answer):
     state: Literal["waiting"]
-    holder_run: str
-    since: str
-    position: int | None = None
+    holder_run: str = Field(description="the run that holds the profile ('' while starting)")
+    since: str = Field(description="UTC time (ISO 8601) since the holder has it, or since queued")
+    position: int | None = Field(default=None, description="1 = next in the profile's queue")
 
 
-class StageEnded(Strict):
+class StageEnded(Answer):
     state: Literal["ended"]
     outcome: str
 
 
-class RunCreated(Strict):
+class RunCreated(Answer):
     run_id: str
-    state: str
+    state: Literal["active"]
 
 
-class Ok(Strict):
+class Ok(Answer):
     ok: bool = True
+
+
+class EndAnswer(Answer):
+    ok: bool = Field(description="false when teardown reported problems (listed)")
+    problems: list[str] = Field(default_factory=list)
+
+
+class RunEndAnswer(EndAnswer):
+    outcome: str | None = None
+
+
+class RunStageInfo(Answer):
+    stage_id: str
+    attempt: int
+    state: Literal["pending", "waiting", "ready", "relaunching", "ended", "failed"]
+    profile: str | None
+    outcome: str | None
+    holder_run: str | None
+
+
+class RunBrowserInfo(Answer):
+    profile: str | None
+    throwaway: bool
+    headed: bool
+    alive: bool
+    stages: list[str]
+    restarts: int
+
+
+class RunProxyInfo(Answer):
+    port: int | None
+    alive: bool
+    restarts: int
+
+
+class RunInfo(Answer):
+    """A run as the guard holds it: names and states, never a secret."""
+    run_id: str
+    state: Literal["active", "ending", "ended"]
+    outcome: str | None
+    created: str
+    pipeline: bool = Field(description="the run was created with a pipeline path")
+    stages: list[RunStageInfo]
+    browsers: list[RunBrowserInfo]
+    proxy: RunProxyInfo | None
+    problems: list[str]
+
+
+class GuardInfo(Answer):
+    pid: int
+    since: str
+    home: str
+    key_provider: str
+    scope: str
+
+
+class PolicyState(Answer):
+    file: str
+    mode: Literal["enforce", "report"]
+    state: Literal["ok", "error"] = Field(description="error: an invalid edit was refused and the "
+                                          "last good policy is in force")
+    error: str | None
+
+
+class QueueEntryInfo(Answer):
+    run: str
+    since: str
+
+
+class LeaseInfo(Answer):
+    profile: str
+    holder_run: str | None
+    since: str | None
+    queue: list[QueueEntryInfo]
+
+
+class StatusAnswer(Answer):
+    guard: GuardInfo
+    policy: PolicyState
+    runs: list[RunInfo]
+    leases: list[LeaseInfo]
+
+
+class ProfileInfoAnswer(Answer):
+    name: str
+    scope: str
+    created: str
+    last_used: str | None
+    size: int
+    leased_by: str | None
+
+
+class ProfilesAnswer(Answer):
+    profiles: list[ProfileInfoAnswer]
+
+
+class HandoffAnswer(Answer):
+    """The gate payload a runner shows the person (supervisor.handoff.HandoffPayload)."""
+    kind: Literal["local_window", "live_view"]
+    site: str
+    reason: str
+    url: str | None = None
 
 
 class LoginCheckRequest(Strict):
@@ -148,9 +304,9 @@ class LoginVerifyRequest(Strict):
     _profile = field_validator("profile")(BrowserField._profile_name.__func__)
 
 
-class LoginResultAnswer(Strict):
-    logged_in: bool
-    url: str
+class LoginResultAnswer(Answer):
+    logged_in: bool = Field(description="computed by the guard from the final address (and selector)")
+    url: str = Field(description="the final address the check page landed on")
 
 
 class HandoffRequest(Strict):
@@ -160,3 +316,77 @@ class HandoffRequest(Strict):
     url: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
 
     _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+
+
+# --------------------------------------------------------------------------- error wording
+# One wording for a field error, used by the API (supervisor/api.py) and by `sfguard validate`
+# (supervisor/pipeline.py), so a pipeline file and an API request are refused alike, at the
+# same field path, with the same hint.
+
+def _submodel(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model that holds the field at `loc` (a pydantic error location)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        info = current.model_fields.get(part)
+        if info is None:
+            return None
+        current = _model_in(info.annotation)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def field_path(loc: tuple) -> str:
+    """The dotted path of a field (`browser.allow_domains.2`), as API errors name it."""
+    return ".".join(str(p) for p in loc if p not in ("function-after", "function-before"))
+
+
+def error_message(err: dict, model: type[BaseModel]) -> str:
+    """A readable message, with a hint where one helps, for one pydantic error of `model`."""
+    kind, loc, value = err.get("type"), tuple(err.get("loc", ())), err.get("input")
+    name = loc[-1] if loc else ""
+    if kind == "extra_forbidden":
+        holder = _submodel(model, loc[:-1])
+        known = tuple(holder.model_fields) if holder else ()
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else (f"known keys: {', '.join(known)}" if known else "")
+        return f"unknown key {name!r}" + (f" ({hint})" if hint else "")
+    if kind == "missing":
+        return f"missing required key {name!r}"
+    if kind == "list_type":
+        if isinstance(value, str):
+            return f"must be a list, not a single text (hint: write a list: [{value}])"
+        return f"must be a list, not {_shown(value)} (hint: write a list: [example.com])"
+    if kind == "bool_type":
+        return f"must be true or false, not {_shown(value)} (hint: write true or false without quotes)"
+    if kind == "string_type":
+        return f"must be text, not {_shown(value)}" + (" (hint: put it in quotes)" if isinstance(value, (int, float, bool)) else "")
+    if kind in ("int_type", "int_parsing"):
+        return f"must be a whole number, not {_shown(value)}"
+    if kind in ("model_type", "dict_type"):
+        holder = _submodel(model, loc)
+        keys = f" with keys {', '.join(holder.model_fields)}" if holder else ""
+        return f"must be a mapping{keys}, not {_shown(value)}"
+    if kind == "literal_error":
+        return str(err.get("msg", "invalid")).replace("Input should be", "must be")
+    msg = str(err.get("msg", "invalid"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg.replace("String should have", "must have").replace("List should have", "must have")

@@ -53,8 +53,7 @@ from pydantic import ValidationError
 import policy
 from supervisor import tools
 from supervisor.handoff import HandoffPayload
-from supervisor.login import compile_pattern
-from supervisor.models import STAGE_ID, BrowserField
+from supervisor.models import STAGE_ID, BrowserField, error_message
 
 __all__ = ["Issue", "PipelineReport", "Route", "StageInfo", "validate_pipeline",
            "PIPELINE_KEYS", "STAGE_KEYS", "STAGE_FILE_KEYS", "MAX_PIPELINE_BYTES"]
@@ -197,7 +196,9 @@ class _Validator:
         """Check `node` is a mapping with only `known` string keys and no duplicates; return
         key -> (key node, value node) of the known keys."""
         if not isinstance(node, yaml.MappingNode):
-            self.issue(doc, node, path, f"{what} must be a mapping, not {_kind(node)}", "shape")
+            self.issue(doc, node, path or "(top)", f"{what} must be a mapping, not {_kind(node)}"
+                       + (" (hint: the file starts with keys such as name: and stages:)"
+                          if not path and what == "the pipeline" else ""), "shape")
             return None
         out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
         for key, knode, vnode in doc.items(node):
@@ -238,7 +239,15 @@ class _Validator:
             self._pipeline(doc)
         finally:
             doc.close()
+        self._sort()
         return self.report
+
+    def _sort(self) -> None:
+        """Findings in reading order: the pipeline file first, then each stage file, each by
+        line and column (stable, so findings at one place keep the order they were found)."""
+        files = [self.report.file] + sorted({i.file for i in self.report.issues} - {self.report.file})
+        order = {f: n for n, f in enumerate(files)}
+        self.report.issues.sort(key=lambda i: (order[i.file], i.line or 0, i.col or 0))
 
     def _pipeline(self, doc: _Doc) -> None:
         root = doc.root
@@ -253,7 +262,8 @@ class _Validator:
             return
         snode = top["stages"][1]
         if not isinstance(snode, yaml.SequenceNode) or not snode.value:
-            self.issue(doc, snode, "stages", "stages must be a non-empty list", "shape")
+            self.issue(doc, snode, "stages", "stages must be a non-empty list (hint: write "
+                       "stages: followed by lines such as - id: check)", "shape")
             return
         seen: dict[str, yaml.Node] = {}
         route_nodes: dict[Route, tuple[_Doc, yaml.Node, str]] = {}
@@ -409,6 +419,8 @@ class _Validator:
         before = len(self.report.issues)
         self.mapping(doc, node, path, tuple(BrowserField.model_fields), "the browser field")
         dup_or_unknown = len(self.report.issues) > before
+        # unknown keys are worded by the model's errors below, as the API words them
+        self.report.issues[before:] = [i for i in self.report.issues[before:] if i.code != "unknown_key"]
         value = doc.value(node)
         result: BrowserField | None = None
         try:
@@ -416,31 +428,15 @@ class _Validator:
         except ValidationError as exc:
             for err in exc.errors():
                 loc = tuple(err["loc"])
-                if err["type"] == "extra_forbidden":
-                    continue  # reported by self.mapping with a hint
-                if loc == ("allow_domains",) and err["type"] == "value_error":
+                if loc[:1] == ("allow_domains",) and len(loc) == 2 and err["type"] == "value_error":
                     continue  # every bad entry is reported below, each at its own line
-                enode, epath = _locate(doc, node, path, loc)
-                self.issue(doc, enode, epath, _pydantic_message(err), "browser")
+                enode, epath = _locate(doc, node, path, loc, at_key=err["type"] == "extra_forbidden")
+                self.issue(doc, enode, epath, error_message(err, BrowserField), "browser")
         if dup_or_unknown:
             result = None
         domains = value.get("allow_domains") if isinstance(value, dict) else None
         if isinstance(domains, list):
             self._allow_domains(doc, node, path, domains)
-        check = value.get("login_check") if isinstance(value, dict) else None
-        if isinstance(check, dict):
-            for key in ("logged_in", "logged_out"):
-                pats = check.get(key)
-                for j, pat in enumerate(pats if isinstance(pats, list) else [pats]):
-                    if not isinstance(pat, str) or not pat:
-                        continue
-                    try:
-                        compile_pattern(pat)
-                    except ValueError as e:
-                        loc = ("login_check", key) + ((j,) if isinstance(pats, list) else ())
-                        enode, epath = _locate(doc, node, path, loc)
-                        self.issue(doc, enode, epath, str(e), "login_pattern")
-                        result = None
         if result is not None and result.login_check is not None:
             self._check_url_reachable(doc, node, path, result)
         return result
@@ -535,8 +531,9 @@ class _Validator:
                 HandoffPayload.model_validate(doc.value(v))
             except ValidationError as exc:
                 for err in exc.errors():
-                    enode, epath = _locate(doc, v, f"{path}.handoff", tuple(err["loc"]))
-                    self.issue(doc, enode, epath, _pydantic_message(err), "handoff")
+                    enode, epath = _locate(doc, v, f"{path}.handoff", tuple(err["loc"]),
+                                           at_key=err["type"] == "extra_forbidden")
+                    self.issue(doc, enode, epath, error_message(err, HandoffPayload), "handoff")
 
     # ---- login topology
 
@@ -650,14 +647,16 @@ class _Validator:
 
 # --------------------------------------------------------------------------- helpers
 
-def _locate(doc: _Doc, node: yaml.Node, path: str, loc: tuple) -> tuple[yaml.Node, str]:
-    """The deepest node along `loc` (pydantic error location) and its dotted path."""
-    for part in loc:
+def _locate(doc: _Doc, node: yaml.Node, path: str, loc: tuple,
+            at_key: bool = False) -> tuple[yaml.Node, str]:
+    """The deepest node along `loc` (pydantic error location) and its dotted path; `at_key`:
+    the last part's key node (for an unknown key) rather than its value."""
+    for i, part in enumerate(loc):
         if isinstance(node, yaml.MappingNode) and isinstance(part, str):
             found = None
-            for key, _k, v in doc.items(node):
+            for key, k, v in doc.items(node):
                 if key == part:
-                    found = v
+                    found = k if at_key and i == len(loc) - 1 else v
             if found is None:
                 return node, f"{path}.{part}"
             node, path = found, f"{path}.{part}"
@@ -666,16 +665,6 @@ def _locate(doc: _Doc, node: yaml.Node, path: str, loc: tuple) -> tuple[yaml.Nod
         else:
             break
     return node, path
-
-
-def _pydantic_message(err: dict) -> str:
-    msg = str(err.get("msg", "invalid"))
-    if err.get("type") == "missing":
-        return f"missing required key {err['loc'][-1]!r}"
-    for prefix in ("Value error, ", "Assertion failed, "):
-        if msg.startswith(prefix):
-            msg = msg[len(prefix):]
-    return msg
 
 
 def _suggest(name: str, stages: Iterable[str]) -> str:

@@ -72,8 +72,8 @@ def test_example_pipeline_rewritten_to_the_fixture_port_validates(tmp_path):
 ])
 def test_profile_commands_without_a_guard_say_to_start_one(tmp_path, args):
     r = sfguard(*args, "--home", str(tmp_path / "home"))
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "sfguard start" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 3, (r.stdout, r.stderr)     # 3: the guard is not running
+    assert f"sfguard start --home {tmp_path / 'home'}" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -61,9 +61,10 @@ def test_validate_broken_files(name, expected):
 
 
 def test_validate_missing_file(tmp_path):
+    """A file that cannot be read is an input error (2), as for `sfguard validate`."""
     proc = sfguard("policy", "validate", str(tmp_path / "nope.yaml"))
-    assert proc.returncode == 1
-    assert "cannot read the file" in proc.stdout
+    assert proc.returncode == 2
+    assert "cannot read the file" in proc.stderr
 
 
 def test_explain_human_output():
