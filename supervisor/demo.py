@@ -95,8 +95,8 @@ def host_pattern(url: str) -> str:
     try:
         return policy.allow_pattern_for_url(url)
     except policy.MalformedHost as exc:
-        raise OpError(f"{url!r} is not a usable http:// or https:// address: {exc.reason}",
-                      "invalid_url") from None
+        raise OpError(f"{url!r} is not an http:// or https:// address with a valid host and "
+                      f"port ({exc.reason})", "invalid_url") from None
 
 
 def _error_of(status: int, answer: Any) -> OpError:
