@@ -29,6 +29,24 @@ def _keyring_backend() -> tuple[bool, str]:
     return True, f"{type(kr).__module__}.{type(kr).__name__}"
 
 
+def _sandbox_line() -> str:
+    """Can `sfguard stage-exec` build a stage sandbox here? (not required: stage-exec refuses
+    where it cannot, everything else works)."""
+    import os
+    from supervisor import sandbox
+    user = None
+    note = ""
+    if os.geteuid() == 0:
+        user = sandbox.lookup_user(sandbox.DEFAULT_STAGE_USER)
+        if user is None:
+            note = f"; stage user {sandbox.DEFAULT_STAGE_USER} missing (sfguard start creates it)"
+    else:
+        note = ("; the guard is not root: stages run as this user inside the sandbox (a root "
+                "guard would run them as an unprivileged stage user)")
+    ok, detail = sandbox.probe(user)
+    return ("ok       stage sandbox: " if ok else "WARNING  stage sandbox: stage-exec will refuse: ") + detail + note
+
+
 def run(args) -> int:
     missing = 0
     lines: list[str] = []
@@ -51,6 +69,7 @@ def run(args) -> int:
         note = " (inside a container)" if tools.in_container() else ""
         lines.append("info     no display (DISPLAY/WAYLAND_DISPLAY unset)" + note
                      + ": browsers run headless; a local login window is not possible")
+    lines.append(_sandbox_line())
     ok, text = _keyring_backend()
     lines.append(("ok       keyring " if ok else "info     ") + text)
     print("\n".join(lines))

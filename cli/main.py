@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "cli.validate_cmd",
     "cli.demo_cmd",
     "cli.doctor_cmd",
+    "cli.stage_exec_cmd",
 )
 
 
@@ -41,7 +42,7 @@ def _modules_for(argv: list[str]) -> tuple[str, ...]:
     for arg in argv:
         if arg.startswith("-"):
             continue
-        name = f"cli.{arg}_cmd"
+        name = f"cli.{arg.replace('-', '_')}_cmd"
         return (name,) if name in COMMAND_MODULES else COMMAND_MODULES
     return COMMAND_MODULES
 

@@ -74,6 +74,10 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/runs/{run_id}/stages/{stage_id}", "api_get_stage",
           "Poll a stage: the same answer as the request, identical env on resume",
           None, ((200, m.StageReady), (202, m.StageWaiting))),
+    Route("GET", "/v1/runs/{run_id}/stages/{stage_id}/exec", "api_stage_exec",
+          "What `sfguard stage-exec` needs to run the stage confined: in-sandbox env, bridge "
+          "sockets, folders to hide, the user to run as (409 when ended, not ready, or no sandbox)",
+          None, ((200, m.StageExec),)),
     Route("POST", "/v1/runs/{run_id}/stages/{stage_id}/end", "api_end_stage",
           "End a stage: close its tabs and session, revoke its CDP token", m.StageEnd,
           ((200, m.Ok),)),

@@ -106,6 +106,38 @@ class ErrorAnswer(Strict):
 class StageReady(Strict):
     state: Literal["ready"]
     env: dict[str, str]
+    exec_prefix: list[str] | None = Field(default=None, description=(
+        "the argv prefix a runner puts in front of the stage's command to run it confined "
+        "(`sfguard stage-exec --home HOME --run RUN --stage STAGE --`)"))
+
+
+class StageUser(Strict):
+    user: str
+    uid: int
+    gid: int
+
+
+class StageBridgeSockets(Strict):
+    dir: str
+    gate_socket: str
+    gate_port: int
+    proxy_socket: str
+    proxy_port: int
+
+
+class StageExec(Strict):
+    """What `sfguard stage-exec` needs to build a stage's sandbox (runner only)."""
+    run_id: str
+    stage_id: str
+    attempt: int
+    env: dict[str, str] = Field(description=(
+        "the stage env inside the sandbox: the gate URL (bridged on the same port), a private "
+        "agent-browser socket dir and config, and HTTP(S)_PROXY/ALL_PROXY (both cases) at the "
+        "in-sandbox proxy bridge with a proxy credential of this stage's own"))
+    bridges: StageBridgeSockets
+    hide: list[str] = Field(description="guard folders covered with an empty tmpfs inside")
+    run_as: StageUser | None = Field(default=None, description=(
+        "the unprivileged user a root runner drops the stage to; null when the guard is not root"))
 
 
 class StageWaiting(Strict):
