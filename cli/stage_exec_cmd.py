@@ -106,7 +106,7 @@ def run(args) -> int:
              "--chdir", cwd, "--",
              "/bin/sh", "-c", sandbox.launcher_script(answer["bridges"]["gate_port"],
                                                       answer["bridges"]["proxy_port"]),
-             "sfguard-stage", *args.command]
+             "sfguard-stage", answer.get("agent_browser") or "", *args.command]
     env = {k: os.environ[k] for k in PASSED_VARS if os.environ.get(k)}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env.setdefault("LANG", "C.UTF-8")

@@ -138,6 +138,9 @@ class StageExec(Strict):
     hide: list[str] = Field(description="guard folders covered with an empty tmpfs inside")
     run_as: StageUser | None = Field(default=None, description=(
         "the unprivileged user a root runner drops the stage to; null when the guard is not root"))
+    agent_browser: str | None = Field(default=None, description=(
+        "the guard's agent-browser, used after the command to close the tab of a daemon the "
+        "stage started inside"))
 
 
 class StageWaiting(Strict):

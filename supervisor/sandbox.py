@@ -147,10 +147,13 @@ def check_workspace(cwd: str, forbidden: list[str]) -> None:
 
 
 def launcher_script(gate_port: int, proxy_port: int) -> str:
-    """The first process inside: start the two socat bridges, wait (bounded) until both listen,
-    then exec the stage's command (so its exit status is bwrap's)."""
+    """The first process inside (`sh -c SCRIPT sfguard-stage AGENT_BROWSER COMMAND...`): start
+    the two socat bridges, wait (bounded) until both listen, run the stage's command; if it
+    started an agent-browser daemon, close that daemon's tab (a --cdp `close` alone only
+    disconnects) so repeated stage-execs do not pile up tabs; exit with the command's status."""
     g, p = f"{gate_port:04X}", f"{proxy_port:04X}"
     return (
+        "ab=$1; shift; "
         f"socat TCP-LISTEN:{gate_port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{INSIDE_GATE_SOCKET} & "
         f"socat TCP-LISTEN:{proxy_port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{INSIDE_PROXY_SOCKET} & "
         "i=0; "
@@ -158,4 +161,7 @@ def launcher_script(gate_port: int, proxy_port: int) -> str:
         "i=$((i+1)); "
         "if [ $i -gt 2000 ]; then echo 'sfguard stage-exec: the sandbox bridges did not start' >&2; exit 2; fi; "
         "sleep 0.001; done; "
-        'exec "$@"')
+        '"$@"; rc=$?; '
+        f'if [ -n "$ab" ] && [ -n "$(ls -A {INSIDE_SOCKET_DIR} 2>/dev/null)" ]; then '
+        'timeout 15 "$ab" tab close >/dev/null 2>&1; timeout 15 "$ab" close >/dev/null 2>&1; fi; '
+        "exit $rc")

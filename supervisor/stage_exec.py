@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any
 
-from supervisor import sandbox
+from supervisor import sandbox, tools
 from supervisor.api import ApiError
 
 log = logging.getLogger("sfguard.stage_exec")
@@ -32,6 +32,7 @@ def prepare(guard) -> dict[str, Any]:
     except sandbox.SandboxError as exc:
         ok, detail = False, str(exc)
     guard.stage_user = user
+    guard.agent_browser_path = tools.find_agent_browser().path
     guard.sandbox_ok, guard.sandbox_detail = ok, detail
     guard.bridges.stage_uid = user.uid if user is not None else None
     guard.bridges.api_gid = guard.api_gid
@@ -65,10 +66,15 @@ def exec_answer(guard, run, stage) -> dict[str, Any]:
     env["AGENT_BROWSER_CONFIG"] = sandbox.INSIDE_CONFIG
     for var in PROXY_VARS:
         env[var] = bridges.proxy_url
+    # agent-browser falls back to HTTP(S)_PROXY/ALL_PROXY and, seeing a credential, installs
+    # browser-wide network controls the gate refuses (measured on 0.41.2); set empty, it keeps
+    # to the gate and the anchor's own proxy.
+    env["AGENT_BROWSER_PROXY"] = ""
     return {
         "run_id": run.run_id, "stage_id": stage.stage_id, "attempt": stage.attempt,
         "env": env,
         "bridges": bridges.describe(),
         "hide": [str(guard.home), str(guard.runtime), str(guard.bridges.root)],
         "run_as": guard.stage_user.to_json() if guard.stage_user is not None else None,
+        "agent_browser": getattr(guard, "agent_browser_path", None),
     }

@@ -63,7 +63,9 @@ def test_env_is_the_stage_env_and_nothing_of_the_runner(daemon, workspace):
     assert r.returncode == 0, r.stderr
     env = json.loads(r.stdout)
     assert SENTINEL not in r.stdout and "runner-proxy.invalid" not in r.stdout
-    assert set(env) - {"PWD", "SHLVL", "_"} == STAGE_KEYS | PROXY_KEYS | {"PATH", "LANG", "TERM", "HOME"}
+    assert set(env) - {"PWD", "SHLVL", "_"} == STAGE_KEYS | PROXY_KEYS | {
+        "PATH", "LANG", "TERM", "HOME", "AGENT_BROWSER_PROXY"}
+    assert env["AGENT_BROWSER_PROXY"] == ""
     assert env["AGENT_BROWSER_CDP"] == answer["env"]["AGENT_BROWSER_CDP"]  # same token path
     assert env["AGENT_BROWSER_SESSION"] == answer["env"]["AGENT_BROWSER_SESSION"]
     assert env["AGENT_BROWSER_SOCKET_DIR"] != answer["env"]["AGENT_BROWSER_SOCKET_DIR"]
