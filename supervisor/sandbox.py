@@ -19,7 +19,6 @@ import grp
 import os
 import pwd
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +75,7 @@ def ensure_stage_user(name: str = DEFAULT_STAGE_USER) -> StageUser:
         return user
     if os.geteuid() != 0:
         raise SandboxError(f"stage user {name!r} does not exist and only root can create it")
+    import subprocess
     useradd = shutil.which("useradd") or "/usr/sbin/useradd"
     try:
         out = subprocess.run([useradd, "--system", "--user-group", "--no-create-home",
@@ -93,6 +93,7 @@ def ensure_stage_user(name: str = DEFAULT_STAGE_USER) -> StageUser:
 def probe(user: StageUser | None = None) -> tuple[bool, str]:
     """Does bubblewrap build the stage sandbox here? Runs a tiny `bwrap ... true` (as `user`
     when given and we are root). Answers (works, one line of detail)."""
+    import subprocess
     bwrap, socat = find_bwrap(), find_socat()
     if bwrap is None:
         return False, "bubblewrap (bwrap) not found: install it (Debian: apt-get install bubblewrap)"
@@ -150,18 +151,23 @@ def launcher_script(gate_port: int, proxy_port: int) -> str:
     """The first process inside (`sh -c SCRIPT sfguard-stage AGENT_BROWSER COMMAND...`): start
     the two socat bridges, wait (bounded) until both listen, run the stage's command; if it
     started an agent-browser daemon, close that daemon's tab (a --cdp `close` alone only
-    disconnects) so repeated stage-execs do not pile up tabs; exit with the command's status."""
+    disconnects) so repeated stage-execs do not pile up tabs; exit with the command's status.
+    The wait reads /proc/net/tcp with shell builtins (no fork per try; a short sleep only after
+    the first few hundred tries), because start-up time is what a runner pays per stage."""
     g, p = f"{gate_port:04X}", f"{proxy_port:04X}"
     return (
         "ab=$1; shift; "
         f"socat TCP-LISTEN:{gate_port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{INSIDE_GATE_SOCKET} & "
         f"socat TCP-LISTEN:{proxy_port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{INSIDE_PROXY_SOCKET} & "
-        "i=0; "
-        f"until grep -q ':{g} 00000000:0000 0A' /proc/net/tcp && grep -q ':{p} 00000000:0000 0A' /proc/net/tcp; do "
-        "i=$((i+1)); "
-        "if [ $i -gt 2000 ]; then echo 'sfguard stage-exec: the sandbox bridges did not start' >&2; exit 2; fi; "
-        "sleep 0.001; done; "
+        "i=0; while :; do n=0; "
+        "while read -r _ l _ st _; do "
+        f'case "$l $st" in *:{g}\ 0A|*:{p}\ 0A) n=$((n+1));; esac; '
+        "done < /proc/net/tcp; "
+        "[ $n -ge 2 ] && break; i=$((i+1)); "
+        "if [ $i -gt 3000 ]; then echo 'sfguard stage-exec: the sandbox bridges did not start' >&2; exit 2; fi; "
+        "[ $i -gt 300 ] && sleep 0.002; done; "
         '"$@"; rc=$?; '
-        f'if [ -n "$ab" ] && [ -n "$(ls -A {INSIDE_SOCKET_DIR} 2>/dev/null)" ]; then '
+        f'set -- {INSIDE_SOCKET_DIR}/*; '
+        'if [ -n "$ab" ] && [ -e "$1" ]; then '
         'timeout 15 "$ab" tab close >/dev/null 2>&1; timeout 15 "$ab" close >/dev/null 2>&1; fi; '
         "exit $rc")
