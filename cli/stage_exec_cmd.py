@@ -14,7 +14,16 @@ from __future__ import annotations
 import os
 import sys
 
-from cli.main import CliError
+if __name__ == "__main__":  # the fast entry (`python -I -S cli/stage_exec_cmd.py`): no site
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class CliError(Exception):
+    """A refusal: one line on stderr, exit 2 (cli.main prints it the same way)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 #: the runner variables a stage gets (besides its own env and a private HOME)
 PASSED_VARS = ("PATH", "LANG", "TERM")
@@ -82,17 +91,36 @@ def _data_fd(data: bytes) -> int:
     return r
 
 
+ID_FIRST = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+ID_REST = ID_FIRST | set("._:-")
+
+
+def _valid_id(value: str) -> bool:
+    """models.RUN_ID (^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$), without importing re."""
+    return 0 < len(value) <= 128 and value[0] in ID_FIRST and set(value) <= ID_REST
+
+
 def run(args) -> int:
-    import re
+    from cli.main import CliError as MainCliError
+    try:
+        return execute(args.home, args.run, args.stage, args.command)
+    except CliError as exc:
+        raise MainCliError(str(exc), exc.exit_code) from None
+
+
+def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str]) -> int:
+    """Ask the guard, build the sandbox, exec bubblewrap (never returns unless refused)."""
     from supervisor import sandbox
 
-    for label, value in (("--run", args.run), ("--stage", args.stage)):
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}", value):
+    for label, value in (("--run", run_id), ("--stage", stage_id)):
+        if not _valid_id(value):
             raise CliError(f"{label}: not a valid id: {value!r}")
+    if not command:
+        raise CliError("no command given: sfguard stage-exec --run RUN --stage STAGE -- COMMAND [ARGS...]")
     # the guard home as supervisor.home.resolve_home finds it (flag, $SFGUARD_HOME, default)
     home = os.path.abspath(os.path.expanduser(
-        args.home or os.environ.get("SFGUARD_HOME") or "~/.stageflow/guard"))
-    answer = _ask_guard(home, args.run, args.stage)
+        home_flag or os.environ.get("SFGUARD_HOME") or "~/.stageflow/guard"))
+    answer = _ask_guard(home, run_id, stage_id)
     bwrap = sandbox.find_bwrap()
     if bwrap is None or sandbox.find_socat() is None:
         raise CliError("bubblewrap and socat are needed to run a stage confined; install them "
@@ -128,7 +156,7 @@ def run(args) -> int:
              "--chdir", cwd, "--",
              "/bin/sh", "-c", sandbox.launcher_script(answer["bridges"]["gate_port"],
                                                       answer["bridges"]["proxy_port"]),
-             "sfguard-stage", answer.get("agent_browser") or "", *args.command]
+             "sfguard-stage", answer.get("agent_browser") or "", *command]
     env = {k: os.environ[k] for k in PASSED_VARS if os.environ.get(k)}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env.setdefault("LANG", "C.UTF-8")
@@ -156,3 +184,42 @@ def run(args) -> int:
     except OSError as exc:
         raise CliError(f"could not start bubblewrap: {exc}") from None
     return 2  # not reached
+
+
+USAGE = "usage: stage_exec_cmd.py [--home DIR] --run RUN_ID --stage STAGE_ID [--] COMMAND [ARGS...]"
+
+
+def fast_main(argv: list[str]) -> int:
+    """The runner's entry (exec_prefix): the same command without argparse or site-packages."""
+    opts: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            i += 1
+            break
+        if a in ("--home", "--run", "--stage") and i + 1 < len(argv):
+            opts[a[2:]] = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--") and a.split("=", 1)[0] in ("--home", "--run", "--stage") and "=" in a:
+            k, v = a[2:].split("=", 1)
+            opts[k] = v
+            i += 1
+            continue
+        if a.startswith("-"):
+            print(f"sfguard stage-exec: error: unknown option {a}\n{USAGE}", file=sys.stderr)
+            return 2
+        break
+    if "run" not in opts or "stage" not in opts:
+        print(f"sfguard stage-exec: error: --run and --stage are required\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return execute(opts.get("home"), opts["run"], opts["stage"], argv[i:])
+    except CliError as exc:
+        print(f"sfguard stage-exec: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(fast_main(sys.argv[1:]))

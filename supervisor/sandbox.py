@@ -18,9 +18,6 @@ from __future__ import annotations
 import grp
 import os
 import pwd
-import shutil
-from dataclasses import dataclass
-from pathlib import Path
 
 DEFAULT_STAGE_USER = "sfguard-stage"
 #: where the bridges and the pinned config appear inside the sandbox (/run is a fresh tmpfs)
@@ -40,22 +37,38 @@ class SandboxError(Exception):
     """The sandbox cannot be built here; stage-exec refuses rather than run unconfined."""
 
 
-@dataclass(frozen=True)
 class StageUser:
-    name: str
-    uid: int
-    gid: int
+    """The unprivileged OS user stages run as under a root guard. (A plain class: this module
+    is on stage-exec's start-up path, which stays clear of heavy imports.)"""
+
+    def __init__(self, name: str, uid: int, gid: int):
+        self.name, self.uid, self.gid = name, uid, gid
+
+    def __repr__(self) -> str:
+        return f"StageUser({self.name!r}, {self.uid}, {self.gid})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StageUser) and (self.name, self.uid, self.gid) == (
+            other.name, other.uid, other.gid)
 
     def to_json(self) -> dict:
         return {"user": self.name, "uid": self.uid, "gid": self.gid}
 
 
+def _which(name: str) -> str | None:
+    for d in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep):
+        path = os.path.join(d, name)
+        if d and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
 def find_bwrap() -> str | None:
-    return shutil.which("bwrap")
+    return _which("bwrap")
 
 
 def find_socat() -> str | None:
-    return shutil.which("socat")
+    return _which("socat")
 
 
 def lookup_user(name: str) -> StageUser | None:
@@ -76,7 +89,7 @@ def ensure_stage_user(name: str = DEFAULT_STAGE_USER) -> StageUser:
     if os.geteuid() != 0:
         raise SandboxError(f"stage user {name!r} does not exist and only root can create it")
     import subprocess
-    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+    useradd = _which("useradd") or "/usr/sbin/useradd"
     try:
         out = subprocess.run([useradd, "--system", "--user-group", "--no-create-home",
                               "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],

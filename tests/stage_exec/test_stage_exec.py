@@ -33,12 +33,21 @@ def ready_stage(d, run="r1", sid="s1", profile=None, allow=("site-a.test",)):
     return answer
 
 
-def test_stage_answer_carries_the_exec_prefix(daemon):
+def test_stage_answer_carries_the_exec_prefix_and_it_runs_the_stage(daemon, workspace):
     answer = ready_stage(daemon)
-    assert answer["exec_prefix"] == ["sfguard", "stage-exec", "--home", str(daemon.home),
-                                     "--run", "r1", "--stage", "s1", "--"]
+    prefix = answer["exec_prefix"]
+    assert prefix[1:3] == ["-I", "-S"] and prefix[3].endswith("cli/stage_exec_cmd.py")
+    assert prefix[4:] == ["--home", str(daemon.home), "--run", "r1", "--stage", "s1", "--"]
     # resume: the identical answer
     assert daemon.call("GET", "/v1/runs/r1/stages/s1") == (200, answer)
+    # what a runner does: prefix + the stage's command, from the workspace, nothing else
+    r = subprocess.run(prefix + ["sh", "-c", "echo $AGENT_BROWSER_SESSION; exit 5"], cwd=workspace,
+                       env=runner_env(daemon.home), capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (5, answer["env"]["AGENT_BROWSER_SESSION"]), r.stderr
+    # and its refusals look like the CLI's
+    r = subprocess.run(prefix[:6] + ["--run", "r1", "--stage", "nope", "--", "true"], cwd=workspace,
+                       env=runner_env(daemon.home), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no stage 'nope'" in r.stderr
 
 
 @pytest.mark.parametrize("code", [0, 1, 7, 113])
