@@ -63,6 +63,9 @@ def run(args) -> int:
             guard.api_gid = group_id(args.api_group)
         except SandboxError as exc:
             raise CliError(f"--api-group: {exc}", 2) from None
+        if os.geteuid() != 0 and guard.api_gid not in (os.getgid(), *os.getgroups()):
+            raise CliError(f"--api-group: this user is not in group {args.api_group!r}, so it "
+                           "cannot give the control socket to it", 2)
     if args.stage_user:
         guard.stage_user_name = args.stage_user
     try:

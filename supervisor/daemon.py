@@ -792,11 +792,12 @@ class Guard:
         stage.env = {k: full[k] for k in STAGE_ENV_KEYS}
         stage.env_full = {k: v for k, v in full.items()
                           if k in STAGE_ENV_KEYS or not k.startswith("AGENT_BROWSER_")}
+        # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
+        await self.bridges.open(stage.gate_key, url, run.proxy, stage.browser_req.allow_domains)
         # Start the stage's session ourselves: it opens and pins the stage's tab through the
         # gate, and we turn off the unauthenticated stream server every session starts.
         session = await self.host.open_stage_session(stage.env_full)
         stage.processes = list(session.processes)
-        await self.bridges.open(stage.gate_key, url, run.proxy, stage.browser_req.allow_domains)
         stage.state, stage.waiting = "ready", None
 
     # -- teardown: one path per level -----------------------------------------------------------

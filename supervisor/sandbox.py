@@ -174,7 +174,7 @@ def launcher_script(gate_port: int, proxy_port: int) -> str:
         f"socat TCP-LISTEN:{proxy_port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{INSIDE_PROXY_SOCKET} & "
         "i=0; while :; do n=0; "
         "while read -r _ l _ st _; do "
-        f'case "$l $st" in *:{g}\ 0A|*:{p}\ 0A) n=$((n+1));; esac; '
+        f'case "$l $st" in *:{g}\\ 0A|*:{p}\\ 0A) n=$((n+1));; esac; '
         "done < /proc/net/tcp; "
         "[ $n -ge 2 ] && break; i=$((i+1)); "
         "if [ $i -gt 3000 ]; then echo 'sfguard stage-exec: the sandbox bridges did not start' >&2; exit 2; fi; "

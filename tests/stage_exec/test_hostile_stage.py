@@ -140,6 +140,14 @@ def test_hostile_stage_inside_stage_exec(guard, site, workspace):
                and e.get("client") == client for e in log)
     assert info["env"]["HTTP_PROXY"].split("@")[0] not in (d.home / "logs" / "decisions.log").read_text()
 
+    # a throw-away (profile-less) stage works confined too, held to its own allow_domains
+    r = stage_exec(d.home, workspace, "run2", "other", "sh", "-c",
+                   f"{ab} open {b}/ >/dev/null && {ab} get url && "
+                   f"curl -sS -o /dev/null -w 'b=%{{http_code}} ' {b}/ && "
+                   f"curl -sS -o /dev/null -w 'a=%{{http_code}}' {a}/", timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert f"{b}/" in r.stdout and "b=200" in r.stdout and "a=403" in r.stdout
+
 
 def _as_other_user(d, workspace, site, full_scan):
     if os.geteuid() != 0:
