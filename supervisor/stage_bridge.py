@@ -159,6 +159,7 @@ class BridgeHost:
             have.gate.target = gate_target
             return have
         gid = self.api_gid
+        _private_folder(self.root, 0o711, None)
         folder = _private_folder(self.root / secrets.token_hex(8),
                                  0o710 if gid is not None else 0o700, gid, self.stage_uid)
         client = await proxy.add_client(allow)
@@ -189,5 +190,8 @@ class BridgeHost:
                 await proxy.remove_client(sb.proxy_client)
 
     async def close_all(self) -> None:
+        """At guard stop: every stage's bridges, then the (now empty) bridge root."""
         for key in list(self._stages):
             await self.close(key, None)
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
