@@ -35,6 +35,26 @@ def _keyring_backend() -> tuple[bool, str]:
     return True, f"{type(kr).__module__}.{type(kr).__name__}"
 
 
+def _sandbox_check() -> tuple[str, str, str]:
+    """Can `sfguard stage-exec` build a stage sandbox here? (not required: stage-exec refuses
+    where it cannot, everything else works)."""
+    import os
+    from supervisor import sandbox
+    user = None
+    note = ""
+    if os.geteuid() == 0:
+        user = sandbox.lookup_user(sandbox.DEFAULT_STAGE_USER)
+        if user is None:
+            note = f"; stage user {sandbox.DEFAULT_STAGE_USER} missing (sfguard start creates it)"
+    else:
+        note = ("; the guard is not root: stages run as this user inside the sandbox (a root "
+                "guard would run them as an unprivileged stage user)")
+    ok, detail = sandbox.probe(user)
+    if ok:
+        return ("ok", "stage sandbox:", detail + note)
+    return ("warning", "stage sandbox", "stage-exec will refuse: " + detail + note)
+
+
 def run(args) -> int:
     from cli.main import version
     checks: list[tuple[str, str, str]] = []   # (status, what, detail)
@@ -55,6 +75,7 @@ def run(args) -> int:
         note = " (inside a container)" if tools.in_container() else ""
         checks.append(("info", "display", "no display (DISPLAY/WAYLAND_DISPLAY unset)" + note
                        + ": browsers run headless; a local login window is not possible"))
+    checks.append(_sandbox_check())
     ok, text = _keyring_backend()
     checks.append(("ok" if ok else "info", "keyring", text))
     missing = sum(1 for c in checks if c[0] == "missing")
@@ -70,6 +91,8 @@ def run(args) -> int:
             lines.append(f"ok       {what} {detail}")
         elif status == "missing":
             lines.append(f"MISSING  {what}: {detail}")
+        elif status == "warning":
+            lines.append(f"WARNING  {what}: {detail}")
         else:
             lines.append(f"info     {detail}" if what == "display" or what == "keyring" else f"info     {what}: {detail}")
     print("\n".join(lines))

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "cli.demo_cmd",
     "cli.doctor_cmd",
     "cli.completion_cmd",
+    "cli.stage_exec_cmd",
 )
 
 #: One exit-code table for every command (docs/reference.md, "Exit codes").
@@ -46,7 +47,7 @@ def _modules_for(argv: list[str]) -> tuple[str, ...]:
     for arg in argv:
         if arg.startswith("-"):
             continue
-        name = f"cli.{arg}_cmd"
+        name = f"cli.{arg.replace('-', '_')}_cmd"
         return (name,) if name in COMMAND_MODULES else COMMAND_MODULES
     return COMMAND_MODULES
 

@@ -32,6 +32,12 @@ def register(sub) -> None:
                         "atomically) instead of printing it")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
                    help="DNS override for the run proxies, like curl's --resolve (tests, demos)")
+    p.add_argument("--api-group", metavar="GROUP",
+                   help="make the control socket 0660 with this group (and the home 0710), for "
+                        "a pipeline runner under another user in GROUP; default: 0600, owner only")
+    p.add_argument("--stage-user", metavar="USER", default=None,
+                   help="when the guard runs as root: the unprivileged user `sfguard stage-exec` "
+                        "runs stages as (default sfguard-stage, created when missing)")
     p.set_defaults(func=run)
 
 
@@ -64,6 +70,17 @@ def run(args) -> int:
     if args.token_file and args.tcp is None:
         raise CliError("--token-file needs --tcp PORT (the unix socket needs no token)", 2)
     token_file = _token_path(args.token_file) if args.token_file else None
+    if args.api_group:
+        from supervisor.sandbox import SandboxError, group_id
+        try:
+            guard.api_gid = group_id(args.api_group)
+        except SandboxError as exc:
+            raise CliError(f"--api-group: {exc}", 2) from None
+        if os.geteuid() != 0 and guard.api_gid not in (os.getgid(), *os.getgroups()):
+            raise CliError(f"--api-group: this user is not in group {args.api_group!r}, so it "
+                           "cannot give the control socket to it", 2)
+    if args.stage_user:
+        guard.stage_user_name = args.stage_user
     try:
         return asyncio.run(_serve(guard, args.tcp, token_file))
     except GuardAlreadyRunning as exc:
@@ -108,7 +125,13 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None) ->
         await web.UnixSite(app_runner, str(sock)).start()
     finally:
         os.umask(old_umask)
-    os.chmod(sock, 0o600)
+    if guard.api_gid is not None:  # a runner under another user, in the API group
+        os.chown(sock, -1, guard.api_gid)
+        os.chown(guard.home, -1, guard.api_gid)
+        os.chmod(guard.home, 0o710)  # traverse only: everything in it stays 0600/0700
+        os.chmod(sock, 0o660)
+    else:
+        os.chmod(sock, 0o600)
     runners.append(app_runner)
     lines = [f"sfguard: API on unix:{sock}"]
     token_path: Path | None = None
@@ -128,6 +151,8 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None) ->
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
               f"sfguard: keys {guard.keys.describe()}",
               f"sfguard: policy {guard.policy_path} (mode {guard.site_policy.mode})",
+              f"sfguard: stage sandbox (stage-exec): {'ok' if guard.sandbox_ok else 'UNAVAILABLE'}: "
+              f"{guard.sandbox_detail}",
               f"sfguard: start-up sweep: {len(report['runs'])} dead run(s), {report['processes'] + report['orphans']} "
               f"process(es) ended, {len(report['resealed'])} profile(s) resealed, "
               f"{len(report['leases'])} lease(s) released",

@@ -128,6 +128,15 @@ ROUTES: tuple[Route, ...] = (
           "run keeps its place only if another of its stages still waits for that profile. A "
           "ready stage is ended with POST .../end instead (409 stage_not_waiting). Deleting an "
           "ended stage answers its end again."),
+    Route("GET", "/v1/runs/{run_id}/stages/{stage_id}/exec", "api_stage_exec",
+          "What `sfguard stage-exec` needs to run a stage confined",
+          None, ((200, m.StageExec),),
+          _RUN + ((404, ("stage_not_found",)),
+                  (409, ("stage_ended", "stage_failed", "stage_not_ready", "sandbox_unavailable"))),
+          "For the runner's `sfguard stage-exec` only: the in-sandbox env (gate and proxy bridged "
+          "on the same ports, a proxy credential of the stage's own), the bridge sockets, the guard "
+          "folders to hide and the unprivileged user a root runner drops the stage to. 409 when the "
+          "stage ended, failed, is not ready, or this machine cannot build the sandbox."),
     Route("POST", "/v1/runs/{run_id}/stages/{stage_id}/end", "api_end_stage",
           "End a stage: close its tabs and session, revoke its CDP token", m.StageEnd,
           ((200, m.EndAnswer),), _RUN + ((404, ("stage_not_found",)),),

@@ -46,7 +46,8 @@ from supervisor.profiles import LocalProfileStore, pipeline_profile_name
 from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, ProfileError,
                                   ProfileKey, Waiting)
 from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
-from supervisor import tools
+from supervisor import stage_exec, tools
+from supervisor.stage_bridge import BridgeHost
 
 log = logging.getLogger("sfguard.guard")
 
@@ -308,6 +309,12 @@ class Guard:
         self._spare_task: asyncio.Task | None = None
         self._stopping = False
         self.started = time.time()
+        # stage-exec (layer 3): per-stage bridges, the stage user and the sandbox check
+        self.bridges = BridgeHost(self.runtime)
+        self.stage_user_name = "sfguard-stage"
+        self.stage_user = None
+        self.api_gid: int | None = None
+        self.sandbox_ok, self.sandbox_detail = False, "not checked yet"
 
     # -- lifecycle -------------------------------------------------------------------------
     def acquire_instance_lock(self) -> None:
@@ -339,6 +346,7 @@ class Guard:
                           "that ask for it get an error", info.key.name, exc)
                 report.setdefault("damaged_profiles", []).append(info.key.name)
         agent_browser.write_pinned_config(self.config_path)
+        report["sandbox"] = stage_exec.prepare(self)
         await self.gate.start()
         self._watch = asyncio.get_running_loop().create_task(self._watchdog())
         self._refill_spare()
@@ -360,6 +368,7 @@ class Guard:
         if self._spare is not None:
             await self._spare.stop()
             self._spare = None
+        await self.bridges.close_all()
         await self.gate.stop()
         self._flush_refusals()
         if self._lock_fd is not None:
@@ -488,7 +497,7 @@ class Guard:
         existing = run.stages.get(body.stage_id)
         if existing is not None and existing.state not in ("ended",):
             if existing.attempt == body.attempt and existing.browser_req == body.browser:
-                return existing.answer()  # resume: the identical answer
+                return self._stage_answer(run, existing)  # resume: the identical answer
             raise ApiError(409, "stage_active", f"stage {body.stage_id!r} is active with attempt "
                            f"{existing.attempt}; end it first", "stage_id")
         if existing is not None and body.attempt <= existing.attempt:
@@ -500,7 +509,7 @@ class Guard:
         stage = Stage(run_id, body.stage_id, body.attempt, body.browser, headed)
         run.stages[body.stage_id] = stage
         await self._advance(run, stage)
-        return stage.answer()
+        return self._stage_answer(run, stage)
 
     async def api_get_stage(self, run_id: str, stage_id: str, wait: float = 0.0) -> tuple[int, Any]:
         run = self._run(run_id)
@@ -511,7 +520,20 @@ class Guard:
         deadline = time.monotonic() + wait
         while stage.state in WAITING_STATES and run.state == "active" and time.monotonic() < deadline:
             await asyncio.sleep(min(LONG_POLL_STEP, max(deadline - time.monotonic(), 0)))
-        return stage.answer()
+        return self._stage_answer(run, stage)
+
+    def _stage_answer(self, run: Run, stage: Stage) -> tuple[int, Any]:
+        status, answer = stage.answer()
+        if answer.get("state") == "ready":
+            answer = {**answer, "exec_prefix": stage_exec.exec_prefix(self, run.run_id, stage.stage_id)}
+        return status, answer
+
+    async def api_stage_exec(self, run_id: str, stage_id: str) -> tuple[int, Any]:
+        run = self._run(run_id)
+        stage = run.stages.get(stage_id)
+        if stage is None:
+            raise ApiError(404, "stage_not_found", f"no stage {stage_id!r} in run {run_id!r}", "stage_id")
+        return 200, stage_exec.exec_answer(self, run, stage)
 
     async def api_cancel_stage(self, run_id: str, stage_id: str) -> tuple[int, Any]:
         """DELETE of a waiting stage request: it leaves the profile's queue and ends cancelled."""
@@ -806,6 +828,8 @@ class Guard:
         stage.env = {k: full[k] for k in STAGE_ENV_KEYS}
         stage.env_full = {k: v for k, v in full.items()
                           if k in STAGE_ENV_KEYS or not k.startswith("AGENT_BROWSER_")}
+        # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
+        await self.bridges.open(stage.gate_key, url, run.proxy, stage.browser_req.allow_domains)
         # Start the stage's session ourselves: it opens and pins the stage's tab through the
         # gate, and we turn off the unauthenticated stream server every session starts.
         session = await self.host.open_stage_session(stage.env_full)
@@ -821,6 +845,8 @@ class Guard:
             return problems
         was_ready = stage.state == "ready"
         stage.state, stage.outcome = "ended", outcome
+        if stage.gate_key:  # a stage-exec sandbox loses its gate and proxy at once
+            await self.bridges.close(stage.gate_key, run.proxy)
         if stage.gate_key and was_ready:
             # 1. the stage's session closes its tab and itself, through its still valid token
             if stage.env_full:

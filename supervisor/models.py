@@ -134,6 +134,8 @@ ERROR_CODES = (
     # login check, envelope verification, handoff
     "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
     "envelope_mismatch", "handoff_impossible",
+    # stage-exec
+    "stage_ended", "stage_failed", "stage_not_ready", "sandbox_unavailable",
 )
 ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
 
@@ -160,6 +162,41 @@ class StageReady(Answer):
         "the stage's environment: AGENT_BROWSER_CDP (the CDP gate with this stage's token), "
         "AGENT_BROWSER_SESSION, AGENT_BROWSER_SOCKET_DIR, AGENT_BROWSER_PIN_TAB, "
         "AGENT_BROWSER_CONFIG, AGENT_BROWSER_IDLE_TIMEOUT_MS; identical on every poll and resume"))
+    exec_prefix: list[str] | None = Field(default=None, description=(
+        "the argv prefix a runner puts in front of the stage's command to run it confined "
+        "(`sfguard stage-exec --home HOME --run RUN --stage STAGE --`)"))
+
+
+class StageUser(Strict):
+    user: str
+    uid: int
+    gid: int
+
+
+class StageBridgeSockets(Strict):
+    dir: str
+    gate_socket: str
+    gate_port: int
+    proxy_socket: str
+    proxy_port: int
+
+
+class StageExec(Answer):
+    """What `sfguard stage-exec` needs to build a stage's sandbox (runner only)."""
+    run_id: str
+    stage_id: str
+    attempt: int
+    env: dict[str, str] = Field(description=(
+        "the stage env inside the sandbox: the gate URL (bridged on the same port), a private "
+        "agent-browser socket dir and config, and HTTP(S)_PROXY/ALL_PROXY (both cases) at the "
+        "in-sandbox proxy bridge with a proxy credential of this stage's own"))
+    bridges: StageBridgeSockets
+    hide: list[str] = Field(description="guard folders covered with an empty tmpfs inside")
+    run_as: StageUser | None = Field(default=None, description=(
+        "the unprivileged user a root runner drops the stage to; null when the guard is not root"))
+    agent_browser: str | None = Field(default=None, description=(
+        "the guard's agent-browser, used after the command to close the tab of a daemon the "
+        "stage started inside"))
 
 
 class StageWaiting(Answer):

@@ -42,6 +42,10 @@ ELSEWHERE = {
     ("POST", "/v1/runs/{run_id}/handoff", 200, None): "needs a display where the guard runs (none in CI)",
     ("POST", "/v1/runs/{run_id}/handoff", 400, "no_pipeline"): "needs a display (handoff_impossible first)",
     ("POST", "/v1/runs/{run_id}/handoff", 409, "profile_leased"): "needs a display (handoff_impossible first)",
+    ("GET", "/v1/runs/{run_id}/stages/{stage_id}/exec", 409, "sandbox_unavailable"):
+        "tests/stage_exec/test_stage_exec.py (a machine where bubblewrap fails)",
+    ("GET", "/v1/runs/{run_id}/stages/{stage_id}/exec", 409, "stage_failed"):
+        "tests/browser_host (a stage whose browser could not start)",
     ("DELETE", "/v1/profiles/{name}", 400, "invalid_name"):
         "unreachable through HTTP: the path pattern refuses a bad name first (invalid_request)",
 }
@@ -182,12 +186,16 @@ def test_a_runner_session_gets_only_documented_answers(daemon):
     assert call("POST", "/v1/runs/r1/stages", stage_body("h", headed=True))[0] == 400     # no_display
     assert call("GET", "/v1/runs/r1/stages/check")[0] == 200
     assert call("GET", "/v1/runs/r1/stages/nope")[0] == 404
+    assert call("GET", "/v1/runs/r1/stages/check/exec")[0] in (200, 409)   # 409: no sandbox here
+    assert call("GET", "/v1/runs/r1/stages/nope/exec")[0] == 404
+    assert call("GET", "/v1/runs/nope/stages/s/exec")[0] == 404
     assert call("GET", "/v1/runs/r1/stages/check?wait=61")[0] == 400
     assert call("GET", "/v1/runs/r1/stages/check?wait=nan")[0] == 400
     assert call("DELETE", "/v1/runs/r1/stages/check")[0] == 409                           # ready
     assert call("DELETE", "/v1/runs/r1/stages/nope")[0] == 404
     assert call("POST", "/v1/runs/r1/stages/check/end", {"outcome": "succeeded"})[0] == 200
     assert call("GET", "/v1/runs/r1/stages/check")[1]["state"] == "ended"
+    assert call("GET", "/v1/runs/r1/stages/check/exec")[0] == 409                      # stage_ended
     assert call("POST", "/v1/runs/r1/stages", stage_body("check"))[0] == 409              # attempt_used
     assert call("POST", "/v1/runs/r1/stages/nope/end", {"outcome": "failed"})[0] == 404
     # a second run waits for the profile; it can long-poll and withdraw
@@ -198,6 +206,7 @@ def test_a_runner_session_gets_only_documented_answers(daemon):
                 {"profile": "acct", "login_check": {"url": "http://site-a.test/", "logged_in": "*/in"}})[0] == 409
     assert call("POST", "/v1/runs/r2/handoff", {"profile": "acct", "site": "site-a.test", "reason": "log in"})[0] == 409
     assert call("GET", "/v1/runs/r2/stages/w?wait=0.3")[0] == 202
+    assert call("GET", "/v1/runs/r2/stages/w/exec")[0] == 409                          # stage_not_ready
     assert call("DELETE", "/v1/profiles/acct")[0] == 409
     assert call("DELETE", "/v1/profiles/nobody")[0] == 404
     assert call("DELETE", "/v1/profiles/Bad")[0] == 400

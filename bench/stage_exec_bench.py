@@ -1,0 +1,120 @@
+"""stage-exec benchmark: what confining a stage's command costs at start-up.
+
+    ./dev bench stage_exec_bench [--samples 40]
+
+Measured in one run, on this machine, against a baseline from the same run:
+  baseline   bare `true` started by a subprocess (what a runner pays without stage-exec)
+  python     the venv's Python starting and exiting (`python -c pass`): the floor of any Python CLI
+  bwrap      `bwrap <the sandbox's namespaces and mounts> true` alone (no bridges, no guard)
+  prefix     the API's `exec_prefix` + `true` for a ready throw-away stage of a real guard: the fast
+             entry (`python -I -S cli/stage_exec_cmd.py ...`; API call + sandbox + two socat
+             bridges up + the command): what a runner pays
+  console    the same through the `sfguard stage-exec` console script (site-packages start-up)
+Target: p50(stage-exec) - p50(baseline) < 50 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from supervisor import sandbox  # noqa: E402
+from supervisor.client import GuardClient  # noqa: E402
+
+
+def timed(argv, **kw) -> float:
+    t = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, timeout=60, **kw)
+    return time.perf_counter() - t
+
+
+def p(values, q):
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=40)
+    args = ap.parse_args()
+    ok, detail = sandbox.probe(sandbox.ensure_stage_user() if os.geteuid() == 0 else None)
+    if not ok:
+        print(f"stage sandbox unavailable: {detail}")
+        return 1
+    work = Path(tempfile.mkdtemp(prefix="sfg-bench-"))
+    home = work / "home"
+    ws = Path(tempfile.mkdtemp(prefix="sfg-bench-ws-", dir="/tmp"))
+    os.chmod(ws, 0o755)
+    if os.geteuid() == 0:
+        user = sandbox.ensure_stage_user()
+        os.chown(ws, user.uid, user.gid)
+    env = {"PATH": os.environ["PATH"], "HOME": str(work), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
+    sfguard = shutil.which("sfguard", path=str(Path(sys.executable).parent)) or "sfguard"
+    guard = subprocess.Popen([sys.executable, "-m", "cli.main", "start", "--home", str(home)],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = guard.stdout.readline()
+            if not line or line.strip() == b"sfguard: ready":
+                break
+        client = GuardClient(home)
+        client.call("POST", "/v1/runs", {"run_id": "bench"})
+        status, answer = client.call("POST", "/v1/runs/bench/stages", {
+            "stage_id": "s1", "attempt": 1, "browser": {"headed": False, "allow_domains": ["example.com"]}})
+        if status != 200:
+            print(f"stage not ready: {answer}")
+            return 1
+        prefix = answer["exec_prefix"]
+        console = [sfguard, "stage-exec", "--home", str(home), "--run", "bench", "--stage", "s1", "--"]
+        bw = [sandbox.find_bwrap(), *sandbox.BASE_ARGS, "--", "/bin/true"]
+        kw = {"cwd": ws, "env": env}
+        bw_kw = dict(kw)
+        if os.geteuid() == 0:
+            user = sandbox.ensure_stage_user()
+            bw_kw.update(user=user.uid, group=user.gid, extra_groups=[])
+        py = [sys.executable, "-c", "pass"]
+        for _ in range(3):  # warm caches
+            timed(["/bin/true"], **kw), timed(py, **kw), timed(bw, **bw_kw), timed(prefix + ["true"], **kw)
+            timed(console + ["true"], **kw)
+        base, pyt, bwrap, se, cons = [], [], [], [], []
+        for _ in range(args.samples):  # interleaved, so load drifts hit all alike
+            base.append(timed(["/bin/true"], **kw))
+            pyt.append(timed(py, **kw))
+            bwrap.append(timed(bw, **bw_kw))
+            se.append(timed(prefix + ["true"], **kw))
+            cons.append(timed(console + ["true"], **kw))
+        client.call("POST", "/v1/runs/bench/end", {"outcome": "succeeded"})
+    finally:
+        guard.send_signal(signal.SIGTERM)
+        try:
+            guard.wait(60)
+        except subprocess.TimeoutExpired:
+            guard.kill()
+            guard.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(ws, ignore_errors=True)
+    b50, y50, w50, s50, c50 = (statistics.median(v) * 1000 for v in (base, pyt, bwrap, se, cons))
+    print(f"samples {args.samples}, cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, as {'root (stage dropped to sfguard-stage)' if os.geteuid() == 0 else 'user'}")
+    print(f"baseline   true           p50 {b50:7.1f} ms  p90 {p(base, 90) * 1000:7.1f} ms")
+    print(f"python     -c pass        p50 {y50:7.1f} ms  p90 {p(pyt, 90) * 1000:7.1f} ms  ({y50 / b50:5.1f}x baseline)")
+    print(f"bwrap      sandbox + true p50 {w50:7.1f} ms  p90 {p(bwrap, 90) * 1000:7.1f} ms  ({w50 / b50:5.1f}x baseline)")
+    print(f"prefix     exec_prefix true p50 {s50:7.1f} ms  p90 {p(se, 90) * 1000:7.1f} ms  ({s50 / b50:5.1f}x baseline)")
+    print(f"console    sfguard ... true p50 {c50:7.1f} ms  p90 {p(cons, 90) * 1000:7.1f} ms  ({c50 / b50:5.1f}x baseline)")
+    overhead = s50 - b50
+    print(f"stage-exec start-up overhead, exec_prefix (p50 minus baseline p50): {overhead:.1f} ms "
+          f"(target < 50 ms: {'met' if overhead < 50 else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

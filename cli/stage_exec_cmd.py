@@ -1,0 +1,225 @@
+"""`sfguard stage-exec`: run a stage's command confined to its gate and its run's proxy.
+
+Run by the pipeline runner (who can reach the control API) in front of a stage's command:
+
+    sfguard stage-exec [--home DIR] --run RUN --stage STAGE [--] COMMAND [ARGS...]
+
+It asks the guard for the stage's sandbox (GET /v1/runs/RUN/stages/STAGE/exec) and replaces
+itself with bubblewrap, so COMMAND's exit status is stage-exec's. Every refusal (no guard,
+wrong ids, ended stage, no sandbox on this machine, a workspace that is a guard folder) is one
+line on stderr and exit 2; nothing ever runs unconfined. See supervisor/sandbox.py.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # the fast entry (`python -I -S cli/stage_exec_cmd.py`): no site
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class CliError(Exception):
+    """A refusal: one line on stderr, exit 2 (cli.main prints it the same way)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+#: the runner variables a stage gets (besides its own env and a private HOME)
+PASSED_VARS = ("PATH", "LANG", "TERM")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "stage-exec", help="run a stage's command inside its sandbox (runner side)",
+        description="Run COMMAND as the stage RUN/STAGE inside a bubblewrap sandbox whose only "
+                    "ways out are the stage's CDP gate and its run's guard proxy. The current "
+                    "directory is the stage's workspace (the one writable folder).")
+    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    p.add_argument("--run", required=True, metavar="RUN_ID")
+    p.add_argument("--stage", required=True, metavar="STAGE_ID")
+    p.add_argument("argv", nargs="+", metavar="COMMAND [ARGS...]",
+                   help="the stage's command (put -- before it when it has options)")
+    p.set_defaults(func=run)
+
+
+def _ask_guard(home: str, run_id: str, stage_id: str) -> dict:
+    """GET the exec answer over the control socket. A few lines of HTTP/1.0 instead of
+    http.client: stage-exec's start-up time is paid by every confined stage."""
+    import json
+    import socket
+    path = os.path.join(home, "guard.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    try:
+        s.connect(path)
+        s.sendall(f"GET /v1/runs/{run_id}/stages/{stage_id}/exec HTTP/1.0\r\n"
+                  "Host: localhost\r\n\r\n".encode())
+        raw = b""
+        while len(raw) < 1 << 20:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise CliError(f"no guard is running on {path}: start it with `sfguard start`") from None
+    except PermissionError:
+        raise CliError(f"the guard's control socket {path} is not open to this user "
+                       "(start the guard with --api-group for a runner under another user)") from None
+    except OSError as exc:
+        raise CliError(f"the guard did not answer: {exc}") from None
+    finally:
+        s.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+        answer = json.loads(body)
+    except (IndexError, ValueError):
+        raise CliError("the guard's answer was not understood") from None
+    if status != 200:
+        err = answer.get("error", {}) if isinstance(answer, dict) else {}
+        raise CliError(f"{err.get('message') or f'the guard answered {status}'}"
+                       f" [{err.get('code', status)}]")
+    return answer
+
+
+def _data_fd(data: bytes) -> int:
+    r, w = os.pipe()
+    os.write(w, data)  # a few bytes: fits the pipe buffer
+    os.close(w)
+    os.set_inheritable(r, True)
+    return r
+
+
+ID_FIRST = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+ID_REST = ID_FIRST | set("._:-")
+
+
+def _valid_id(value: str) -> bool:
+    """models.RUN_ID (^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$), without importing re."""
+    return 0 < len(value) <= 128 and value[0] in ID_FIRST and set(value) <= ID_REST
+
+
+def run(args) -> int:
+    from cli.main import CliError as MainCliError
+    try:
+        return execute(args.home, args.run, args.stage, args.argv)
+    except CliError as exc:
+        raise MainCliError(str(exc), exc.exit_code) from None
+
+
+def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str]) -> int:
+    """Ask the guard, build the sandbox, exec bubblewrap (never returns unless refused)."""
+    from supervisor import sandbox
+
+    for label, value in (("--run", run_id), ("--stage", stage_id)):
+        if not _valid_id(value):
+            raise CliError(f"{label}: not a valid id: {value!r}")
+    if not command:
+        raise CliError("no command given: sfguard stage-exec --run RUN --stage STAGE -- COMMAND [ARGS...]")
+    # the guard home as supervisor.home.resolve_home finds it (flag, $SFGUARD_HOME, default)
+    home = os.path.abspath(os.path.expanduser(
+        home_flag or os.environ.get("SFGUARD_HOME") or "~/.stageflow/guard"))
+    answer = _ask_guard(home, run_id, stage_id)
+    bwrap = sandbox.find_bwrap()
+    if bwrap is None or sandbox.find_socat() is None:
+        raise CliError("bubblewrap and socat are needed to run a stage confined; install them "
+                       "(Debian: apt-get install bubblewrap socat). Nothing was run.")
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        raise CliError("the current directory is gone; run stage-exec from the stage's workspace") from None
+    runner_home = os.environ.get("HOME", "")
+    hide = list(answer["hide"]) + ["/run", "/dev/shm", runner_home,
+                                   os.environ.get("XDG_RUNTIME_DIR", "")]
+    try:
+        sandbox.check_workspace(cwd, list(answer["hide"]) + [answer["bridges"]["dir"]])
+    except sandbox.SandboxError as exc:
+        raise CliError(str(exc)) from None
+    run_as = answer.get("run_as")
+    if os.geteuid() == 0 and not run_as:
+        raise CliError("stage-exec runs as root but the guard names no stage user to drop to; "
+                       "refusing to run the stage as root")
+    gate_sock, proxy_sock = answer["bridges"]["gate_socket"], answer["bridges"]["proxy_socket"]
+    if not (os.path.exists(gate_sock) and os.path.exists(proxy_sock)):
+        raise CliError("the stage's bridges are gone: has the stage ended?")
+    config_fd = _data_fd(b"{}\n")
+    argv = [bwrap, *sandbox.BASE_ARGS]
+    for path in sandbox.hidden_paths(hide):
+        argv += ["--tmpfs", path]
+    argv += ["--bind", cwd, cwd,
+             "--ro-bind", gate_sock, sandbox.INSIDE_GATE_SOCKET,
+             "--ro-bind", proxy_sock, sandbox.INSIDE_PROXY_SOCKET,
+             "--perms", "0600", "--ro-bind-data", str(config_fd), sandbox.INSIDE_CONFIG,
+             "--perms", "0700", "--dir", sandbox.INSIDE_SOCKET_DIR,
+             "--perms", "0700", "--dir", sandbox.INSIDE_HOME,
+             "--chdir", cwd, "--",
+             "/bin/sh", "-c", sandbox.launcher_script(answer["bridges"]["gate_port"],
+                                                      answer["bridges"]["proxy_port"]),
+             "sfguard-stage", answer.get("agent_browser") or "", *command]
+    env = {k: os.environ[k] for k in PASSED_VARS if os.environ.get(k)}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.setdefault("LANG", "C.UTF-8")
+    env.update(answer["env"])
+    env["HOME"] = sandbox.INSIDE_HOME
+    if os.geteuid() == 0:
+        try:
+            os.setgroups([])
+            os.setgid(int(run_as["gid"]))
+            os.setuid(int(run_as["uid"]))
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            raise CliError(f"could not drop to the stage user: {exc}") from None
+        if os.geteuid() == 0 or os.getuid() == 0:
+            raise CliError("could not drop root; refusing to run the stage")
+    # PATH entries the stage cannot use (hidden, or closed to the stage user) are dropped
+    hidden = sandbox.hidden_paths(hide)
+    env["PATH"] = ":".join(
+        p for p in env["PATH"].split(":")
+        if p and os.path.isabs(p) and os.access(p, os.X_OK)
+        and not any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden)) or "/usr/bin:/bin"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(bwrap, argv, env)
+    except OSError as exc:
+        raise CliError(f"could not start bubblewrap: {exc}") from None
+    return 2  # not reached
+
+
+USAGE = "usage: stage_exec_cmd.py [--home DIR] --run RUN_ID --stage STAGE_ID [--] COMMAND [ARGS...]"
+
+
+def fast_main(argv: list[str]) -> int:
+    """The runner's entry (exec_prefix): the same command without argparse or site-packages."""
+    opts: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            i += 1
+            break
+        if a in ("--home", "--run", "--stage") and i + 1 < len(argv):
+            opts[a[2:]] = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--") and a.split("=", 1)[0] in ("--home", "--run", "--stage") and "=" in a:
+            k, v = a[2:].split("=", 1)
+            opts[k] = v
+            i += 1
+            continue
+        if a.startswith("-"):
+            print(f"sfguard stage-exec: error: unknown option {a}\n{USAGE}", file=sys.stderr)
+            return 2
+        break
+    if "run" not in opts or "stage" not in opts:
+        print(f"sfguard stage-exec: error: --run and --stage are required\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return execute(opts.get("home"), opts["run"], opts["stage"], argv[i:])
+    except CliError as exc:
+        print(f"sfguard stage-exec: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(fast_main(sys.argv[1:]))
