@@ -3,13 +3,15 @@ stage's keeps working after a form submission, a stage command that never finish
 one, and no browser the guard started listens on any TCP port (issue 13, layer 1)."""
 from __future__ import annotations
 
-import json
+import signal
 import time
 
 import psutil
 import pytest
 
-from tests.daemon.test_real_browser import as_stage, browser_processes, real_daemon, request_stage  # noqa: F401
+from supervisor.home import runtime_dir
+from tests.daemon.test_real_browser import (as_stage, browser_processes, guard_processes,  # noqa: F401
+                                            real_daemon, request_stage)
 from tests.netscan import listening_ports_of_tree
 
 pytestmark = pytest.mark.browser
@@ -134,3 +136,30 @@ def anchor_main_of(d, profile: str) -> psutil.Process:
                 a.startswith("--user-data-dir=") and a.rstrip("/").endswith(f"/{profile}") for a in cmd):
             return p
     raise AssertionError(f"no anchor for {profile}: {[p.cmdline()[-3:] for p in browser_processes(d)]}")
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill9_then_sweep"])
+def test_a_stopped_guard_leaves_nothing_behind(real_daemon, site, how):
+    """Issue 11: after a guard stops (SIGTERM, or kill -9 and the next start's sweep), no
+    process of it, no runtime folder in /dev/shm (or $XDG_RUNTIME_DIR), no unsealed profile."""
+    d = real_daemon
+    rt = runtime_dir(d.home)
+    d.call("POST", "/v1/runs", {"run_id": "r1"})
+    a = request_stage(d, "r1", "a", ["site-a.test"])
+    t = request_stage(d, "r1", "t", ["site-a.test"], profile=None)     # a throw-away browser too
+    timed(a, "open", f"http://site-a.test:{site}/")
+    timed(t, "open", f"http://site-a.test:{site}/")
+    procs = browser_processes(d)
+    assert len([p for p in procs if "chrom" in p.name().lower()]) > 2 and rt.is_dir()
+    if how == "sigterm":
+        assert d.stop() == 0
+    else:
+        d.stop(signal.SIGKILL)
+        d.start()                   # sweeps what the dead guard left
+        d.stop()
+    deadline = time.monotonic() + 15
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        assert time.monotonic() < deadline, [p.cmdline()[:2] for p in procs if p.is_running()]
+        time.sleep(0.2)
+    assert not rt.exists(), sorted(str(p) for p in rt.rglob("*"))[:20]
+    assert guard_processes(d) == []
