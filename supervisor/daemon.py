@@ -806,7 +806,8 @@ class Guard:
                 await self.gate.close_stage_tabs(stage.gate_key)
             # 3. only then the token: revoking first would leave a session nobody can close
             await self.gate.revoke(stage.gate_key)
-            terminate_recorded(stage.processes, timeout=3)
+            # in a thread: the event loop also answers every browser's paused requests
+            await asyncio.to_thread(terminate_recorded, stage.processes, 3)
         browser = run.browsers.get(stage.browser_key or "")
         if browser is not None:
             browser.stages.discard(stage.stage_id)
@@ -829,7 +830,7 @@ class Guard:
                 await self.host.close_anchor(browser.anchor)
             except Exception as exc:
                 problems.append(f"closing the browser of {browser.key}: {exc}")
-                terminate_recorded(browser.anchor.processes)
+                await asyncio.to_thread(terminate_recorded, browser.anchor.processes)
             browser.anchor = None
         if browser.profile is not None:
             try:
