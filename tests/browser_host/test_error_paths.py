@@ -77,3 +77,15 @@ async def test_close_when_the_browser_ignores_close_still_ends_everything(fake_r
     assert {r.kind for r in report.terminated} == {"browser"}
     assert scan_orphans([fake_rig.root]) == []
     assert not anchor.profile_dir.exists()
+
+
+async def test_a_stage_session_whose_stream_server_stays_on_is_refused(fake_rig, gate):
+    anchor = await fake_rig.host.launch_anchor(fake_rig.spec(None))
+    try:
+        env = await fake_rig.stage(anchor, gate)
+        fake_rig.control(stream_stuck="1")
+        with pytest.raises(AnchorError, match="stream server is still enabled"):
+            await fake_rig.host.open_stage_session(env)
+        assert scan_orphans([fake_rig.root / "s"]) == []     # its daemon was ended
+    finally:
+        await fake_rig.host.close_anchor(anchor)
