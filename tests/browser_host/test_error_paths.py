@@ -1,6 +1,8 @@
 """Launch/close error paths, driven through the fake Chromium's failure injection."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from supervisor.browser_host import AnchorError
@@ -46,7 +48,14 @@ async def test_bad_proxy_url_is_refused_without_echoing_the_token(fake_rig):
 async def test_proxy_credential_answered_over_the_pipe_never_on_the_command_line(fake_rig):
     spec = fake_rig.spec(None, proxy_url="http://run-1:t0ken-secret@127.0.0.1:8080", allow_direct=False)
     anchor = await fake_rig.host.launch_anchor(spec)
-    await fake_rig.host.close_anchor(anchor)
+    try:
+        # the fake's challenge follows its Fetch.enable answer; the guard answers it at once
+        for _ in range(100):
+            if any(e.get("method") == "Fetch.continueWithAuth" for e in fake_rig.browser_log()):
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await fake_rig.host.close_anchor(anchor)
     log = fake_rig.browser_log()
     (launch,) = [e for e in log if "argv" in e]
     assert "t0ken-secret" not in " ".join(launch["argv"]) + json_env(launch)
