@@ -1,8 +1,11 @@
 """CDP gate overhead: p50/p99 latency through the gate vs direct CDP, measured in the same run.
 
-Launches its own anchor (agent-browser + Chromium, temp profile), then measures
+Launches two browsers with temp profiles: the baseline, a Chromium launched by agent-browser
+with a DevTools port (direct CDP over a WebSocket, what stages had before the gate), and a
+guard anchor (LocalBrowserHost: DevTools pipe, no port) behind the gate. Then measures
   1. a raw `Runtime.evaluate` round trip on an attached tab (plain aiohttp WebSocket client),
-     direct to Chrome vs through the gate (alternating blocks, same browser);
+     direct to the baseline browser's port vs through the gate onto the guard's pipe
+     (alternating blocks);
   2. `agent-browser get url` from a --cdp stage session, direct vs through the gate.
 Run: .venv/bin/python bench/cdp_gate_bench.py [--rounds N] [--cli-rounds M]
 """
@@ -26,6 +29,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from supervisor import tools  # noqa: E402
+from supervisor.browser_host import AnchorSpec, LocalBrowserHost  # noqa: E402
 from supervisor.cdp_gate import CdpGate  # noqa: E402
 
 AB = tools.find_agent_browser().path
@@ -130,11 +134,16 @@ async def main() -> int:
     stages: list[dict] = []
     gate = CdpGate()
     await gate.start()
+    host = LocalBrowserHost()
+    root = Path(tempfile.mkdtemp(prefix="cgb", dir="/tmp"))
+    piped = await host.launch_anchor(AnchorSpec(
+        session="cgbpipe", socket_dir=root / "s", config_path=root / "cfg.json",
+        browser_path=tools.find_browser().path, temp_root=root, allow_direct=True))
     try:
         ab(anchor, "open", "about:blank")
         ab(anchor, "stream", "disable")
         raw = ab(anchor, "get", "cdp-url")
-        gate_url = gate.add_stage("bench", raw, tab_quota=64)
+        gate_url = gate.add_stage("bench", piped.pipe, tab_quota=64)
         direct_eval, gated_eval = [], []
         block = max(1, args.rounds // 10)
         for _ in range(10):  # alternate blocks so drift hits both sides alike
@@ -151,8 +160,10 @@ async def main() -> int:
             close_session(env)
         await gate.close_stage_tabs("bench") if "bench" in gate._stages else None
         await gate.stop()
+        await host.close_anchor(piped)
         close_session(anchor)
         shutil.rmtree(profile, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
     print(f"CDP gate overhead ({args.rounds} Runtime.evaluate round trips, {args.cli_rounds} CLI calls per side)")
     print(f"{'measure':34} {'direct p50':>10} {'gate p50':>9} {'added':>7} {'ratio':>6} "

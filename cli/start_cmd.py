@@ -162,12 +162,12 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None) ->
     if report.get("damaged_profiles"):
         lines.insert(-1, "sfguard: WARNING sealed profile(s) refused (kept as they are): "
                      + ", ".join(report["damaged_profiles"]))
-    print("\n".join(lines), flush=True)
-
+    # the handlers go in before "ready": a signal right after it must still stop cleanly
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    print("\n".join(lines), flush=True)
     await stop.wait()
     print("sfguard: stopping; every run is torn down as abandoned", flush=True)
     for r in runners:

@@ -21,7 +21,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     import policy
-    from supervisor.daemon import Guard, GuardAlreadyRunning, sweep
+    from supervisor.daemon import Guard, GuardAlreadyRunning, release_runtime, sweep
     from supervisor.home import existing_home
     try:
         guard = Guard(existing_home(args.home), args.policy)
@@ -32,6 +32,7 @@ def run(args) -> int:
     except GuardAlreadyRunning:
         raise CliError("a guard is running on this home; it swept at start and owns its runs", 3) from None
     report = sweep(guard)
+    report["runtime_removed"] = release_runtime(guard)  # nothing of the guard left in memory fs
     if args.json:
         print(json.dumps(report))
     else:

@@ -2,18 +2,15 @@
 
 Facts this module is built on (measured on this machine, see docs/agent-browser-notes.md):
 
-* Every command of one session must carry a byte-identical launch environment, otherwise the
-  daemon silently relaunches the browser (page and session-only cookies lost). So the env of a
-  session is computed ONCE (`anchor_env` / `stage_env`), stored by the caller, and every later
-  command passes exactly that dict to `run`.
+* agent-browser no longer launches browsers for the guard (supervisor.chromium does, with
+  DevTools over a pipe); it is the stage's tool, attached with --cdp to the CDP gate.
+* Every command of one session must carry a byte-identical environment, otherwise the daemon
+  silently relaunches or reconnects. So the env of a stage session is computed ONCE
+  (`stage_env`), stored by the caller, and every later command passes exactly that dict to `run`.
 * agent-browser falls back to inherited `HTTP(S)_PROXY`, `ALL_PROXY`, `NO_PROXY` and to any
   `AGENT_BROWSER_*` variable, and reads `./agent-browser.json` from the working directory. The
   env is therefore built from scratch: a few plain variables are inherited, everything else is
   set by the guard, and `AGENT_BROWSER_CONFIG` pins an empty config file.
-* `AGENT_BROWSER_ARGS` is split on newlines (commas only split before another flag), so the
-  guard joins Chromium flags with "\\n".
-* `AGENT_BROWSER_HEADED` is presence-based: "1", "0" and "true" all mean headed; only "false"
-  (or absence) means headless. The guard always writes "true" or "false".
 * Unix socket paths are limited to 103 bytes: `<socket dir>/<session>.sock` must fit.
 * Without `AGENT_BROWSER_NO_VERSION_CHECK=1` agent-browser may fetch chromereleases.googleblog.com.
 
@@ -42,7 +39,8 @@ INHERITED_VARS = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY"
 SOCKET_PATH_LIMIT = 103
 #: Session names: what agent-browser accepts, restricted to ASCII.
 SESSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", re.ASCII)
-#: Chromium flags every guarded browser gets (agent-browser adds its own defaults too).
+#: Chromium flags for a browser agent-browser launches itself (the proxy tests and benchmark
+#: do; the guard starts its browsers with supervisor.chromium).
 CHROME_ARGS = (
     "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
     "--disable-quic",
@@ -120,7 +118,7 @@ def check_proxy_url(proxy_url: str) -> str:
 
 
 def chrome_args(*, as_root: bool) -> str:
-    """The AGENT_BROWSER_ARGS value: newline separated (agent-browser's documented separator;
+    """An AGENT_BROWSER_ARGS value: newline separated (agent-browser splits on newlines;
     commas would split only before another flag)."""
     args = (["--no-sandbox"] if as_root else []) + list(CHROME_ARGS)
     return "\n".join(args)
@@ -129,52 +127,6 @@ def chrome_args(*, as_root: bool) -> str:
 def _inherited(base_env: Mapping[str, str] | None) -> dict[str, str]:
     source = os.environ if base_env is None else base_env
     return {k: source[k] for k in INHERITED_VARS if source.get(k)}
-
-
-def anchor_env(
-    *,
-    session: str,
-    socket_dir: str | os.PathLike,
-    config_path: str | os.PathLike,
-    browser_path: str | os.PathLike,
-    profile_dir: str | os.PathLike,
-    proxy_url: str | None,
-    headed: bool,
-    base_env: Mapping[str, str] | None = None,
-    as_root: bool | None = None,
-) -> dict[str, str]:
-    """The complete launch env of an anchor session. Compute it once; reuse it byte for byte.
-
-    Only INHERITED_VARS come from `base_env` (default: os.environ); every proxy variable and
-    every AGENT_BROWSER_* variable not listed here is absent. `proxy_url=None` is for tests
-    only (the browser then goes direct); the guard always passes its per-run proxy.
-    """
-    check_session_name(session)
-    sock_dir = check_socket_dir(socket_dir, session)
-    for what, p in (("config path", config_path), ("browser path", browser_path),
-                    ("profile dir", profile_dir)):
-        if not Path(p).is_absolute():
-            # A bare word as profile would be a Chrome profile NAME, copied to a temp dir and lost.
-            raise ValueError(f"the {what} must be an absolute path")
-    if as_root is None:
-        as_root = os.geteuid() == 0
-    env = _inherited(base_env)
-    env.update({
-        "AGENT_BROWSER_SESSION": session,
-        "AGENT_BROWSER_SOCKET_DIR": str(sock_dir),
-        "AGENT_BROWSER_CONFIG": str(Path(config_path)),
-        "AGENT_BROWSER_EXECUTABLE_PATH": str(Path(browser_path)),
-        "AGENT_BROWSER_PROFILE": str(Path(profile_dir)),
-        "AGENT_BROWSER_IDLE_TIMEOUT_MS": "0",
-        "AGENT_BROWSER_ARGS": chrome_args(as_root=as_root),
-        "AGENT_BROWSER_HEADED": "true" if headed else "false",
-        "AGENT_BROWSER_NO_XVFB": "1",
-        "AGENT_BROWSER_NO_VERSION_CHECK": "1",
-    })
-    if proxy_url is not None:
-        env["AGENT_BROWSER_PROXY"] = check_proxy_url(proxy_url)
-        env["AGENT_BROWSER_PROXY_BYPASS"] = PROXY_BYPASS
-    return env
 
 
 def stage_env(

@@ -1,26 +1,26 @@
 """BrowserHost: starts and ends the browsers the guard lends to runs.
 
-An *anchor* is one agent-browser session that owns one Chrome for a (run, profile) pair, or a
-throw-away Chrome for a profile-less stage. Stages never talk to it directly: they run their own
-agent-browser sessions attached with `--cdp` to the CDP gate in front of the anchor
+An *anchor* is one Chromium the guard starts itself for a (run, profile) pair, or a throw-away
+Chromium for a profile-less stage. It has no DevTools port: the guard launches it with
+`--remote-debugging-pipe` and holds both pipe ends (`supervisor.cdp_pipe.CdpPipe`). Stages
+never talk to it directly: they run their own agent-browser sessions attached with `--cdp` to
+the CDP gate, which relays their WebSocket connections onto the pipe
 (`open_stage_session` / `close_stage_session`).
 
-`LocalBrowserHost` runs agent-browser on this machine. Lifecycle of an anchor:
+launch:  profile dir (or a temp one) -> `chromium --remote-debugging-pipe ...` in its own
+         process group (supervisor.chromium) -> Browser.getVersion over the pipe -> target
+         discovery and browser-wide proxy authentication (Fetch, the credential stays here)
+         -> the browser pid recorded as a ProcRecord (pid + create_time).
+close:   Browser.close over the pipe (graceful: cookies flushed) -> wait for the process to
+         exit -> terminate_recorded() for anything still alive -> delete a throw-away profile.
+alive:   the process runs AND its pipe is open; the pipe closing means the browser is dead.
 
-launch:  pinned config + private socket dir -> env computed once (agent_browser.anchor_env)
-         -> `open about:blank` -> `stream disable` (+ verify with `stream status`)
-         -> `get cdp-url` (kept in memory only) -> record daemon pid (`<session>.pid`) and
-         Chrome pid (profile's `SingletonLock` -> `<host>-<pid>`, else psutil by
-         --user-data-dir) as ProcRecords (pid + create_time).
-close:   `close` with the stored env (graceful: cookies flushed) -> wait for Chrome to exit
-         -> terminate_recorded() for anything still alive -> remove the session's socket-dir
-         files -> delete a throw-away profile.
-
-Errors are AnchorError with messages free of secrets (no proxy credential, no CDP address).
+Errors are AnchorError with messages free of secrets (no proxy credential).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -33,16 +33,17 @@ from typing import Protocol, runtime_checkable
 
 import psutil
 
+from urllib.parse import unquote, urlsplit
+
 from supervisor import agent_browser as ab
+from supervisor import chromium
+from supervisor.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
 from supervisor.home import private_dir
 from supervisor.sweep import ProcRecord, terminate_recorded, wait_gone
 
+#: Bound for a browser to answer its pipe after start. Generous: the first start on a fresh
+#: machine builds the font and shader caches (measured up to ~10 s under load).
 LAUNCH_TIMEOUT = 60.0
-#: Visited once through the proxy right after launch (the proxy answers 407, agent-browser
-#: answers with the run's credential, Chrome caches it; the proxy then denies the host).
-#: Measured: without it, the first real navigation through an authenticating proxy ended on
-#: chrome-error://chromewebdata/ in ~1 of 12-25 launches although `open` reported success.
-WARMUP_URL = "http://sfguard-warmup.invalid/"
 COMMAND_TIMEOUT = 20.0
 CLOSE_TIMEOUT = 15.0
 
@@ -69,11 +70,11 @@ class AnchorSpec:
 
 @dataclass
 class Anchor:
-    """A running anchor. `env` (holds the proxy credential) and `cdp_url` (the RAW CDP address)
-    are secrets: never log, persist in API answers or hand to a stage."""
+    """A running anchor. `pipe` is the browser's DevTools connection (whoever holds it has the
+    whole browser): never hand it, or anything read through it unfiltered, to a stage."""
     session: str
-    env: dict[str, str] = field(repr=False)
-    cdp_url: str = field(repr=False)
+    pipe: CdpPipe = field(repr=False)
+    proc: asyncio.subprocess.Process = field(repr=False)
     profile_dir: Path
     temp_profile: bool
     socket_dir: Path
@@ -83,6 +84,10 @@ class Anchor:
 
     def record(self, kind: str) -> ProcRecord | None:
         return next((p for p in self.processes if p.kind == kind), None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def describe(self) -> dict:
         """A secret-free JSON view (for run state / status)."""
@@ -101,7 +106,7 @@ class StageSession:
 
 @dataclass(frozen=True)
 class CloseReport:
-    graceful: bool                 # agent-browser `close` succeeded and the browser exited by itself
+    graceful: bool                 # Browser.close (or `close`) succeeded and the process exited by itself
     terminated: list[ProcRecord]   # processes that had to be signalled
     removed_files: list[str]
     seconds: float
@@ -163,6 +168,15 @@ def find_browser_process(profile_dir: Path) -> ProcRecord | None:
     return None
 
 
+def _proxy_parts(proxy_url: str | None) -> tuple[int | None, tuple[str, str] | None]:
+    """(port, (name, token)) of the run proxy URL http://NAME:TOKEN@127.0.0.1:PORT."""
+    if proxy_url is None:
+        return None, None
+    ab.check_proxy_url(proxy_url)
+    parts = urlsplit(proxy_url)
+    return parts.port, (unquote(parts.username or ""), unquote(parts.password or ""))
+
+
 def _daemon_record(socket_dir: Path, session: str) -> ProcRecord | None:
     pid = ab.daemon_pid(socket_dir, session)
     return ProcRecord.of(pid, "daemon") if pid else None
@@ -178,13 +192,17 @@ def _session_env_parts(env: dict[str, str]) -> tuple[str, Path]:
 # --------------------------------------------------------------------------- local host
 
 class LocalBrowserHost:
-    """Anchors as agent-browser sessions on this machine."""
+    """Anchors as Chromium processes on this machine (DevTools over a pipe); stage sessions as
+agent-browser sessions attached to the CDP gate."""
 
     def __init__(self, agent_browser: str | os.PathLike | None = None, *,
-                 launch_timeout: float = LAUNCH_TIMEOUT, command_timeout: float = COMMAND_TIMEOUT):
+                 launch_timeout: float = LAUNCH_TIMEOUT, command_timeout: float = COMMAND_TIMEOUT,
+                 no_sandbox: bool | None = None):
         self.binary = str(agent_browser) if agent_browser else None
         self.launch_timeout = launch_timeout
         self.command_timeout = command_timeout
+        # As root Chromium refuses to start with its sandbox unless told otherwise.
+        self.no_sandbox = (os.geteuid() == 0) if no_sandbox is None else no_sandbox
 
     def _bin(self) -> str:
         if self.binary is None:
@@ -200,13 +218,15 @@ class LocalBrowserHost:
         if spec.proxy_url is None and not spec.allow_direct:
             raise AnchorError("refusing to launch a browser without the run's proxy")
         if spec.headed and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
-            # agent-browser would start a private Xvfb nobody sees (we set NO_XVFB, so Chrome
-            # would just fail): say why up front.
             raise AnchorError("a headed browser needs a display, but neither DISPLAY nor "
                               "WAYLAND_DISPLAY is set (run headless, or start the guard in a desktop session)")
+        try:
+            ab.check_session_name(spec.session)
+            proxy_port, proxy_auth = _proxy_parts(spec.proxy_url)
+        except ValueError as exc:
+            raise AnchorError(str(exc)) from None
         started = time.monotonic()
         socket_dir = private_dir(Path(spec.socket_dir))
-        ab.write_pinned_config(spec.config_path)
         temp_profile = spec.profile_dir is None
         if temp_profile:
             root = private_dir(Path(spec.temp_root or socket_dir.parent))
@@ -216,74 +236,40 @@ class LocalBrowserHost:
             if not profile_dir.is_absolute():
                 raise AnchorError("the profile dir must be an absolute path")
             private_dir(profile_dir)
-        try:
-            env = ab.anchor_env(session=spec.session, socket_dir=socket_dir,
-                                config_path=spec.config_path, browser_path=spec.browser_path,
-                                profile_dir=profile_dir, proxy_url=spec.proxy_url, headed=spec.headed)
-        except ValueError as exc:
+        if not Path(spec.browser_path).is_absolute():
             self._drop_temp(profile_dir, temp_profile)
-            raise AnchorError(str(exc)) from None
-        existing = find_browser_process(profile_dir)
-        if existing is not None:
-            # A second launch on a profile in use would fail and delete the live anchor's
-            # DevToolsActivePort. The lease should prevent this; this is the safety net.
+            raise AnchorError("the browser path must be an absolute path")
+        if find_browser_process(profile_dir) is not None:
+            # The lease should prevent this; this is the safety net (a second Chromium on a
+            # profile in use would hand its work to the first one and exit).
             self._drop_temp(profile_dir, temp_profile)
             raise AnchorError(f"the profile of session {spec.session} is already open in another browser")
-        if ab.daemon_pid(socket_dir, spec.session) and _daemon_record(socket_dir, spec.session):
-            self._drop_temp(profile_dir, temp_profile)
-            raise AnchorError(f"an agent-browser session named {spec.session} is already running")
-
+        argv = chromium.chromium_args(browser_path=spec.browser_path, profile_dir=profile_dir,
+                                      proxy_port=proxy_port, headed=spec.headed,
+                                      no_sandbox=self.no_sandbox)
+        proc = pipe = None
         records: list[ProcRecord] = []
         try:
-            await self._run_ok(env, "open", "about:blank", timeout=self.launch_timeout)
-            records = self._collect(socket_dir, spec.session, profile_dir)
-            await self._disable_stream(env)
-            if spec.proxy_url is not None:
-                await self._warm_up_proxy_auth(env)
-            cdp_url = (await self._run_ok(env, "get", "cdp-url")).strip()
-            if not cdp_url.startswith("ws://127.0.0.1:"):
-                raise AnchorError("agent-browser returned an unexpected CDP address form")
-            records = self._collect(socket_dir, spec.session, profile_dir)
-            if not any(r.kind == "browser" for r in records):
-                raise AnchorError("the browser process of the anchor could not be identified")
-        except (ab.AgentBrowserError, AnchorError, OSError) as exc:
-            records = records or self._collect(socket_dir, spec.session, profile_dir)
-            await self._cleanup_failed(env, records, socket_dir, spec.session)
+            proc, reader, writer = await chromium.spawn(argv, env=chromium.browser_env(),
+                                                        cwd=str(profile_dir))
+            rec = ProcRecord.of(proc.pid, "browser")
+            records = [rec] if rec else []
+            pipe = CdpPipe(reader, writer)
+            await pipe.start(proxy_auth=proxy_auth, timeout=self.launch_timeout)
+        except (OSError, CdpCallError, PipeClosed, TimeoutError, asyncio.TimeoutError) as exc:
+            what = "did not answer in time" if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) \
+                else ("exited during start" if isinstance(exc, PipeClosed) else str(exc))
+            if pipe is not None:
+                await pipe.close()
+            await asyncio.to_thread(terminate_recorded, records, 3.0)
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), 3)
             self._drop_temp(profile_dir, temp_profile)
-            raise AnchorError(f"could not launch anchor {spec.session}: {exc}") from None
-        return Anchor(session=spec.session, env=env, cdp_url=cdp_url, profile_dir=profile_dir,
+            raise AnchorError(f"could not launch anchor {spec.session}: the browser {what}") from None
+        return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
                       temp_profile=temp_profile, socket_dir=socket_dir, processes=records,
                       launch_seconds=time.monotonic() - started, headed=spec.headed)
-
-    def _collect(self, socket_dir: Path, session: str, profile_dir: Path) -> list[ProcRecord]:
-        recs = [r for r in (_daemon_record(socket_dir, session), find_browser_process(profile_dir)) if r]
-        return recs
-
-    async def _disable_stream(self, env: dict[str, str]) -> None:
-        """Every session starts an unauthenticated stream WebSocket on loopback: turn it off
-        and verify."""
-        await self._run_ok(env, "stream", "disable")
-        status = await ab.run_json(env, "stream", "status", timeout=self.command_timeout, binary=self._bin())
-        if status.get("enabled") is not False:
-            raise AnchorError("the agent-browser stream server is still enabled after `stream disable`")
-
-    async def _warm_up_proxy_auth(self, env: dict[str, str]) -> None:
-        """One request through the proxy so Chrome holds the proxy credential before any stage
-        navigates; its outcome (a denial) does not matter. Then back to about:blank."""
-        try:
-            await ab.run(env, "open", WARMUP_URL, timeout=self.command_timeout, binary=self._bin())
-        except ab.AgentBrowserError:
-            pass
-        await self._run_ok(env, "open", "about:blank")
-
-    async def _cleanup_failed(self, env, records, socket_dir: Path, session: str) -> None:
-        try:
-            await ab.run(env, "close", timeout=10, binary=self._bin())
-        except (ab.AgentBrowserError, OSError):
-            pass
-        extra = _daemon_record(socket_dir, session)  # a failed launch leaves its daemon running
-        await asyncio.to_thread(terminate_recorded, [*records, *([extra] if extra else [])], 5.0)
-        ab.remove_session_files(socket_dir, session)
 
     @staticmethod
     def _drop_temp(profile_dir: Path, temp_profile: bool) -> None:
@@ -293,32 +279,45 @@ class LocalBrowserHost:
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport:
         started = time.monotonic()
         graceful = False
-        daemon = anchor.record("daemon")
-        if daemon is not None and daemon.alive():
+        if not anchor.pipe.closed.is_set():
             try:
-                res = await ab.run(anchor.env, "close", timeout=timeout, binary=self._bin())
-                graceful = res.returncode == 0
-            except ab.AgentBrowserError:
+                await anchor.pipe.call("Browser.close", timeout=min(timeout, 5.0))
+                graceful = True
+            except (CdpCallError, PipeClosed, TimeoutError, asyncio.TimeoutError):
                 graceful = False
         remaining = max(1.0, timeout - (time.monotonic() - started))
-        browser_gone = await asyncio.to_thread(
-            wait_gone, [r for r in anchor.processes if r.kind == "browser"], remaining)
-        # The daemon exits ~1 s after `close` returns; give it a moment before signalling.
-        await asyncio.to_thread(wait_gone, anchor.processes, 3.0 if graceful else 0.0)
+        exited = False
+        try:
+            await asyncio.wait_for(anchor.proc.wait(), remaining)
+            exited = True
+        except (TimeoutError, asyncio.TimeoutError):
+            pass
+        await anchor.pipe.close()
+        # renderers and helpers of the group go with the main process; anything left is ended
         terminated = await asyncio.to_thread(terminate_recorded, anchor.processes, 5.0)
-        removed = ab.remove_session_files(anchor.socket_dir, anchor.session)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(anchor.proc.wait(), 3)
         if anchor.temp_profile:
             shutil.rmtree(anchor.profile_dir, ignore_errors=True)
-        return CloseReport(graceful=graceful and browser_gone and not terminated,
-                           terminated=terminated, removed_files=removed,
+        return CloseReport(graceful=graceful and exited and not terminated,
+                           terminated=terminated, removed_files=[],
                            seconds=time.monotonic() - started)
 
     def alive(self, anchor: Anchor) -> bool:
-        """True while both the agent-browser daemon and Chrome of the anchor run."""
-        kinds = {r.kind for r in anchor.processes if r.alive()}
-        return {"daemon", "browser"} <= kinds
+        """True while the browser process runs and its DevTools pipe is open."""
+        return (anchor.proc.returncode is None and not anchor.pipe.closed.is_set()
+                and all(r.alive() for r in anchor.processes if r.kind == "browser"))
 
     # ---- stage sessions
+
+    async def _disable_stream(self, env: dict[str, str]) -> None:
+        """Every agent-browser session starts an unauthenticated stream WebSocket on loopback:
+        turn it off. One command: its JSON answer says whether streaming is now off
+        (`{"disabled": true}`, measured on 0.41.2); a separate `stream status` would cost a
+        second CLI start per stage."""
+        data = await ab.run_json(env, "stream", "disable", timeout=self.command_timeout, binary=self._bin())
+        if data.get("disabled") is not True:
+            raise AnchorError("the agent-browser stream server is still enabled after `stream disable`")
 
     async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> StageSession:
         """Start a stage's session (env from agent_browser.stage_env): its own pinned tab,

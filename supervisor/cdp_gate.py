@@ -1,14 +1,16 @@
 """CDP gate: a per-stage, token-guarded WebSocket relay in front of an anchor browser's CDP.
 
-A stage never gets the anchor's raw DevTools address. The guard calls
-`gate.add_stage(stage_key, raw_ws_url, ...)` and hands the stage the returned URL,
+The anchor has no DevTools address at all: the guard holds its DevTools pipe
+(`supervisor.cdp_pipe.CdpPipe`). The guard calls `gate.add_stage(stage_key, pipe, ...)` and
+hands the stage the returned URL,
 `ws://127.0.0.1:PORT/devtools/browser/<token>`, as `AGENT_BROWSER_CDP` (agent-browser 0.41.2
 connects to a ws:// URL as given; an http:// URL would make it fetch /json/version at the root
 and lose the token, so only the ws:// form is served). Per connection the gate:
 
   * refuses an unknown, revoked or malformed token with HTTP 403 before the upgrade, comparing in
     constant time, and refuses any request with an Origin header (web pages);
-  * opens its own upstream connection to the raw address (never shown to anyone);
+  * opens its own logical connection on the browser's pipe (its own ids, its own sessions,
+    detached when the stage's WebSocket closes);
   * checks every command with `supervisor.cdp_policy.check_command` and answers a refused one
     itself with a CDP error; the command never reaches Chrome;
   * filters what Chrome sends back: target lists and target events show only the stage's own
@@ -38,11 +40,13 @@ import aiohttp
 from aiohttp import web
 
 from supervisor import cdp_policy as policy
+from supervisor.cdp_pipe import CdpCallError, CdpPipe, PipeClient, PipeClosed
 
 log = logging.getLogger("sfguard.cdp_gate")
 
 RefusalCallback = Callable[[str, str, str], None]
 CONNECT_TIMEOUT_S = 10.0
+CLOSE_WAIT_S = 5.0
 CLIENT_MAX_MSG = 64 * 1024 * 1024
 _REPLY_ID_RE = re.compile(rb'^\{"id":(\d+)[,}]')
 _EVENT_RE = re.compile(rb'^\{"method":"([A-Za-z0-9.]+)"')
@@ -64,22 +68,11 @@ def fingerprint(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:8]
 
 
-def _validate_raw_url(raw_ws_url: str) -> None:
-    try:
-        parts = urlsplit(raw_ws_url)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        raise GateError("raw CDP URL is malformed") from None
-    if parts.scheme != "ws" or host not in ("127.0.0.1", "::1", "localhost") or not port \
-            or not parts.path.startswith("/devtools/browser/"):
-        raise GateError("raw CDP URL must be ws://127.0.0.1:PORT/devtools/browser/ID")
-
-
 @dataclass(eq=False)
 class _Stage:
     key: str
     token: str
-    raw_ws_url: str
+    pipe: CdpPipe
     artifacts_dir: Path | None
     tab_quota: int
     targets: set[str] = field(default_factory=set)
@@ -95,7 +88,7 @@ class CdpGate:
     """The gate server. One per guard daemon; serves every stage of every anchor.
 
     gate = CdpGate(on_refusal=cb); await gate.start()
-    url = gate.add_stage("run1/stage2", raw_ws_url, own_target_ids={tab}, artifacts_dir=p, tab_quota=8)
+    url = gate.add_stage("run1/stage2", anchor.pipe, own_target_ids={tab}, artifacts_dir=p, tab_quota=8)
     ... stage runs with AGENT_BROWSER_CDP=url ...
     await gate.close_stage_tabs("run1/stage2"); await gate.revoke("run1/stage2"); await gate.stop()
     """
@@ -109,7 +102,6 @@ class CdpGate:
         self._record = record_methods
         self._stages: dict[str, _Stage] = {}
         self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -121,7 +113,6 @@ class CdpGate:
         site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
         self._port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self._session = aiohttp.ClientSession()
 
     async def stop(self) -> None:
         for key in list(self._stages):
@@ -129,9 +120,6 @@ class CdpGate:
         if self._runner:
             await self._runner.cleanup()
             self._runner = None
-        if self._session:
-            await self._session.close()
-            self._session = None
 
     async def __aenter__(self) -> "CdpGate":
         await self.start()
@@ -145,7 +133,7 @@ class CdpGate:
         return self._port
 
     # -- stages ---------------------------------------------------------------------------
-    def add_stage(self, stage_key: str, raw_ws_url: str, own_target_ids: set[str] | None = None,
+    def add_stage(self, stage_key: str, pipe: CdpPipe, own_target_ids: set[str] | None = None,
                   artifacts_dir: Path | None = None, tab_quota: int = policy.DEFAULT_TAB_QUOTA) -> str:
         """Register a stage attempt; returns its gate URL (the stage's AGENT_BROWSER_CDP)."""
         if not stage_key or stage_key in self._stages:
@@ -154,9 +142,10 @@ class CdpGate:
             raise GateError("gate is not started")
         if not isinstance(tab_quota, int) or tab_quota < 1:
             raise GateError("tab_quota must be a positive integer")
-        _validate_raw_url(raw_ws_url)
+        if not isinstance(pipe, CdpPipe) or pipe.closed.is_set():
+            raise GateError("the stage's browser is not running")
         token = secrets.token_urlsafe(32)
-        stage = _Stage(stage_key, token, raw_ws_url, Path(artifacts_dir) if artifacts_dir else None,
+        stage = _Stage(stage_key, token, pipe, Path(artifacts_dir) if artifacts_dir else None,
                        tab_quota, set(own_target_ids or ()))
         self._stages[stage_key] = stage
         log.info("stage %s added (token %s, quota %d)", stage_key, stage.fp, tab_quota)
@@ -171,25 +160,33 @@ class CdpGate:
         return collections.Counter(self._stage(stage_key).methods)
 
     async def close_stage_tabs(self, stage_key: str) -> list[str]:
-        """Close every tab of the stage over the raw connection; returns the ids closed."""
+        """Close every tab of the stage over the browser's pipe; returns the ids closed."""
         stage = self._stage(stage_key)
         closed = []
         targets = sorted(stage.targets)
         if targets:
-            results = await self._raw_calls(stage.raw_ws_url,
+            results = await self._raw_calls(stage.pipe,
                                             [("Target.closeTarget", {"targetId": t}) for t in targets])
             for tid, res in zip(targets, results):
                 stage.targets.discard(tid)
                 if "error" not in res:
                     closed.append(tid)
+            # closeTarget answers before the tab is gone; wait (bounded) until it is
+            deadline = asyncio.get_running_loop().time() + CLOSE_WAIT_S
+            while closed and asyncio.get_running_loop().time() < deadline:
+                (res,) = await self._raw_calls(stage.pipe, [("Target.getTargets", {})])
+                live = {i.get("targetId") for i in (res.get("result") or {}).get("targetInfos", [])}
+                if not live & set(closed):
+                    break
+                await asyncio.sleep(0.05)
         return closed
 
     async def create_stage_tab(self, stage_key: str, url: str = "about:blank") -> str:
-        """Pre-create a tab for the stage over the raw connection; it becomes the stage's."""
+        """Pre-create a tab for the stage over the browser's pipe; it becomes the stage's."""
         stage = self._stage(stage_key)
         if not policy.url_allowed(url):
             raise GateError("only http(s) and about:blank URLs")
-        (res,) = await self._raw_calls(stage.raw_ws_url, [("Target.createTarget", {"url": url})])
+        (res,) = await self._raw_calls(stage.pipe, [("Target.createTarget", {"url": url, "newWindow": True})])
         tid = res.get("result", {}).get("targetId")
         if not tid:
             raise GateError("the browser did not create the tab")
@@ -226,23 +223,17 @@ class CdpGate:
                 found = stage
         return found
 
-    async def _raw_calls(self, raw_ws_url: str, calls: list[tuple[str, dict]]) -> list[dict]:
-        assert self._session is not None, "gate is not started"
-        results: dict[int, dict] = {}
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                async with self._session.ws_connect(raw_ws_url, max_msg_size=0) as ws:
-                    for i, (method, params) in enumerate(calls, 1):
-                        await ws.send_str(json.dumps({"id": i, "method": method, "params": params}))
-                    async for msg in ws:
-                        data = json.loads(msg.data)
-                        if data.get("id") in range(1, len(calls) + 1):
-                            results[data["id"]] = data
-                            if len(results) == len(calls):
-                                break
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise GateError(f"browser unavailable ({type(exc).__name__})") from None
-        return [results.get(i, {"error": {"message": "no reply"}}) for i in range(1, len(calls) + 1)]
+    async def _raw_calls(self, pipe: CdpPipe, calls: list[tuple[str, dict]]) -> list[dict]:
+        """The guard's own commands on the browser's pipe; each answer or {"error": ...}."""
+        out: list[dict] = []
+        for method, params in calls:
+            try:
+                out.append({"result": await pipe.call(method, params, timeout=CONNECT_TIMEOUT_S)})
+            except CdpCallError as exc:
+                out.append({"error": {"message": str(exc)}})
+            except (PipeClosed, TimeoutError, asyncio.TimeoutError) as exc:
+                raise GateError(f"browser unavailable ({type(exc).__name__})") from None
+        return out
 
     # -- HTTP/WebSocket handlers ----------------------------------------------------------
     def _admit(self, request: web.Request) -> _Stage:
@@ -262,14 +253,10 @@ class CdpGate:
 
     async def _handle_ws(self, request: web.Request) -> web.StreamResponse:
         stage = self._admit(request)
-        assert self._session is not None
         try:
-            upstream = await self._session.ws_connect(
-                stage.raw_ws_url, max_msg_size=0, compress=0, autoping=True,
-                timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
-                proxy=None)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            log.warning("stage %s: browser unavailable (%s)", stage.key, type(exc).__name__)
+            upstream = stage.pipe.client(f"stage {stage.key}")
+        except PipeClosed:
+            log.warning("stage %s: browser unavailable (pipe closed)", stage.key)
             raise web.HTTPBadGateway(text="sfguard: browser unavailable\n") from None
         client = web.WebSocketResponse(max_msg_size=CLIENT_MAX_MSG, compress=False, autoping=True)
         try:
@@ -297,10 +284,10 @@ class CdpGate:
 
 
 class _Relay:
-    """One stage client connection and its own upstream connection to Chrome."""
+    """One stage client connection and its own logical connection on the browser's pipe."""
 
     def __init__(self, gate: CdpGate, stage: _Stage, client: web.WebSocketResponse,
-                 upstream: aiohttp.ClientWebSocketResponse) -> None:
+                 upstream: PipeClient) -> None:
         self.gate, self.stage, self.client, self.upstream = gate, stage, client, upstream
         self.ctx = policy.PolicyContext(own_targets=stage.targets, artifacts_dir=stage.artifacts_dir,
                                         tab_quota=stage.tab_quota)
@@ -350,16 +337,18 @@ class _Relay:
                 self.pending_ids[data["id"]] += 1
                 if method == "Target.createTarget":
                     self.ctx.pending_creates += 1
+            if method == "Target.createTarget" and data.get("sessionId") is None:
+                # Each stage tab in its own window: a tab behind another one in a headless
+                # window is hidden and not painted, and commands that need a frame hang
+                # (docs/cdp-gate.md, "Background tabs").
+                data.setdefault("params", {})["newWindow"] = True
             # Re-serialised: Chrome sees exactly what the policy saw (no duplicate-key tricks).
-            await self.upstream.send_str(json.dumps(data))
+            await self.upstream.send(data)
         await self.upstream.close()
 
     # Chrome -> client
     async def _upstream_to_client(self) -> None:
-        async for msg in self.upstream:
-            if msg.type != aiohttp.WSMsgType.TEXT:
-                break  # Chrome speaks text frames only
-            text: str = msg.data
+        while (text := await self.upstream.recv()) is not None:
             head = text[:80].encode()
             m = _REPLY_ID_RE.match(head)
             if m:  # a reply: look inside only if the gate is waiting for it

@@ -52,6 +52,8 @@ from supervisor.stage_bridge import BridgeHost
 log = logging.getLogger("sfguard.guard")
 
 PROXY_START_TIMEOUT = 20.0
+#: Bound of one login check (its own tab; never affects the anchor or other stages).
+LOGIN_CHECK_TIMEOUT = 30.0
 #: The whole stage env (DESIGN 4.3): nothing else reaches a stage.
 STAGE_ENV_KEYS = ("AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
                   "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS")
@@ -230,6 +232,7 @@ class Stage:
     outcome: str | None = None
     error: ApiError | None = None
     processes: list[ProcRecord] = field(default_factory=list)  # the stage session's daemon
+    events: list[dict] = field(default_factory=list)  # what happened to it (browser restarts)
 
     def answer(self) -> tuple[int, dict]:
         if self.state == "ready":
@@ -268,7 +271,8 @@ class Run:
             "created": _now_iso(self.created), "pipeline": bool(self.pipeline),
             "stages": [{"stage_id": s.stage_id, "attempt": s.attempt, "state": s.state,
                         "profile": s.browser_req.profile, "outcome": s.outcome,
-                        "holder_run": s.waiting.holder_run if s.state == "waiting" and s.waiting else None}
+                        "holder_run": s.waiting.holder_run if s.state == "waiting" and s.waiting else None,
+                        "events": list(s.events)}
                        for s in self.stages.values()],
             "browsers": [{"profile": b.profile.name if b.profile else None, "throwaway": b.profile is None,
                           "headed": b.headed, "alive": b.anchor is not None, "stages": sorted(b.stages),
@@ -371,6 +375,7 @@ class Guard:
         await self.bridges.close_all()
         await self.gate.stop()
         self._flush_refusals()
+        release_runtime(self)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -441,8 +446,7 @@ class Guard:
             procs.append(run.proxy.record.to_json())
         rec = {"run_id": run.run_id, "daemon": {"pid": os.getpid(), "start_time": current_process().start_time},
                "scope": self.scope, "processes": procs, "paths": paths, "profiles": sorted(set(unsealed)),
-               "sessions": [b.anchor.session for b in run.browsers.values() if b.anchor]
-               + [s.env["AGENT_BROWSER_SESSION"] for s in run.stages.values() if s.env and s.state == "ready"]}
+               "sessions": [s.env["AGENT_BROWSER_SESSION"] for s in run.stages.values() if s.env and s.state == "ready"]}
         atomic_write(self.runs_dir / f"{run.run_id}.json", json.dumps(rec).encode())
 
     def _on_refusal(self, stage_key: str, method: str, reason: str) -> None:
@@ -650,8 +654,9 @@ class Guard:
         check_pattern = policy.allow_pattern_for_url(body.login_check.url)
         try:
             await run.proxy.set_allow(browser.client, self._browser_allow(run, browser) + [check_pattern])
-            result = await check_login(browser.anchor.cdp_url, body.login_check,
-                                       proxy_auth=(browser.client, run.proxy.clients[browser.client][0]))
+            # its own tab and window, its own bound; a failed check leaves the anchor as it was
+            result = await check_login(browser.anchor.pipe, body.login_check,
+                                       timeout=LOGIN_CHECK_TIMEOUT)
         except LoginCheckError as exc:
             raise ApiError(422, "login_check_failed", str(exc), "login_check") from None
         except ValueError as exc:
@@ -697,7 +702,11 @@ class Guard:
             from urllib.parse import urlsplit
             host = urlsplit(body.url).hostname or ""
             await run.proxy.set_allow(browser.client, self._browser_allow(run, browser) + [host])
-            await agent_browser.run_ok(browser.anchor.env, "open", body.url)
+            try:
+                await browser.anchor.pipe.call("Target.createTarget", {"url": body.url, "newWindow": True})
+            except Exception as exc:
+                raise ApiError(503, "browser_failed", f"could not open the page in the browser "
+                               f"({type(exc).__name__})", None) from None
         self.audit.record("handoff_opened", scope=self.scope, profile=browser.key, run=run.run_id,
                           host=body.site)
         return 200, handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()
@@ -816,7 +825,7 @@ class Guard:
         await run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
         stage.browser_key = browser.key
         stage.gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
-        url = self.gate.add_stage(stage.gate_key, browser.anchor.cdp_url,
+        url = self.gate.add_stage(stage.gate_key, browser.anchor.pipe,
                                   artifacts_dir=run.workdir / "artifacts",
                                   tab_quota=self.site_policy.tab_quota)
         # No pre-created tab: with AGENT_BROWSER_PIN_TAB=1 agent-browser opens its own tab through
@@ -859,7 +868,8 @@ class Guard:
                 await self.gate.close_stage_tabs(stage.gate_key)
             # 3. only then the token: revoking first would leave a session nobody can close
             await self.gate.revoke(stage.gate_key)
-            terminate_recorded(stage.processes, timeout=3)
+            # in a thread: the event loop also answers every browser's paused requests
+            await asyncio.to_thread(terminate_recorded, stage.processes, 3)
         browser = run.browsers.get(stage.browser_key or "")
         if browser is not None:
             browser.stages.discard(stage.stage_id)
@@ -882,7 +892,7 @@ class Guard:
                 await self.host.close_anchor(browser.anchor)
             except Exception as exc:
                 problems.append(f"closing the browser of {browser.key}: {exc}")
-                terminate_recorded(browser.anchor.processes)
+                await asyncio.to_thread(terminate_recorded, browser.anchor.processes)
             browser.anchor = None
         if browser.profile is not None:
             try:
@@ -974,12 +984,17 @@ class Guard:
                 return
             log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key)
             dead = browser.anchor
-            terminate_recorded(dead.processes, timeout=3)
-            agent_browser.remove_session_files(dead.socket_dir, dead.session)
+            await asyncio.to_thread(terminate_recorded, dead.processes, 3)
+            await dead.pipe.close()
             browser.restarts += 1
             for sid in browser.stages:  # answer 202 until the new env works
-                if run.stages[sid].state == "ready":
-                    run.stages[sid].state = "relaunching"
+                st = run.stages[sid]
+                st.events.append({"ts": _now_iso(), "event": "browser_restarted",
+                                  "message": "the stage's browser stopped and was restarted: its "
+                                  "tabs are gone and its gate URL changed; GET the stage for the "
+                                  "new env"})
+                if st.state == "ready":
+                    st.state = "relaunching"
             browser.anchor = await self._launch(run, browser, dead.profile_dir if browser.profile else None)
             await self._reattach(run, browser)
 
@@ -997,6 +1012,17 @@ class Guard:
 
 
 # --------------------------------------------------------------------------- sweep
+
+def release_runtime(guard: Guard) -> bool:
+    """Remove the guard's runtime folder (memory-backed: sockets, config, throw-away profiles)
+    when nothing in it still matters, i.e. no profile is left unsealed (a failed reseal keeps
+    its working copy for the next sweep). True when it was removed."""
+    if guard.store.unsealed():
+        log.error("an unsealed profile is left in the runtime folder; the next start reseals it")
+        return False
+    shutil.rmtree(guard.runtime, ignore_errors=True)
+    return not guard.runtime.exists()
+
 
 def sweep(guard: Guard) -> dict:
     """Clean what dead runs left: processes (by pid AND start time), session files, temp dirs,

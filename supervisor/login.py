@@ -36,24 +36,23 @@ show the selector, otherwise the answer is False (logged out). A logged-out addr
 whatever the selector says. So the selector can only turn a "logged in" into a "logged out",
 which errs on the safe side (a human login is asked for, nothing runs without a login).
 
-`check_login` talks to the anchor's RAW CDP address. That address is guard-internal and a
-secret (whoever holds it can bypass the proxy, DESIGN 2): this module never logs, and no error
-message it raises contains the address.
+`check_login` talks to the anchor over its DevTools pipe (guard-internal: whoever held it could
+bypass the proxy, DESIGN 2): this module never logs, and no error message it raises contains
+cookie values or the proxy credential.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import json
 import re
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import aiohttp
-
+from supervisor.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
 from supervisor.models import LoginCheck
+
+_CdpError = CdpCallError
 
 __all__ = [
     "REGEX_PREFIX", "LoginCheckError", "LoginResult", "check_login", "compile_pattern",
@@ -70,8 +69,6 @@ QUIET_SECONDS = 0.5
 RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 2.0, 2.0)
 #: Longest wait for the check's tab to be gone after Target.closeTarget (it closes async).
 CLOSE_WAIT = 5.0
-#: Largest CDP message accepted (a getTargets answer of a busy browser stays far below).
-MAX_MESSAGE = 16 * 1024 * 1024
 
 
 class LoginCheckError(Exception):
@@ -142,122 +139,37 @@ def decide_login(final_url: str, logged_in: str, logged_out: Iterable[str],
 
 # --------------------------------------------------------------------------- CDP
 
-class _CdpError(Exception):
-    """A CDP call answered with an error (message from the browser, no address)."""
+async def _open_tab(pipe: CdpPipe, deadline: float):
+    """The check's own session on the browser's pipe and its own tab, in its own window (never
+    a tab in the background of a stage's window). Retries with a bounded backoff.
 
-
-class _Cdp:
-    """A minimal CDP client over one browser-level WebSocket, flat sessions.
-
-    Replies resolve futures by id; events go to one queue the caller drains."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse,
-                 proxy_auth: tuple[str, str] | None = None):
-        self.ws = ws
-        self._auth = proxy_auth  # answers the run proxy's 407 for the check tab (never logged)
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
-        self.events: asyncio.Queue[dict] = asyncio.Queue()
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        try:
-            async for msg in self.ws:
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    continue
-                try:
-                    data = json.loads(msg.data)
-                except ValueError:
-                    continue
-                if "id" in data:
-                    fut = self._pending.pop(data["id"], None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(data)
-                elif data.get("method") in ("Fetch.requestPaused", "Fetch.authRequired"):
-                    await self._answer_fetch(data)
-                elif "method" in data:
-                    self.events.put_nowait(data)
-        finally:
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(LoginCheckError("the anchor browser closed the CDP connection"))
-            self._pending.clear()
-
-    async def _answer_fetch(self, event: dict) -> None:
-        """The check tab is not one of agent-browser's, so nobody else answers the run proxy's
-        credential challenge for it: let every request go on, and give the proxy (and only the
-        proxy) its credentials. Replies to these commands are not awaited."""
-        params = event.get("params") or {}
-        if event["method"] == "Fetch.requestPaused":
-            method, args = "Fetch.continueRequest", {"requestId": params.get("requestId")}
-        else:
-            from_proxy = (params.get("authChallenge") or {}).get("source") == "Proxy"
-            if from_proxy and self._auth:
-                answer = {"response": "ProvideCredentials", "username": self._auth[0],
-                          "password": self._auth[1]}
-            else:
-                answer = {"response": "CancelAuth"}
-            method, args = "Fetch.continueWithAuth", {"requestId": params.get("requestId"),
-                                                      "authChallengeResponse": answer}
-        msg: dict[str, Any] = {"id": next(self._ids), "method": method, "params": args}
-        if event.get("sessionId"):
-            msg["sessionId"] = event["sessionId"]
-        with contextlib.suppress(Exception):
-            await self.ws.send_str(json.dumps(msg))
-
-    async def call(self, method: str, params: dict | None = None, *, session: str | None = None) -> dict:
-        msg_id = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[msg_id] = fut
-        msg: dict[str, Any] = {"id": msg_id, "method": method, "params": params or {}}
-        if session:
-            msg["sessionId"] = session
-        await self.ws.send_str(json.dumps(msg))
-        reply = await fut
-        if "error" in reply:
-            err = reply["error"] if isinstance(reply["error"], dict) else {}
-            raise _CdpError(f"{method}: {str(err.get('message', 'error'))[:200]}")
-        return reply.get("result") or {}
-
-    async def close(self) -> None:
-        self._reader.cancel()
-        try:
-            await self._reader
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
-            pass
-
-
-async def _open_tab(http: aiohttp.ClientSession, raw_cdp_url: str, deadline: float,
-                    proxy_auth: tuple[str, str] | None = None):
-    """Connect and create the check's own tab, retrying with a bounded backoff.
-
-    Returns (ws, cdp, target_id)."""
+    Returns (cdp, target_id)."""
     last = "no attempt was made"
     for delay in (*RETRY_DELAYS, None):
-        ws = cdp = None
+        cdp = None
         try:
-            ws = await http.ws_connect(raw_cdp_url, max_msg_size=MAX_MESSAGE,
-                                       timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
-            cdp = _Cdp(ws, proxy_auth)
-            created = await cdp.call("Target.createTarget", {"url": "about:blank"})
+            cdp = await pipe.session("login check")
+            created = await cdp.call("Target.createTarget", {"url": "about:blank", "newWindow": True},
+                                     timeout=max(0.1, deadline - time.monotonic()))
             target = created.get("targetId")
             if not isinstance(target, str):
                 raise _CdpError("Target.createTarget: no target id in the answer")
-            return ws, cdp, target
-        except (aiohttp.ClientError, OSError, _CdpError, LoginCheckError) as exc:
-            # aiohttp's messages name host:port; keep only the kind of failure.
-            last = str(exc) if isinstance(exc, (_CdpError, LoginCheckError)) else type(exc).__name__
+            return cdp, target
+        except PipeClosed:
             if cdp is not None:
                 await cdp.close()
-            if ws is not None:
-                await ws.close()
+            raise LoginCheckError("the anchor browser is not running") from None
+        except (_CdpError, CdpCallError) as exc:
+            last = str(exc)
+            if cdp is not None:
+                await cdp.close()
         if delay is None or time.monotonic() + delay >= deadline:
             break
         await asyncio.sleep(delay)
     raise LoginCheckError(f"could not open a tab in the anchor browser ({last})")
 
 
-async def _wait_settled(cdp: _Cdp, session: str, deadline: float, quiet: float) -> None:
+async def _wait_settled(cdp: CdpSession, session: str, deadline: float, quiet: float) -> None:
     """Wait for the load event after at least one main-frame navigation, then for `quiet`
     seconds without a further main-frame navigation. Bounded by `deadline`."""
     navigated = loaded = False
@@ -287,7 +199,7 @@ async def _wait_settled(cdp: _Cdp, session: str, deadline: float, quiet: float) 
             raise LoginCheckError("the check tab was closed while loading")
 
 
-async def _evaluate(cdp: _Cdp, session: str, expression: str) -> Any:
+async def _evaluate(cdp: CdpSession, session: str, expression: str) -> Any:
     res = await cdp.call("Runtime.evaluate", {"expression": expression, "returnByValue": True},
                          session=session)
     if res.get("exceptionDetails"):
@@ -295,7 +207,7 @@ async def _evaluate(cdp: _Cdp, session: str, expression: str) -> Any:
     return (res.get("result") or {}).get("value")
 
 
-async def _close_tab(cdp: _Cdp, target: str) -> None:
+async def _close_tab(cdp: CdpSession, target: str) -> None:
     """Close the check's tab and wait until the browser no longer lists it, so that a caller
     counting tabs (the tab quota) never sees it after check_login returned."""
     await cdp.call("Target.closeTarget", {"targetId": target})
@@ -306,34 +218,30 @@ async def _close_tab(cdp: _Cdp, target: str) -> None:
         await asyncio.sleep(0.05)
 
 
-async def check_login(raw_cdp_url: str, check: LoginCheck, *, timeout: float = 30,
-                      quiet: float = QUIET_SECONDS,
-                      proxy_auth: tuple[str, str] | None = None) -> LoginResult:
-    """Run `check` in a new tab of the browser at `raw_cdp_url` and decide.
+async def check_login(pipe: CdpPipe, check: LoginCheck, *, timeout: float = 30,
+                      quiet: float = QUIET_SECONDS) -> LoginResult:
+    """Run `check` in a new tab (its own window) of the browser behind `pipe` and decide.
 
-    `raw_cdp_url` is the anchor's browser-level WebSocket address (`Anchor.cdp_url`,
-    guard-internal). The tab is the check's own (created and always closed here), so stage
-    tabs are untouched. The whole check is bounded by `timeout` seconds.
+    `pipe` is the anchor's DevTools pipe (`Anchor.pipe`, guard-internal); the browser answers
+    the run proxy's credential challenge through it. The tab is the check's own (created and
+    always closed here), so stage tabs are untouched, and a failed check leaves the browser
+    running. The whole check is bounded by `timeout` seconds.
 
-    Raises LoginCheckError (browser unreachable, page failed or did not settle, invalid
-    selector, ambiguous patterns) and ValueError (invalid pattern)."""
+    Raises LoginCheckError (browser gone, page failed or did not settle, invalid selector,
+    ambiguous patterns) and ValueError (invalid pattern)."""
     # Invalid patterns fail before any browser work.
     compile_pattern(check.logged_in)
     for p in check.logged_out:
         compile_pattern(p)
     deadline = time.monotonic() + timeout
-    http = aiohttp.ClientSession()
-    ws = cdp = target = None
+    cdp = target = None
     try:
         async with asyncio.timeout(timeout):
-            ws, cdp, target = await _open_tab(http, raw_cdp_url, deadline, proxy_auth)
+            cdp, target = await _open_tab(pipe, deadline)
             attached = await cdp.call("Target.attachToTarget", {"targetId": target, "flatten": True})
             session = attached.get("sessionId")
             if not isinstance(session, str):
                 raise LoginCheckError("could not attach to the check tab")
-            if proxy_auth is not None:
-                # the tab's requests go through the run's proxy, which asks for credentials
-                await cdp.call("Fetch.enable", {"handleAuthRequests": True}, session=session)
             await cdp.call("Page.enable", session=session)
             # A new tab may be held at start for a debugger when another client of the anchor
             # auto-attaches with waitForDebuggerOnStart; release it, or navigation never starts.
@@ -351,13 +259,15 @@ async def check_login(raw_cdp_url: str, check: LoginCheck, *, timeout: float = 3
                 try:
                     found = await _evaluate(
                         cdp, session, f"document.querySelector({json.dumps(check.selector)}) !== null")
-                except _CdpError:
+                except (_CdpError, CdpCallError):
                     raise LoginCheckError(f"the selector {check.selector!r} is not a valid CSS selector") from None
                 found = found is True
         return LoginResult(decide_login(final_url, check.logged_in, check.logged_out, found), final_url)
     except TimeoutError:
         raise LoginCheckError(f"the login check did not finish within {timeout:g} s") from None
-    except _CdpError as exc:
+    except PipeClosed:
+        raise LoginCheckError("the anchor browser stopped during the check") from None
+    except (_CdpError, CdpCallError) as exc:
         raise LoginCheckError(f"the browser refused a step of the check: {exc}") from None
     finally:
         if cdp is not None:
@@ -367,6 +277,3 @@ async def check_login(raw_cdp_url: str, check: LoginCheck, *, timeout: float = 3
                 except (Exception, asyncio.CancelledError):  # noqa: BLE001 - best effort, bounded
                     pass
             await cdp.close()
-        if ws is not None:
-            await ws.close()
-        await http.close()

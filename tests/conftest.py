@@ -53,3 +53,30 @@ def site():
     yield port
     proc.terminate()
     proc.wait(10)
+
+
+#: A cold first start of Chromium on a fresh machine builds its font and shader caches (seconds,
+#: more under load). Pay it once, before the first real-browser test, with a generous bound, so
+#: no test's own bounded wait has to absorb it.
+COLD_START_BOUND_S = 180
+
+
+@pytest.fixture(scope="session", autouse=True)
+def chromium_warmed_up(request):
+    if not any(item.get_closest_marker("browser") for item in request.session.items):
+        return
+    from supervisor import tools
+    br = tools.find_browser()
+    if not br.found:
+        return  # the browser tests themselves say what is missing
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="sfg-warm-") as profile:
+        argv = [br.path, "--headless=new", f"--user-data-dir={profile}", "--no-first-run",
+                "--disable-background-networking", "--dump-dom", "about:blank"]
+        if os.geteuid() == 0:
+            argv.insert(1, "--no-sandbox")   # a one-shot local page; the guard's browsers are separate
+        try:
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=COLD_START_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pass  # subprocess.run killed it; the tests will report a browser that does not start

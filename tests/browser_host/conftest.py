@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 
 from fixtures.login_server import start_login_server
+from supervisor import agent_browser as ab_mod
 from supervisor import tools
+from supervisor.cdp_gate import CdpGate
 from supervisor.browser_host import AnchorSpec, LocalBrowserHost
 from supervisor.sweep import scan_orphans, terminate_recorded
 
 FAKE_AB = Path(__file__).resolve().parents[1] / "fake_agent_browser" / "agent-browser"
+FAKE_CHROMIUM = Path(__file__).resolve().parents[1] / "fake_chromium" / "chromium"
 
 
 @dataclass
@@ -43,6 +46,23 @@ class Rig:
         data.update(values)
         path.write_text(json.dumps(data))
 
+    def browser_log(self) -> list[dict]:
+        """Fake only: the fake Chromium's launches and commands ($HOME/fake-chromium.jsonl)."""
+        path = self.root / "fake-chromium.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def browser_control(self, **values) -> None:
+        """Fake only: failure injection for the fake Chromium."""
+        (self.root / "fake-chromium-control.json").write_text(json.dumps(values))
+
+    async def stage(self, anchor, gate) -> dict[str, str]:
+        """A stage session env on `anchor` through `gate` (how stages drive a browser)."""
+        url = gate.add_stage(f"st-{anchor.session}-{uuid.uuid4().hex[:4]}", anchor.pipe)
+        return ab_mod.stage_env(session=f"st{uuid.uuid4().hex[:10]}", socket_dir=self.root / "s",
+                                config_path=self.root / "cfg.json", cdp_url=url)
+
     def calls(self) -> list[dict]:
         if not self.log or not self.log.exists():
             return []
@@ -56,12 +76,16 @@ def _short_root() -> Path:
     return root
 
 
-def _make_rig(kind: str):
+def _make_rig(kind: str, monkeypatch):
     root = _short_root()
+    # the browser's HOME (the fake Chromium logs there; the real one keeps its caches in the
+    # machine's HOME, so a cold start is paid once per machine, not per test)
+    if kind == "fake":
+        monkeypatch.setenv("HOME", str(root))
     log = None
     if kind == "fake":
         log = root / "calls.jsonl"
-        binary, browser = str(FAKE_AB), "/usr/bin/chromium-fake"
+        binary, browser = str(FAKE_AB), str(FAKE_CHROMIUM)
     else:
         ab, br = tools.find_agent_browser(), tools.find_browser()
         if not (ab.found and br.found):
@@ -71,6 +95,7 @@ def _make_rig(kind: str):
             binary, browser, root, log)
     if kind == "fake":
         r.control(log=str(log))
+    ab_mod.write_pinned_config(root / "cfg.json")
     yield r
     # Safety net: nothing a test started may survive it.
     leftovers = scan_orphans([root])
@@ -81,19 +106,27 @@ def _make_rig(kind: str):
 
 
 @pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.browser)])
-def rig(request):
-    """The contract rig: each test runs against the fake and the real agent-browser."""
-    yield from _make_rig(request.param)
+def rig(request, monkeypatch):
+    """The contract rig: each test runs against the fake and the real Chromium/agent-browser."""
+    yield from _make_rig(request.param, monkeypatch)
 
 
 @pytest.fixture
-def fake_rig():
-    yield from _make_rig("fake")
+def fake_rig(monkeypatch):
+    yield from _make_rig("fake", monkeypatch)
 
 
 @pytest.fixture
-def real_rig():
-    yield from _make_rig("real")
+def real_rig(monkeypatch):
+    yield from _make_rig("real", monkeypatch)
+
+
+@pytest.fixture
+async def gate():
+    g = CdpGate()
+    await g.start()
+    yield g
+    await g.stop()
 
 
 @pytest.fixture

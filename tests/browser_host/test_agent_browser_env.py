@@ -1,12 +1,15 @@
-"""The launch env of an anchor / stage session: exactly what the guard sets, nothing inherited."""
+"""How the guard starts a browser (command line, env) and a stage session's env: exactly what
+the guard sets, nothing inherited."""
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from supervisor import agent_browser as ab
+from supervisor import chromium
 
 AMBIENT = {
     "PATH": "/usr/bin:/bin", "HOME": "/home/op", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
@@ -18,70 +21,62 @@ AMBIENT = {
 PROXY = "http://run-1:tok3n@127.0.0.1:8123"
 
 
-def make(**kw):
-    args = dict(session="anc-1", socket_dir="/run/sfg/s", config_path="/run/sfg/cfg.json",
-                browser_path="/usr/bin/chromium", profile_dir="/run/sfg/p/x", proxy_url=PROXY,
-                headed=False, base_env=AMBIENT, as_root=False)
+def argv(**kw):
+    args = dict(browser_path="/usr/bin/chromium", profile_dir=Path("/run/sfg/p/x"), proxy_port=8123,
+                headed=False, no_sandbox=False)
     args.update(kw)
-    return ab.anchor_env(**args)
+    return chromium.chromium_args(**args)
 
 
-def test_anchor_env_is_exactly_the_guard_set_plus_plain_inherited_vars():
-    env = make()
-    assert env == {
-        "PATH": "/usr/bin:/bin", "HOME": "/home/op", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
-        "DISPLAY": ":0", "XAUTHORITY": "/home/op/.Xauthority",
-        "AGENT_BROWSER_SESSION": "anc-1", "AGENT_BROWSER_SOCKET_DIR": "/run/sfg/s",
-        "AGENT_BROWSER_CONFIG": "/run/sfg/cfg.json", "AGENT_BROWSER_EXECUTABLE_PATH": "/usr/bin/chromium",
-        "AGENT_BROWSER_PROFILE": "/run/sfg/p/x", "AGENT_BROWSER_PROXY": PROXY,
-        "AGENT_BROWSER_PROXY_BYPASS": "<-loopback>", "AGENT_BROWSER_IDLE_TIMEOUT_MS": "0",
-        "AGENT_BROWSER_ARGS": "\n".join(ab.CHROME_ARGS), "AGENT_BROWSER_HEADED": "false",
-        "AGENT_BROWSER_NO_XVFB": "1", "AGENT_BROWSER_NO_VERSION_CHECK": "1",
-    }
+def test_browser_command_line_has_the_pipe_the_proxy_and_no_port_or_credential():
+    a = argv()
+    assert a[0] == "/usr/bin/chromium" and a[-1] == "about:blank"
+    assert "--remote-debugging-pipe" in a and not any("remote-debugging-port" in x for x in a)
+    assert "--user-data-dir=/run/sfg/p/x" in a and "--headless=new" in a
+    assert "--proxy-server=http://127.0.0.1:8123" in a and "--proxy-bypass-list=<-loopback>" in a
+    assert "--force-webrtc-ip-handling-policy=disable_non_proxied_udp" in a and "--disable-quic" in a
+    assert "--password-store=basic" in a          # profiles made by earlier anchors stay readable
+    assert not any("@" in x for x in a)
+    assert argv() == a                            # deterministic
 
 
-def test_anchor_env_is_deterministic_for_identical_inputs():
-    assert make() == make() and list(make()) == list(make())
-
-
-@pytest.mark.parametrize("as_root,has_no_sandbox", [(True, True), (False, False)])
-def test_no_sandbox_only_as_root(as_root, has_no_sandbox):
-    args = make(as_root=as_root)["AGENT_BROWSER_ARGS"].split("\n")
-    assert ("--no-sandbox" in args) is has_no_sandbox
-    assert "--force-webrtc-ip-handling-policy=disable_non_proxied_udp" in args
-    assert "--disable-quic" in args and "," not in "".join(args)
-
-
-@pytest.mark.parametrize("headed,value", [(True, "true"), (False, "false")])
-def test_headed_is_written_explicitly(headed, value):
-    # agent-browser treats any value but "false" (even "0") as headed.
-    assert make(headed=headed)["AGENT_BROWSER_HEADED"] == value
-
-
-def test_without_proxy_no_proxy_variables_at_all():
-    env = make(proxy_url=None)
-    assert not any("PROXY" in k.upper() for k in env)
-
-
-@pytest.mark.parametrize("field,value,message", [
-    ("session", "../x", "session name"),
-    ("session", "a b", "session name"),
-    ("session", "", "session name"),
-    ("socket_dir", "relative/s", "absolute"),
-    ("socket_dir", "/tmp/" + "d" * 100, "103-byte"),
-    ("profile_dir", "Default", "absolute"),
-    ("config_path", "cfg.json", "absolute"),
-    ("proxy_url", "http://127.0.0.1:8123", "credential"),
-    ("proxy_url", "http://u:p@10.0.0.1:8123", "127.0.0.1"),
-    ("proxy_url", "socks5://u:p@127.0.0.1:8123", "http://"),
-    ("proxy_url", "http://u:p@127.0.0.1:8123/path", "path"),
-    ("proxy_url", "http://u:p@127.0.0.1:notaport", "malformed"),
+@pytest.mark.parametrize("kw,present,absent", [
+    ({"no_sandbox": True}, ["--no-sandbox"], []),
+    ({"no_sandbox": False}, [], ["--no-sandbox"]),
+    ({"headed": True}, [], ["--headless=new"]),
+    ({"proxy_port": None}, [], ["--proxy-bypass-list=<-loopback>"]),
 ])
-def test_invalid_inputs_are_refused_without_echoing_secrets(field, value, message):
+def test_browser_command_line_options(kw, present, absent):
+    a = argv(**kw)
+    assert all(p in a for p in present) and not any(x in a for x in absent)
+    if kw.get("proxy_port", 1) is None:
+        assert not any(x.startswith("--proxy-server") for x in a)
+
+
+def test_browser_env_is_scrubbed():
+    env = chromium.browser_env({**AMBIENT, "HTTP_PROXY": "http://x:1", "AGENT_BROWSER_PROFILE": "/p",
+                                "https_proxy": "http://x:1"})
+    assert set(env) <= {"PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY",
+                        "WAYLAND_DISPLAY", "XAUTHORITY"} and env["HOME"] == "/home/op"
+
+
+@pytest.mark.parametrize("value,message", [
+    ("http://127.0.0.1:8123", "credential"),
+    ("http://u:p@10.0.0.1:8123", "127.0.0.1"),
+    ("socks5://u:p@127.0.0.1:8123", "http://"),
+    ("http://u:p@127.0.0.1:8123/path", "path"),
+    ("http://u:p@127.0.0.1:notaport", "malformed"),
+])
+def test_invalid_proxy_urls_are_refused_without_echoing_secrets(value, message):
     with pytest.raises(ValueError, match=message) as info:
-        make(**{field: value})
-    if field == "proxy_url":
-        assert "p@" not in str(info.value) and value not in str(info.value)
+        ab.check_proxy_url(value)
+    assert "p@" not in str(info.value) and value not in str(info.value)
+
+
+@pytest.mark.parametrize("session", ["../x", "a b", ""])
+def test_invalid_session_names_are_refused(session):
+    with pytest.raises(ValueError, match="session name"):
+        ab.check_session_name(session)
 
 
 def test_stage_env_has_no_profile_proxy_or_browser_path():

@@ -1,6 +1,7 @@
 """Properties only the real Chromium + agent-browser can show: the login cookie survives a
 close/relaunch of the same profile, and the anchor's traffic (loopback included) goes through
-the run's proxy with the run's credential."""
+the run's proxy with the run's credential, answered by the guard over the DevTools pipe.
+The anchor is driven the way stages drive it: an agent-browser session through the CDP gate."""
 from __future__ import annotations
 
 import asyncio
@@ -34,25 +35,29 @@ async def received_cookies(env, binary, site) -> dict[str, str]:
     return json.loads(await ab.run_ok(env, "get", "text", "body", binary=binary))["cookies"]
 
 
-async def test_persistent_cookie_survives_close_and_relaunch_session_cookie_does_not(real_rig, site):
+async def test_persistent_cookie_survives_close_and_relaunch_session_cookie_does_not(real_rig, site, gate):
     rig = real_rig
     profile = rig.root / "p1"
     anchor = await rig.host.launch_anchor(rig.spec(profile))
+    env = await rig.stage(anchor, gate)
     try:
-        await login(anchor.env, rig.binary, site)
-        first = await received_cookies(anchor.env, rig.binary, site)
+        await login(env, rig.binary, site)
+        first = await received_cookies(env, rig.binary, site)
         assert set(first) == {"sf_persist", "sf_session"}
     finally:
+        await rig.host.close_stage_session(env)
         report = await rig.host.close_anchor(anchor)
     assert report.graceful
     again = await rig.host.launch_anchor(rig.spec(profile))
+    env = await rig.stage(again, gate)
     try:
-        second = await received_cookies(again.env, rig.binary, site)
+        second = await received_cookies(env, rig.binary, site)
         assert second == {"sf_persist": first["sf_persist"]}       # same value, session cookie gone
-        await ab.run_ok(again.env, "open", site + "/account", binary=rig.binary)
-        text = await ab.run_ok(again.env, "get", "text", "body", binary=rig.binary)
+        await ab.run_ok(env, "open", site + "/account", binary=rig.binary)
+        text = await ab.run_ok(env, "get", "text", "body", binary=rig.binary)
         assert "Signed in as operator" in text
     finally:
+        await rig.host.close_stage_session(env)
         await rig.host.close_anchor(again)
     assert scan_orphans([rig.root]) == []
 
@@ -110,7 +115,7 @@ class RecordingProxy:
             writer.close()
 
 
-async def test_anchor_traffic_goes_through_the_proxy_with_credentials_loopback_included(real_rig, site):
+async def test_anchor_traffic_goes_through_the_proxy_with_credentials_loopback_included(real_rig, site, gate):
     rig = real_rig
     proxy = RecordingProxy("run-1", "s3cret-token")
     port = await proxy.start()
@@ -118,53 +123,47 @@ async def test_anchor_traffic_goes_through_the_proxy_with_credentials_loopback_i
         spec = rig.spec(rig.root / "p1", proxy_url=f"http://run-1:s3cret-token@127.0.0.1:{port}",
                         allow_direct=False)
         anchor = await rig.host.launch_anchor(spec)
+        env = await rig.stage(anchor, gate)
         try:
-            assert anchor.env["AGENT_BROWSER_PROXY_BYPASS"] == "<-loopback>"
-            await ab.run_ok(anchor.env, "open", site + "/", binary=rig.binary)
+            assert "--proxy-bypass-list=<-loopback>" in psutil.Process(anchor.pid).cmdline()
+            # the stage's very first navigation: the guard answers the 407 over the pipe
+            await ab.run_ok(env, "open", site + "/", binary=rig.binary)
             title = ""
             for _ in range(50):   # `open` may return before the title is set
-                title = await ab.run_ok(anchor.env, "get", "title", binary=rig.binary)
+                title = await ab.run_ok(env, "get", "title", binary=rig.binary)
                 if "Fixture site" in title:
                     break
                 await asyncio.sleep(0.1)
-            assert "Fixture site" in title, await ab.run_ok(anchor.env, "get", "url", binary=rig.binary)
-            # the credential never appears in a process command line
-            for rec in anchor.processes:
-                assert "s3cret-token" not in " ".join(psutil.Process(rec.pid).cmdline())
+            assert "Fixture site" in title, await ab.run_ok(env, "get", "url", binary=rig.binary)
+            # the credential never appears in a process command line or environment
+            for pid in [anchor.pid] + [c.pid for c in psutil.Process(anchor.pid).children(recursive=True)]:
+                p = psutil.Process(pid)
+                assert "s3cret-token" not in " ".join(p.cmdline()) + json.dumps(p.environ())
         finally:
+            await rig.host.close_stage_session(env)
             await rig.host.close_anchor(anchor)
         targets = [(m, t) for m, t, authed in proxy.seen if authed]
         assert ("GET", site + "/") in targets          # loopback went through the proxy, authenticated
-        # the launch warmed up the proxy credential before any page was visited
-        assert ("GET", "http://sfguard-warmup.invalid/") in targets
-        assert targets.index(("GET", "http://sfguard-warmup.invalid/")) < targets.index(("GET", site + "/"))
     finally:
         await proxy.stop()
 
 
-async def test_headed_without_display_fails_clearly_and_leaves_no_daemon(real_rig, monkeypatch):
-    """Measured: with AGENT_BROWSER_NO_XVFB=1 and no display Chrome exits at once, and the
-    agent-browser daemon of the failed launch stays running unless the host ends it."""
+async def test_headed_without_display_fails_clearly_and_leaves_no_process(real_rig, monkeypatch):
     monkeypatch.delenv("DISPLAY", raising=False)
     monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
     from supervisor.browser_host import AnchorError
     with pytest.raises(AnchorError, match="DISPLAY"):
         await real_rig.host.launch_anchor(real_rig.spec(real_rig.root / "p1", headed=True))
     assert scan_orphans([real_rig.root]) == []
-    assert ab.session_files(real_rig.root / "s", "x") == []
-    assert [p.name for p in (real_rig.root / "s").iterdir()] == []
 
 
-async def test_failed_browser_start_leaves_no_daemon_behind(real_rig, tmp_path):
-    """Measured: when Chrome fails to start, `open` fails and the agent-browser daemon of that
-    session keeps running; the host must end it and remove the session files."""
+async def test_failed_browser_start_leaves_nothing_behind(real_rig, tmp_path):
     broken = tmp_path / "broken-browser"
     broken.write_text("#!/bin/sh\necho 'cannot start' >&2\nexit 3\n")
     broken.chmod(0o700)
     spec = real_rig.spec(real_rig.root / "p1")
     spec = type(spec)(**{**spec.__dict__, "browser_path": str(broken)})
     from supervisor.browser_host import AnchorError
-    with pytest.raises(AnchorError, match="could not launch anchor"):
+    with pytest.raises(AnchorError, match="could not launch anchor .*exited during start"):
         await real_rig.host.launch_anchor(spec)
     assert scan_orphans([real_rig.root]) == []
-    assert [p.name for p in (real_rig.root / "s").iterdir()] == []

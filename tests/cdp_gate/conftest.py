@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from supervisor import tools
+from supervisor.browser_host import AnchorSpec, LocalBrowserHost
 from supervisor.cdp_gate import CdpGate
 
 CMD_TIMEOUT_S = 45
@@ -102,28 +103,21 @@ def stage_env(gate_url: str, tag: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def anchor():
-    """A real anchor browser launched by agent-browser with a temp profile; yields its raw CDP URL."""
-    sock = tempfile.mkdtemp(prefix="cga", dir="/tmp")
-    profile = Path(tempfile.mkdtemp(prefix="cgprof"))
-    env = base_env()
-    env.update({"AGENT_BROWSER_SOCKET_DIR": sock, "AGENT_BROWSER_SESSION": f"anc{uuid.uuid4().hex[:8]}",
-                "AGENT_BROWSER_PROFILE": str(profile), "AGENT_BROWSER_IDLE_TIMEOUT_MS": "0"})
-    session = Session(env)
-    chrome = None
+@pytest.fixture
+async def anchor():
+    """A real anchor browser started the guard's way (DevTools pipe, no port), temp profile,
+    no proxy; yields the Anchor (its `pipe` is what the gate relays onto)."""
+    root = Path(tempfile.mkdtemp(prefix="cga", dir="/tmp"))
+    host = LocalBrowserHost()
+    spec = AnchorSpec(session=f"anc{uuid.uuid4().hex[:8]}", socket_dir=root / "s",
+                      config_path=root / "cfg.json", browser_path=tools.find_browser().path,
+                      temp_root=root, allow_direct=True)
+    anc = await host.launch_anchor(spec)
     try:
-        session.run("open", "about:blank")
-        session.run("stream", "disable")
-        chrome = _chrome_pid(profile)
-        raw = session.run("get", "cdp-url").stdout.strip()
-        assert raw.startswith("ws://127.0.0.1:") and "/devtools/browser/" in raw
-        yield raw
+        yield anc
     finally:
-        session.close()
-        _kill(chrome)
-        shutil.rmtree(sock, ignore_errors=True)
-        shutil.rmtree(profile, ignore_errors=True)
+        await host.close_anchor(anc)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 PAGES = {

@@ -19,6 +19,7 @@ from tests.daemon.fake_cdp import FakeCdp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_AB = ROOT / "tests" / "fake_agent_browser" / "agent-browser"
+FAKE_CHROMIUM = ROOT / "tests" / "fake_chromium" / "chromium"
 
 
 class Daemon:
@@ -59,6 +60,14 @@ class Daemon:
             self.proc.kill()
             return self.proc.wait(10)
 
+    def browser_log(self) -> list[dict]:
+        """What the fake Chromium saw: launches {"argv", "env", "pid"} and commands
+        {"pid", "method", "params"} (it logs to $HOME/fake-chromium.jsonl)."""
+        path = self.home.parent / "fake-chromium.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
     def calls(self) -> list[dict]:
         path = self.home.parent / "fake-ab.jsonl"
         if not path.exists():
@@ -78,7 +87,7 @@ def fake_cdp():
 def daemon(tmp_path, fake_cdp):
     home = tmp_path / "home"
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
-           "SFGUARD_AGENT_BROWSER": str(FAKE_AB),
+           "SFGUARD_AGENT_BROWSER": str(FAKE_AB), "SFGUARD_BROWSER": str(FAKE_CHROMIUM),
            "HTTP_PROXY": "http://leak.invalid:1", "AGENT_BROWSER_PROFILE": "/leak",
            "PYTHONPATH": str(ROOT)}
     if os.environ.get("XDG_RUNTIME_DIR"):

@@ -38,17 +38,21 @@ def wait_ready(d, run, sid, timeout=30):
 
 
 def launches(d):
-    """Anchor launches seen by the fake agent-browser (first `open` of a non --cdp session)."""
-    seen, out = set(), []
-    for c in d.calls():
-        env = c["env"]
-        if "open" in c["argv"] and "AGENT_BROWSER_CDP" not in env and env["AGENT_BROWSER_SESSION"] not in seen:
-            seen.add(env["AGENT_BROWSER_SESSION"])
+    """Browser launches seen by the fake Chromium: {"argv", "env", "pid", "profile", "auth"}
+    where auth is the credential the guard answered the (simulated) proxy challenge with."""
+    out = []
+    log = d.browser_log()
+    for c in log:
+        if "argv" in c:
+            c["profile"] = next(a.split("=", 1)[1] for a in c["argv"] if a.startswith("--user-data-dir="))
+            answers = [e["params"]["authChallengeResponse"] for e in log
+                       if e.get("pid") == c["pid"] and e.get("method") == "Fetch.continueWithAuth"]
+            c["auth"] = answers[0] if answers else None
             out.append(c)
     return out
 
 
-def test_profile_stage_gets_only_the_stage_env_and_a_guarded_anchor(daemon, fake_cdp):
+def test_profile_stage_gets_only_the_stage_env_and_a_guarded_anchor(daemon):
     assert daemon.call("POST", "/v1/runs", {"run_id": "r1"})[0] == 201
     status, body = stage(daemon, "r1", "s1")
     assert status == 200 and body["state"] == "ready", body
@@ -56,27 +60,30 @@ def test_profile_stage_gets_only_the_stage_env_and_a_guarded_anchor(daemon, fake
     assert set(env) == STAGE_ENV_KEYS
     assert env["AGENT_BROWSER_PIN_TAB"] == "1" and env["AGENT_BROWSER_IDLE_TIMEOUT_MS"] == "0"
     assert env["AGENT_BROWSER_CDP"].startswith("ws://127.0.0.1:")
-    assert fake_cdp.url not in json.dumps(body)          # never the raw CDP address
     (anchor,) = launches(daemon)
-    aenv = anchor["env"]
-    assert aenv["AGENT_BROWSER_PROXY_BYPASS"] == "<-loopback>"
-    assert aenv["AGENT_BROWSER_IDLE_TIMEOUT_MS"] == "0"
-    assert aenv["AGENT_BROWSER_PROXY"].startswith("http://") and "@127.0.0.1:" in aenv["AGENT_BROWSER_PROXY"]
-    assert aenv["AGENT_BROWSER_PROFILE"] != "/leak" and aenv["AGENT_BROWSER_PROFILE"] not in json.dumps(body)
-    assert anchor["leaked"] == []                          # HTTP_PROXY of the guard's env scrubbed
-    proxy_secret = aenv["AGENT_BROWSER_PROXY"].split("@")[0].split(":")[-1]
+    argv = anchor["argv"]
+    # DevTools over the pipe only, never a port; the run proxy with loopback through it
+    assert "--remote-debugging-pipe" in argv
+    assert not any(a.startswith("--remote-debugging-port") for a in argv)
+    assert "--proxy-bypass-list=<-loopback>" in argv
+    (proxy_arg,) = [a for a in argv if a.startswith("--proxy-server=")]
+    assert proxy_arg.startswith("--proxy-server=http://127.0.0.1:") and "@" not in proxy_arg
+    assert "--force-webrtc-ip-handling-policy=disable_non_proxied_udp" in argv
+    assert anchor["profile"] != "/leak" and anchor["profile"] not in json.dumps(body)
+    assert not {"HTTP_PROXY", "AGENT_BROWSER_PROFILE"} & set(anchor["env"])  # guard's env scrubbed
+    # the guard answered the proxy's challenge itself, with the run's credential
+    auth = anchor["auth"]
+    assert auth["response"] == "ProvideCredentials" and auth["username"].startswith("b-")
+    proxy_secret = auth["password"]
+    assert proxy_secret not in " ".join(argv) and proxy_secret not in json.dumps(anchor["env"])
     # neither the proxy credential nor the profile path in API answers about runs
     for route in ("/v1/runs/r1", "/v1/status", "/v1/profiles"):
         text = json.dumps(daemon.call("GET", route)[1])
-        assert proxy_secret not in text and aenv["AGENT_BROWSER_PROFILE"] not in text
+        assert proxy_secret not in text and anchor["profile"] not in text
         assert env["AGENT_BROWSER_CDP"].rsplit("/", 1)[1] not in text  # no gate token either
-    # every command of the anchor session carried the identical launch env
-    sess = aenv["AGENT_BROWSER_SESSION"]
-    envs = {json.dumps(c["env"], sort_keys=True) for c in daemon.calls()
-            if c["env"].get("AGENT_BROWSER_SESSION") == sess}
-    assert len(envs) == 1
+    # the stage session was started with stream off
     assert any(c["argv"][-2:] == ["stream", "disable"] for c in daemon.calls()
-               if c["env"].get("AGENT_BROWSER_SESSION") == sess)
+               if c["env"].get("AGENT_BROWSER_SESSION") == env["AGENT_BROWSER_SESSION"])
     assert daemon.call("POST", "/v1/runs/r1/end", {"outcome": "succeeded"})[0] == 200
 
 
@@ -164,7 +171,7 @@ def test_profileless_stage_gets_a_throwaway_browser_without_lease(daemon):
     assert status == 200
     assert daemon.call("GET", "/v1/profiles")[1]["profiles"] == []
     (launch,) = launches(daemon)
-    tmp_profile = launch["env"]["AGENT_BROWSER_PROFILE"]
+    tmp_profile = launch["profile"]
     assert os.path.isdir(tmp_profile)
     daemon.call("POST", "/v1/runs/r1/stages/s1/end", {"outcome": "succeeded"})
     assert not os.path.exists(tmp_profile)
@@ -179,7 +186,7 @@ def test_kill_9_of_the_daemon_then_restart_sweeps_everything(daemon):
     owned = [p for p in psutil.process_iter(["cmdline"])
              if any(m in " ".join(p.info["cmdline"] or []) for m in marks)
              and p.pid != daemon.proc.pid]
-    assert any("agent-browser-fake-daemon" in " ".join(p.cmdline()) for p in owned)
+    assert any("--fake-chromium" in " ".join(p.cmdline()) for p in owned)
     daemon.stop(signal.SIGKILL)
     daemon.start()
     assert "1 dead run(s)" in daemon.banner, daemon.banner
@@ -196,7 +203,8 @@ def test_kill_9_of_the_daemon_then_restart_sweeps_everything(daemon):
     time.sleep(0.5)
     left = [p for p in psutil.process_iter(["cmdline"])
             if any(m in " ".join(p.info["cmdline"] or []) for m in marks)
-            and "agent-browser-fake" in " ".join(p.info["cmdline"] or [])
+            and ("agent-browser-fake" in " ".join(p.info["cmdline"] or [])
+                 or "--fake-chromium" in " ".join(p.info["cmdline"] or []))
             and p.status() != psutil.STATUS_ZOMBIE]
     assert left == [], [p.info["cmdline"][-4:] for p in left]
 
@@ -206,7 +214,7 @@ def test_no_secret_in_any_file_of_the_home_or_the_guard_log(daemon):
     env = stage(daemon, "r1", "s1")[1]["env"]
     stage(daemon, "r1", "s2", profile=None)
     (anchor, *_) = launches(daemon)
-    proxy_token = anchor["env"]["AGENT_BROWSER_PROXY"].split("@")[0].split(":")[-1]
+    proxy_token = anchor["auth"]["password"]
     gate_token = env["AGENT_BROWSER_CDP"].rsplit("/", 1)[1]
     daemon.call("POST", "/v1/runs/r1/end", {"outcome": "failed"})
     daemon.stop()

@@ -94,8 +94,11 @@ def test_demo_two_runs_login_once_cookie_survives_no_secrets(tmp_path):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
 def test_demo_stops_everything_on_ctrl_c_or_term(tmp_path, sig, code):
     home = tmp_path / "h"
+    # SIGINT back to its default in the child: a test run started in the background by a
+    # non-interactive shell (`./dev soak N &`) inherits SIGINT ignored, and so would the demo
     proc = subprocess.Popen([*SFGUARD, "demo", "--home", str(home)], cwd=ROOT, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines, workdir = [], None
     try:
         deadline = time.monotonic() + 120

@@ -17,6 +17,7 @@ from fixtures.login_server import start_login_server
 from supervisor import agent_browser as ab
 from supervisor import tools
 from supervisor.browser_host import AnchorSpec, LocalBrowserHost
+from supervisor.cdp_gate import CdpGate
 from supervisor.login import LoginCheckError, check_login
 from supervisor.models import LoginCheck
 from supervisor.sweep import scan_orphans, terminate_recorded
@@ -44,9 +45,18 @@ async def anchor():
                       profile_dir=root / "profile", allow_direct=True, proxy_url=None)
     a = await host.launch_anchor(spec)
     a.binary = ab_tool.path
+    gate = CdpGate()
+    await gate.start()
+    # the anchor is driven like a stage drives it: agent-browser through the gate
+    a.gate = gate
+    a.env = ab.stage_env(session=f"lcs{uuid.uuid4().hex[:8]}", socket_dir=root / "s",
+                         config_path=ab.write_pinned_config(root / "cfg.json"),
+                         cdp_url=gate.add_stage("st", a.pipe))
     try:
         yield a
     finally:
+        await host.close_stage_session(a.env)
+        await gate.stop()
         await host.close_anchor(a)
         leftovers = scan_orphans([root])
         if leftovers:
@@ -55,14 +65,9 @@ async def anchor():
         assert not leftovers, f"processes left behind: {leftovers}"
 
 
-async def page_targets(cdp_url: str) -> list[dict]:
-    async with aiohttp.ClientSession() as http, http.ws_connect(cdp_url) as ws:
-        await ws.send_str(json.dumps({"id": 1, "method": "Target.getTargets"}))
-        async for msg in ws:
-            data = json.loads(msg.data)
-            if data.get("id") == 1:
-                return [t for t in data["result"]["targetInfos"] if t["type"] == "page"]
-    raise AssertionError("no answer to Target.getTargets")
+async def page_targets(pipe) -> list[dict]:
+    infos = (await pipe.call("Target.getTargets"))["targetInfos"]
+    return [t for t in infos if t["type"] == "page"]
 
 
 async def login_with_agent_browser(anchor, site: str) -> None:
@@ -84,44 +89,44 @@ def account_check(site: str, **kw) -> LoginCheck:
 
 
 async def test_logged_out_then_logged_in_and_the_check_tab_is_closed(anchor, site):
-    before = await page_targets(anchor.cdp_url)
+    before = await page_targets(anchor.pipe)
 
-    out = await check_login(anchor.cdp_url, account_check(site))
+    out = await check_login(anchor.pipe, account_check(site))
     assert out.to_json() == {"logged_in": False, "url": f"{site}/login?next=/account"}
-    after = await page_targets(anchor.cdp_url)
+    after = await page_targets(anchor.pipe)
     assert sorted(t["targetId"] for t in after) == sorted(t["targetId"] for t in before)
 
     await login_with_agent_browser(anchor, site)
-    ok = await check_login(anchor.cdp_url, account_check(site))
+    ok = await check_login(anchor.pipe, account_check(site))
     assert ok.to_json() == {"logged_in": True, "url": f"{site}/account"}
 
     # The selector must be found too; a missing one turns the answer into "logged out".
-    assert (await check_login(anchor.cdp_url, account_check(site, selector="#signed-in"))).logged_in is True
-    missing = await check_login(anchor.cdp_url, account_check(site, selector="#no-such-thing"))
+    assert (await check_login(anchor.pipe, account_check(site, selector="#signed-in"))).logged_in is True
+    missing = await check_login(anchor.pipe, account_check(site, selector="#no-such-thing"))
     assert missing.logged_in is False and missing.url == f"{site}/account"
     # A selector with quotes is passed as data, not code.
-    quoted = await check_login(anchor.cdp_url, account_check(site, selector='h1[id="signed-in"]'))
+    quoted = await check_login(anchor.pipe, account_check(site, selector='h1[id="signed-in"]'))
     assert quoted.logged_in is True
     # Only the anchor's own tab(s) remain; none of the check tabs is left.
-    final = await page_targets(anchor.cdp_url)
-    assert not [t for t in final if t["url"].startswith(site) and t["targetId"] not in
-                {b["targetId"] for b in before}]
-    assert len(final) == len(before)
+    final = await page_targets(anchor.pipe)
+    stage_tabs = anchor.gate.stage_targets("st")
+    assert stage_tabs   # the stage session's tabs (agent-browser's own and its pinned one)
+    assert {t["targetId"] for t in final} == {b["targetId"] for b in before} | stage_tabs
     # agent-browser's own session still works on its tab.
     assert (await ab.run_ok(anchor.env, "get", "url", binary=anchor.binary)).strip() == f"{site}/account"
 
 
 async def test_ambiguous_invalid_and_unreachable_checks_fail_clearly(anchor, site):
-    before = await page_targets(anchor.cdp_url)
+    before = await page_targets(anchor.pipe)
     neither = LoginCheck(url=f"{site}/", logged_in=f"{site}/account", logged_out=[f"{site}/login*"])
     with pytest.raises(LoginCheckError, match="matches neither"):
-        await check_login(anchor.cdp_url, neither)
+        await check_login(anchor.pipe, neither)
 
     bad_selector = account_check(site, selector="h1[")
     with pytest.raises(LoginCheckError, match="not a valid CSS selector"):
-        await check_login(anchor.cdp_url, bad_selector)
+        await check_login(anchor.pipe, bad_selector)
 
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(LoginCheckError, match="could not be opened: net::ERR_CONNECTION_REFUSED"):
-        await check_login(anchor.cdp_url, account_check(dead), timeout=20)
-    assert len(await page_targets(anchor.cdp_url)) == len(before)
+        await check_login(anchor.pipe, account_check(dead), timeout=20)
+    assert len(await page_targets(anchor.pipe)) == len(before)

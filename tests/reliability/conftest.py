@@ -23,7 +23,7 @@ import pytest
 
 from supervisor.home import runtime_dir
 from tests.conftest import free_port
-from tests.daemon.conftest import FAKE_AB, ROOT, Daemon
+from tests.daemon.conftest import FAKE_AB, FAKE_CHROMIUM, ROOT, Daemon
 from tests.daemon.fake_cdp import FakeCdp
 
 SFGUARD = [sys.executable, "-m", "cli.main"]
@@ -161,6 +161,10 @@ class FakeGuard(Daemon):
         self.control()
 
     def control(self, **extra: str) -> None:
+        """Failure injection: {"hang": "launch"} makes the fake Chromium never answer at start;
+        anything else goes to the fake agent-browser's control file."""
+        browser = {"hang_start": True} if extra.pop("hang", None) == "launch" else {}
+        (self.home.parent / "fake-chromium-control.json").write_text(json.dumps(browser))
         ab = runtime_dir(self.home) / "ab"
         ab.mkdir(mode=0o700, parents=True, exist_ok=True)
         (ab / "fake-control.json").write_text(json.dumps(
@@ -172,12 +176,20 @@ class FakeGuard(Daemon):
         return [json.loads(l) for l in self.calls_log.read_text().splitlines() if l.strip()]
 
     def proxy_urls(self) -> list[str]:
-        """The proxy URLs the guard gave its anchors (the fake agent-browser logs its env)."""
+        """The proxy URLs of the guard's browsers: the fake Chromium logs its --proxy-server
+        and the credential the guard answered the proxy challenge with over the pipe."""
         seen = []
-        for c in self.calls():
-            u = c["env"].get("AGENT_BROWSER_PROXY")
-            if u and u not in seen:
-                seen.append(u)
+        log = self.browser_log()
+        for c in log:
+            if "argv" not in c:
+                continue
+            server = next((a.split("=", 1)[1] for a in c["argv"] if a.startswith("--proxy-server=")), None)
+            auth = next((e["params"]["authChallengeResponse"] for e in log if e.get("pid") == c["pid"]
+                         and e.get("method") == "Fetch.continueWithAuth"), None)
+            if server and auth:
+                u = server.replace("http://", f"http://{auth['username']}:{auth['password']}@")
+                if u not in seen:
+                    seen.append(u)
         return seen
 
 
@@ -205,7 +217,8 @@ def make_fake_guard(tmp_path, fake_cdp, site):
     def make(name: str = "home", start: bool = True, home: Path | None = None) -> FakeGuard:
         home = (home or tmp_path / name).absolute()
         pol = write_policy(tmp_path / f"{name}-sites.yaml", site)
-        d = FakeGuard(home, {**base_env(tmp_path), "SFGUARD_AGENT_BROWSER": str(FAKE_AB)},
+        d = FakeGuard(home, {**base_env(tmp_path), "SFGUARD_AGENT_BROWSER": str(FAKE_AB),
+                             "SFGUARD_BROWSER": str(FAKE_CHROMIUM)},
                       tmp_path / f"{name}-daemon.log", fake_cdp, tmp_path / f"{name}-fake-ab.jsonl")
         d.start_args = ("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
                         "--resolve", "site-b.test=127.0.0.1")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from supervisor.api import ROUTES, openapi_document
 from tests.conftest import free_port
 from tests.daemon.fake_cdp import FakeCdp
-from tests.reliability.conftest import FAKE_AB, FakeGuard, base_env, guard_processes, kill_all
+from tests.reliability.conftest import FAKE_AB, FAKE_CHROMIUM, FakeGuard, base_env, guard_processes, kill_all
 
 pytestmark = pytest.mark.reliability
 EXAMPLES = int(os.environ.get("SFGUARD_FUZZ_EXAMPLES", "25"))
@@ -49,12 +49,13 @@ def api(tmp_path_factory):
     cdp = FakeCdp()
     cdp.start()
     home = (root / "home").absolute()
-    d = FakeGuard(home, {**base_env(root), "SFGUARD_AGENT_BROWSER": str(FAKE_AB)},
+    d = FakeGuard(home, {**base_env(root), "SFGUARD_AGENT_BROWSER": str(FAKE_AB),
+                         "SFGUARD_BROWSER": str(FAKE_CHROMIUM)},
                   root / "daemon.log", cdp, root / "fake-ab.jsonl")
     port = free_port()
     d.start("--tcp", str(port))
     token = re.search(r"bearer token: ([^)\s]+)", d.banner).group(1)
-    skip = {home, root / "daemon.log", root / "fake-ab.jsonl"}
+    skip = {home, root / "daemon.log", root / "fake-ab.jsonl", root / "fake-chromium.jsonl"}
     before = snapshot(root, skip)
     d.port, d.token = port, token
     yield d
