@@ -178,7 +178,6 @@ def test_other_os_user_without_stage_exec_is_held_by_the_uid(guard, site, worksp
     assert other["AGENT_BROWSER_CDP"].rsplit("/", 1)[1] not in json.dumps(found)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the pipe launch (branch browser)")
 def test_other_os_user_finds_no_devtools_endpoint_on_loopback(guard, site, workspace):
     _, found = _as_other_user(guard, workspace, site, full_scan=False)
     assert found["devtools"] == []
