@@ -146,7 +146,8 @@ ROUTES: tuple[Route, ...] = (
           "Check a profile's login in the run's browser: {logged_in, url}, computed by the guard",
           m.LoginCheckRequest, ((200, m.LoginResultAnswer),),
           _RUN + ((400, ("no_pipeline", "invalid_pattern")), (403, ("login_check_not_allowed",)),
-                  (409, ("run_ended", "profile_leased")), (422, ("login_check_failed",))),
+                  (409, ("run_ended", "profile_leased", "browser_failed")), (422, ("login_check_failed",)),
+                  (503, ("browser_failed",))),
           "The guard opens login_check.url in the run's browser for the profile (leasing it if "
           "needed), reads the final address (and the selector) and matches the patterns. The "
           "runner puts this answer into the check stage's envelope; the guard keeps it for "
@@ -160,7 +161,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/runs/{run_id}/handoff", "api_handoff",
           "Open the profile's browser for a person to log in; answers the gate payload",
           m.HandoffRequest, ((200, m.HandoffAnswer),),
-          _RUN + ((400, ("no_pipeline",)), (409, ("run_ended", "handoff_impossible", "profile_leased")),),
+          _RUN + ((400, ("no_pipeline",)), (409, ("run_ended", "handoff_impossible", "profile_leased",
+                                                  "browser_failed")), (503, ("browser_failed",))),
           "For a login stage's gate: reopens the run's browser on the profile headed (needs a "
           "display where the guard runs; 409 handoff_impossible names the cause) and answers the "
           "payload to show the person. End the login stage when the person confirms."),

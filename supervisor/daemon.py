@@ -637,6 +637,11 @@ class Guard:
                 self.audit.record("profile_leased", scope=key.scope, profile=key.name, run=run.run_id)
             try:
                 return await self._ensure_anchor(run, key, headed)
+            except (AnchorError, GateError, ProfileError, RuntimeError, OSError) as exc:
+                # the same answer as a stage request whose browser fails (never a 500)
+                raise ApiError(409 if isinstance(exc, ProfileError) else 503, "browser_failed",
+                               f"could not start the browser of profile {key.name!r}: {exc}",
+                               "profile") from None
             finally:
                 self._save_record(run)
 
@@ -808,7 +813,17 @@ class Guard:
         run.browsers[key.name] = browser
         profile_dir = self.store.open(key)
         self._save_record(run)
-        browser.anchor = await self._launch(run, browser, profile_dir)
+        try:
+            browser.anchor = await self._launch(run, browser, profile_dir)
+        except BaseException:
+            # a browser that never started changed nothing: drop the working copy (the sealed
+            # profile stays as it was) so that the next request can open the profile again
+            run.browsers.pop(key.name, None)
+            with contextlib.suppress(Exception):
+                self.store.close(key, save=False)
+            with contextlib.suppress(Exception):
+                await proxy.remove_client(name)
+            raise
         log.info("run %s: anchor for profile %s ready", run.run_id, key.name)
         return browser
 

@@ -46,6 +46,12 @@ ELSEWHERE = {
         "tests/stage_exec/test_stage_exec.py (a machine where bubblewrap fails)",
     ("GET", "/v1/runs/{run_id}/stages/{stage_id}/exec", 409, "stage_failed"):
         "tests/browser_host (a stage whose browser could not start)",
+    ("POST", "/v1/runs/{run_id}/login-check", 409, "browser_failed"):
+        "a damaged sealed profile (tests/reliability: refused with the profile named)",
+    ("POST", "/v1/runs/{run_id}/handoff", 409, "browser_failed"): "needs a display (handoff_impossible first)",
+    ("POST", "/v1/runs/{run_id}/handoff", 503, "browser_failed"): "needs a display (handoff_impossible first)",
+    ("POST", "/v1/runs/{run_id}/login-check", 503, "browser_failed"):
+        "test_a_browser_that_cannot_start_is_an_answer_not_a_500 below",
     ("DELETE", "/v1/profiles/{name}", 400, "invalid_name"):
         "unreachable through HTTP: the path pattern refuses a bad name first (invalid_request)",
 }
@@ -343,3 +349,27 @@ def test_token_file_needs_tcp_and_a_usable_folder(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "cli.main", "start", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_a_browser_that_cannot_start_is_an_answer_not_a_500(tmp_path):
+    """A guard whose browser binary exits at once: a stage request and a login check both answer
+    503 browser_failed naming the profile, the guard keeps serving, the lease goes back."""
+    from tests.daemon.conftest import Daemon
+    home = (tmp_path / "home").absolute()
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
+           "SFGUARD_BROWSER": "/bin/false", "PYTHONPATH": str(ROOT)}
+    d = Daemon(home, env, tmp_path / "daemon.log")
+    d.start()
+    try:
+        assert d.call("POST", "/v1/runs", {"run_id": "r1"})[0] == 201
+        status, body = d.call("POST", "/v1/runs/r1/stages", stage_body("s1"))
+        assert status == 503 and body["error"]["code"] == "browser_failed", body
+        status, body = d.call("POST", "/v1/runs/r1/login-check",
+                              {"profile": "acct", "login_check": {"url": "http://site-a.test/",
+                                                                  "logged_in": "*/in"}})
+        assert status == 503 and body["error"]["code"] == "browser_failed", body
+        assert "acct" in body["error"]["message"]
+        assert d.call("GET", "/v1/status")[0] == 200
+        assert d.call("POST", "/v1/runs/r1/end", {"outcome": "failed"})[0] == 200
+    finally:
+        d.stop()
