@@ -147,6 +147,12 @@ def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str
     argv = [bwrap, *sandbox.BASE_ARGS]
     for path in sandbox.hidden_paths(hide):
         argv += ["--tmpfs", path]
+    # /tmp is a fresh tmpfs inside: a guard installed under /tmp (a checkout there) would lose
+    # its agent-browser, so its folder comes back read-only (never one that holds guard files)
+    tool_dir = sandbox.tool_dir_to_rebind(answer.get("agent_browser"),
+                                          list(answer["hide"]) + [answer["bridges"]["dir"]])
+    if tool_dir:
+        argv += ["--ro-bind", tool_dir, tool_dir]
     argv += ["--bind", cwd, cwd,
              "--ro-bind", gate_sock, sandbox.INSIDE_GATE_SOCKET,
              "--ro-bind", proxy_sock, sandbox.INSIDE_PROXY_SOCKET,

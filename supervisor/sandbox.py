@@ -148,6 +148,22 @@ def hidden_paths(paths: list[str]) -> list[str]:
     return out
 
 
+def tool_dir_to_rebind(tool: str | None, forbidden: list[str]) -> str | None:
+    """The folder of the guard's agent-browser when it lies under /tmp (hidden by the sandbox's
+    own /tmp), to bind back read-only; None when it needs nothing or would uncover a guard
+    folder (the folder is, contains or lies inside one)."""
+    if not tool or not os.path.isabs(tool):
+        return None
+    folder = os.path.dirname(os.path.realpath(tool))
+    if not folder.startswith("/tmp/") or not os.path.isdir(folder):
+        return None
+    for f in forbidden:
+        f = os.path.normpath(f)
+        if folder == f or folder.startswith(f.rstrip("/") + "/") or f.startswith(folder.rstrip("/") + "/"):
+            return None
+    return folder
+
+
 def check_workspace(cwd: str, forbidden: list[str]) -> None:
     """The workspace becomes writable inside: never /, never a guard folder, never above one."""
     cwd = os.path.normpath(cwd)

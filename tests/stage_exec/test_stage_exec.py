@@ -255,3 +255,22 @@ def test_doctor_reports_the_sandbox():
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = [l for l in r.stdout.splitlines() if "stage sandbox" in l]
     assert line and line[0].startswith("ok "), r.stdout
+
+
+@pytest.mark.parametrize("tool, forbidden, expect", [
+    ("/tmp/ci/node_modules/agent-browser/bin/ab", [], "/tmp/ci/node_modules/agent-browser/bin"),
+    ("/usr/bin/ab", [], None),                                   # outside /tmp: visible already
+    (None, [], None),
+    ("relative/ab", [], None),
+    ("/tmp/ci/node_modules/agent-browser/bin/ab", ["/tmp/ci"], None),            # inside a guard folder
+    ("/tmp/ci/node_modules/agent-browser/bin/ab", ["/tmp/ci/node_modules/agent-browser/bin/x"], None),
+])
+def test_agent_browser_under_tmp_is_bound_back_only_outside_guard_folders(tmp_path, tool, forbidden, expect):
+    from supervisor import sandbox
+    if tool and tool.startswith("/tmp/ci/"):
+        real = tmp_path / "ci" / "node_modules" / "agent-browser" / "bin"
+        real.mkdir(parents=True)
+        tool = str(real / "ab")
+        forbidden = [f.replace("/tmp/ci", str(tmp_path / "ci")) for f in forbidden]
+        expect = expect and expect.replace("/tmp/ci", str(tmp_path / "ci"))
+    assert sandbox.tool_dir_to_rebind(tool, forbidden) == expect
