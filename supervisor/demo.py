@@ -45,6 +45,8 @@ import yaml
 import policy
 from supervisor import tools
 from supervisor.client import GuardClient, GuardUnavailable
+from supervisor.home import resolve_home, runtime_path
+from supervisor.sweep import scan_orphans, terminate_recorded
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_PIPELINE = ROOT / "docs" / "examples" / "login-pipeline.yaml"
@@ -765,6 +767,11 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
             for left in child.leftovers:
                 say(f"sfguard demo: the {child.name} left process {left} running after it exited; "
                     "ended it (a bug to report)")
+        # what no child list shows: an agent-browser daemon a stage command started carries
+        # the guard's runtime folder only in its env; the sweep's own scan finds it
+        for left in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))]), 5):
+            say(f"sfguard demo: process {left.pid} ({left.kind}) of the guard's runtime "
+                "folder outlived the guard; ended it (a bug to report)")
         log_file = workdir / "guard.log"
         if failed and log_file.exists():  # the guard's own log is redacted by its filter
             tail = log_file.read_text(errors="replace").strip().splitlines()[-8:]
@@ -777,6 +784,4 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
         else:
             shutil.rmtree(workdir, ignore_errors=True)
             if home is None:  # the temporary home's runtime folder goes with it
-                from supervisor.home import runtime_dir
-                with contextlib.suppress(OSError):
-                    shutil.rmtree(runtime_dir(guard_home), ignore_errors=True)
+                shutil.rmtree(runtime_path(resolve_home(guard_home)), ignore_errors=True)

@@ -65,11 +65,21 @@ def ensure_home(flag: str | os.PathLike | None = None) -> Path:
 
 
 def runtime_dir(home: Path) -> Path:
-    """A short private folder for this home's sockets and unsealed profiles.
+    """A short private folder for this home's sockets and unsealed profiles, created (0700).
+
+    Only what writes there calls this (the guard at start, a profile being unsealed); a
+    reader asks `runtime_path`, which creates nothing, so a `profiles list` or a check after
+    a guard stopped leaves no empty folder behind in /dev/shm.
+    """
+    return private_dir(runtime_path(home))
+
+
+def runtime_path(home: Path) -> Path:
+    """Where `runtime_dir(home)` is, without creating it.
 
     $XDG_RUNTIME_DIR (tmpfs, per user) when usable, else /dev/shm (tmpfs), else the system
-    temp dir. The name is
-    derived from the home so two homes never share one, and stays short for socket paths.
+    temp dir. The name is derived from the home so two homes never share one, and stays short
+    for socket paths.
     """
     tag = hashlib.sha256(str(home).encode()).hexdigest()[:10]
     base = None
@@ -80,7 +90,26 @@ def runtime_dir(home: Path) -> Path:
             break
     if base is None:
         base = tempfile.gettempdir()
-    return private_dir(Path(base) / f"sfg-{os.getuid()}-{tag}")
+    return Path(base) / f"sfg-{os.getuid()}-{tag}"
+
+
+def prune_empty(folder: Path, stop: Path) -> None:
+    """Remove `folder` and its parents up to and including `stop` while they are empty.
+
+    rmdir only: a folder that holds anything (a socket, another profile) stays, so this is
+    safe beside a running guard.
+    """
+    folder, stop = Path(folder), Path(stop)
+    if folder != stop and not folder.is_relative_to(stop):
+        return
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        if folder == stop:
+            return
+        folder = folder.parent
 
 
 def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE) -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from supervisor import sealing
-from supervisor.home import atomic_write, ensure_home, private_dir, runtime_dir
+from supervisor.home import atomic_write, ensure_home, private_dir, prune_empty, runtime_path
 from supervisor.protocols import (
     LOCAL_SCOPE, KeyProvider, ProfileBusy, ProfileExists, ProfileInfo, ProfileKey,
     ProfileNotFound, validate_name,
@@ -73,7 +73,14 @@ class LocalProfileStore:
         return self._scope_dir(key.scope) / key.name
 
     def _runtime_root(self) -> Path:
-        return private_dir(self._runtime if self._runtime is not None else runtime_dir(self.home))
+        """The runtime folder's path; only `open` and `create` create it (readers never do)."""
+        return self._runtime if self._runtime is not None else runtime_path(self.home)
+
+    def _prune_runtime(self, folder: Path) -> None:
+        """After a working copy is gone: drop the empty folders above it, up to the runtime
+        root of a store without a guard (a guard's root holds its sockets and stays)."""
+        if self._runtime is None:
+            prune_empty(folder, self._runtime_root())
 
     def _runtime_scope_dir(self, scope: str) -> Path:
         return self._runtime_root() / "profiles" / validate_name(scope, "scope")
@@ -118,12 +125,13 @@ class LocalProfileStore:
         private_dir(self.home / "profiles")
         private_dir(self._scope_dir(key.scope))
         private_dir(self._profile_dir(key))
-        empty = Path(self._runtime_root()) / f".empty-{os.getpid()}-{time.monotonic_ns()}"
+        empty = private_dir(self._runtime_root()) / f".empty-{os.getpid()}-{time.monotonic_ns()}"
         empty.mkdir(mode=0o700)
         try:
             self._seal_from(key, empty)
         finally:
             shutil.rmtree(empty, ignore_errors=True)
+            self._prune_runtime(self._runtime_root())
         self._write_meta(key, {"created": time.time(), "last_used": None})
         return self.info(key)
 
@@ -158,9 +166,15 @@ class LocalProfileStore:
         dest = self._unsealed_dir(key)
         if os.path.lexists(dest):
             raise ProfileBusy(f"profile {key.name!r} is already open")
+        private_dir(self._runtime_root())
         private_dir(self._runtime_root() / "profiles")
         private_dir(self._runtime_scope_dir(key.scope))
-        sealing.unseal_to(sealed, dest, self.keys.get_key(key.scope, create=False), key.scope, key.name)
+        try:
+            sealing.unseal_to(sealed, dest, self.keys.get_key(key.scope, create=False),
+                              key.scope, key.name)
+        except BaseException:
+            self._prune_runtime(dest.parent)
+            raise
         return dest
 
     def save(self, key: ProfileKey) -> ProfileInfo:
@@ -181,6 +195,7 @@ class LocalProfileStore:
         if save and src.is_dir():
             self.save(key)
         shutil.rmtree(src, ignore_errors=True)
+        self._prune_runtime(src.parent)
         return self.info(key)
 
     def delete(self, key: ProfileKey) -> None:
@@ -195,6 +210,7 @@ class LocalProfileStore:
         removed = [info.key for info in self.list(scope)]
         shutil.rmtree(self._scope_dir(scope), ignore_errors=True)
         shutil.rmtree(self._runtime_scope_dir(scope), ignore_errors=True)
+        self._prune_runtime(self._runtime_root() / "profiles")
         self.keys.delete_key(scope)
         return removed
 

@@ -93,7 +93,7 @@ def daemon(tmp_path, fake_cdp):
     if os.environ.get("XDG_RUNTIME_DIR"):
         env["XDG_RUNTIME_DIR"] = os.environ["XDG_RUNTIME_DIR"]
     old = os.environ.get("XDG_RUNTIME_DIR")
-    rt = runtime_dir(home.absolute())
+    rt = runtime_dir(home.absolute())   # the fake agent-browser reads its control file there
     ab = rt / "ab"
     ab.mkdir(mode=0o700, exist_ok=True)
     (ab / "fake-control.json").write_text(json.dumps(

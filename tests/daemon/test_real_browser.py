@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from supervisor import tools
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from tests.conftest import free_port
 from tests.daemon.conftest import ROOT, Daemon
 
@@ -58,7 +58,7 @@ def request_stage(d, run, sid, allow, profile="acct"):
 
 
 def guard_processes(d) -> list[psutil.Process]:
-    marks = (str(d.home), str(runtime_dir(d.home)))
+    marks = (str(d.home), str(runtime_path(d.home)))
     out = []
     for p in psutil.process_iter(["cmdline", "name"]):
         try:
@@ -128,7 +128,7 @@ def test_kill_9_of_the_daemon_leaves_no_browser_after_restart(real_daemon, site)
     time.sleep(1)
     left = [p for p in browsers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert left == []
-    assert not [p for p in runtime_dir(d.home).rglob("*") if p.name == "Cookies"]
+    assert not [p for p in runtime_path(d.home).rglob("*") if p.name == "Cookies"]
     st = d.call("GET", "/v1/status")[1]
     assert all(l["holder_run"] is None for l in st["leases"])
 

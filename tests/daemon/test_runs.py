@@ -12,7 +12,7 @@ import subprocess
 import psutil
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from tests.daemon.conftest import FAKE_AB
 
 STAGE_ENV_KEYS = {"AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
@@ -182,7 +182,7 @@ def test_kill_9_of_the_daemon_then_restart_sweeps_everything(daemon):
     daemon.call("POST", "/v1/runs", {"run_id": "r1"})
     stage(daemon, "r1", "s1")
     time.sleep(0.3)
-    marks = (str(daemon.home), str(runtime_dir(daemon.home)))
+    marks = (str(daemon.home), str(runtime_path(daemon.home)))
     owned = [p for p in psutil.process_iter(["cmdline"])
              if any(m in " ".join(p.info["cmdline"] or []) for m in marks)
              and p.pid != daemon.proc.pid]

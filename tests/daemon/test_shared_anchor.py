@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from tests.daemon.test_real_browser import (as_stage, browser_processes, guard_processes,  # noqa: F401
                                             real_daemon, request_stage)
 from tests.netscan import listening_ports_of_tree
@@ -143,7 +143,7 @@ def test_a_stopped_guard_leaves_nothing_behind(real_daemon, site, how):
     """Issue 11: after a guard stops (SIGTERM, or kill -9 and the next start's sweep), no
     process of it, no runtime folder in /dev/shm (or $XDG_RUNTIME_DIR), no unsealed profile."""
     d = real_daemon
-    rt = runtime_dir(d.home)
+    rt = runtime_path(d.home)
     d.call("POST", "/v1/runs", {"run_id": "r1"})
     a = request_stage(d, "r1", "a", ["site-a.test"])
     t = request_stage(d, "r1", "t", ["site-a.test"], profile=None)     # a throw-away browser too

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from tests.conftest import free_port
 from tests.daemon.conftest import Daemon
 
@@ -58,4 +58,4 @@ def guard(tmp_path, site):
     d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1")
     yield d
     d.stop()
-    assert leftovers(str(home), str(runtime_dir(home))) == []
+    assert leftovers(str(home), str(runtime_path(home))) == []

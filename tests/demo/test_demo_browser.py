@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from supervisor.lease import LocalProfileLease
 from supervisor.protocols import LOCAL_SCOPE, ProfileKey
 from tests.demo.conftest import ROOT, SFGUARD, cli_env, leftovers, sfguard
@@ -75,7 +75,7 @@ def test_demo_two_runs_login_once_cookie_survives_no_secrets(tmp_path):
         # nothing left running: no guard, proxy, browser, agent-browser, fixture site
         pids = re.findall(r"\(pid (\d+)\b", out)
         assert len(pids) >= 2
-        assert leftovers(str(home), str(runtime_dir(home.absolute())), str(kept)) == []
+        assert leftovers(str(home), str(runtime_path(home.absolute())), str(kept)) == []
     finally:
         shutil.rmtree(kept, ignore_errors=True)
 
@@ -88,7 +88,7 @@ def test_demo_two_runs_login_once_cookie_survives_no_secrets(tmp_path):
     for p in all_files(home):
         data = p.read_bytes()
         assert password.encode() not in data and not COOKIE_VALUE.search(data), p
-    assert leftovers(str(home), str(runtime_dir(home.absolute()))) == []
+    assert leftovers(str(home), str(runtime_path(home.absolute()))) == []
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
@@ -122,7 +122,7 @@ def test_demo_stops_everything_on_ctrl_c_or_term(tmp_path, sig, code):
     assert proc.returncode == code, (rest, err)
     assert "stopped the guard" in rest and "stopped the fixture site" in rest
     assert not workdir.exists()                         # no --keep: its temp folder is gone
-    assert leftovers(str(home), str(runtime_dir(home.absolute())), str(workdir)) == []
+    assert leftovers(str(home), str(runtime_path(home.absolute())), str(workdir)) == []
     # the guard shut down cleanly: the profile is sealed, no lease is held
     assert not [p for p in home.rglob("*") if p.name in ("Cookies", "Cookies-journal")]
     key = ProfileKey(LOCAL_SCOPE, "fixture")

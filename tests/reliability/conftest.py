@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_dir, runtime_path
 from tests.conftest import free_port
 from tests.daemon.conftest import FAKE_AB, FAKE_CHROMIUM, ROOT, Daemon
 from tests.daemon.fake_cdp import FakeCdp
@@ -33,7 +33,7 @@ SFGUARD = [sys.executable, "-m", "cli.main"]
 
 def guard_processes(home: Path, exclude: set[int] = frozenset()) -> list[psutil.Process]:
     """Live processes whose command line or environment names `home` or its runtime dir."""
-    marks = (str(home), str(runtime_dir(home)))
+    marks = (str(home), str(runtime_path(home)))
     me = os.getpid()
     out = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
@@ -102,7 +102,7 @@ def audit_verify(home: Path) -> subprocess.CompletedProcess:
 
 
 def unsealed_left(home: Path) -> list[Path]:
-    root = runtime_dir(home) / "profiles"
+    root = runtime_path(home) / "profiles"
     return [p for p in root.glob("*/*")] if root.is_dir() else []
 
 

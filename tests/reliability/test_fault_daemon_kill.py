@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from tests.reliability.conftest import (assert_promises, daemon_tree, guard_processes, request_stage,
                                         wait_for, wait_stage_ready)
 
@@ -25,7 +25,7 @@ def sealed_path(d):
 
 
 def unsealed_dir(d):
-    return runtime_dir(d.home) / "profiles" / "local" / "acct"
+    return runtime_path(d.home) / "profiles" / "local" / "acct"
 
 
 def open_profile_after(d) -> dict:

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from tests.reliability.conftest import assert_promises, audit_verify, request_stage
 from tests.reliability.test_fault_daemon_kill import seed_profile
 
@@ -33,7 +33,7 @@ def remount(path, mode: str) -> None:
 
 
 def unsealed(d):
-    return runtime_dir(d.home) / "profiles" / "local" / "acct"
+    return runtime_path(d.home) / "profiles" / "local" / "acct"
 
 
 def check_after(d, sealed_before: bytes) -> None:

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from tests.reliability.conftest import (as_stage, assert_promises, cookies_seen, guard_processes,
                                         hits, login_as_stage, request_stage, wait_for)
 from tests.reliability.test_load_proxy import record_result
@@ -146,7 +146,7 @@ def test_concurrent_runs_each_with_an_anchor(real_guard, site, n):
     left = [p for p in procs if p.is_running() and p.status() != "zombie"
             and p.pid not in {c.pid for c in psutil.Process(d.proc.pid).children(recursive=True)}]
     assert left == []
-    assert not list((runtime_dir(d.home) / "profiles").glob("*/*"))
+    assert not list((runtime_path(d.home) / "profiles").glob("*/*"))
     record_result(f"anchors_{n}_concurrent", runs=n, ready_seconds=round(ready_s, 1),
                   pss_total_mb=round(rss / 2**20), pss_per_run_mb=round(per_run))
     print(f"\n{n} concurrent anchors ready in {ready_s:.1f}s; PSS {rss / 2**20:.0f} MiB total, "

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from supervisor import tools
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from supervisor.stage_bridge import bridge_root_for
 from tests.daemon.conftest import ROOT, Daemon
 from tests.stage_exec.conftest import STAGE_PYTHON, runner_env, stage_exec
@@ -60,7 +60,7 @@ def request(d, run, sid, profile, allow):
 
 def guard_pids(d) -> list[int]:
     """Browsers and agent-browser daemons of this guard (its runtime dir in their args)."""
-    marks = (str(d.home), str(runtime_dir(d.home)))
+    marks = (str(d.home), str(runtime_path(d.home)))
     out = []
     for p in psutil.process_iter(["cmdline"]):
         try:
@@ -72,7 +72,7 @@ def guard_pids(d) -> list[int]:
 
 
 def attack_target(d, ws: Path, site: int, full_scan: bool) -> Path:
-    rt = runtime_dir(d.home)
+    rt = runtime_path(d.home)
     secrets_files = [p for p in rt.rglob("*") if p.name in ("Cookies", "Login Data", "Local State")]
     assert secrets_files, "the run's profile should be unsealed in the runtime folder"
     paths = [str(d.home), str(d.home / "keys"), str(d.home / "runs"), str(d.home / "logs"),

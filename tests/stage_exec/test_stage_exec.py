@@ -225,9 +225,9 @@ def test_control_socket_default_0600_and_api_group(tmp_path, fake_cdp, workspace
     finally:
         d.stop()
     # a stopped guard leaves no bridge folder behind
-    from supervisor.home import runtime_dir
+    from supervisor.home import runtime_path
     from supervisor.stage_bridge import bridge_root_for
-    assert not bridge_root_for(runtime_dir(home)).exists()
+    assert not bridge_root_for(runtime_path(home)).exists()
     bad = Daemon(home, env, tmp_path / "daemon2.log")
     bad.start("--api-group", "no-such-group-sfg", expect_ready=False)
     assert bad.proc.wait(60) == 2
