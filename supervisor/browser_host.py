@@ -120,7 +120,8 @@ class BrowserHost(Protocol):
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport: ...
     def alive(self, anchor: Anchor) -> bool: ...
     async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> StageSession: ...
-    async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> CloseReport: ...
+    async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
+                                  graceful: bool = True) -> CloseReport: ...
 
 
 # --------------------------------------------------------------------------- helpers
@@ -341,25 +342,29 @@ agent-browser sessions attached to the CDP gate."""
         rec = _daemon_record(socket_dir, session)
         return StageSession(session=session, target_id=target, processes=[rec] if rec else [])
 
-    async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> CloseReport:
+    async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
+                                  graceful: bool = True) -> CloseReport:
         """Close the stage's tab first (`close` on a --cdp session only disconnects), then the
-        session; end its daemon if it lingers; remove its socket-dir files. Chrome stays."""
+        session; end its daemon if it lingers; remove its socket-dir files. Chrome stays.
+
+        `graceful=False` (its browser is gone, e.g. before a restart): no commands, the
+        session's daemon - whoever started it last, read from its pid file - is just ended."""
         started = time.monotonic()
         session, socket_dir = _session_env_parts(env)
         rec = _daemon_record(socket_dir, session)
-        graceful = True
-        if rec is not None and rec.alive():
+        closed = False
+        if rec is not None and rec.alive() and graceful:
+            closed = True
             for args in (("tab", "close"), ("close",)):
                 try:
                     res = await ab.run(env, *args, timeout=timeout, binary=self._bin())
-                    graceful = graceful and res.returncode == 0
+                    closed = closed and res.returncode == 0
                 except ab.AgentBrowserError:
-                    graceful = False
-        else:
-            graceful = False
+                    closed = False
         records = [rec] if rec else []
-        await asyncio.to_thread(wait_gone, records, 3.0)
+        if graceful:
+            await asyncio.to_thread(wait_gone, records, 3.0)
         terminated = await asyncio.to_thread(terminate_recorded, records, 5.0)
         removed = ab.remove_session_files(socket_dir, session)
-        return CloseReport(graceful=graceful and not terminated, terminated=terminated,
+        return CloseReport(graceful=closed and not terminated, terminated=terminated,
                            removed_files=removed, seconds=time.monotonic() - started)

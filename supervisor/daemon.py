@@ -1020,6 +1020,12 @@ class Guard:
             stage = run.stages[sid]
             if stage.state in ("ready", "relaunching") and stage.gate_key:
                 await self.gate.revoke(stage.gate_key)
+                # the old session's daemon served the dead browser: end it with its files (a
+                # new session is started below), so no agent-browser outlives the guard
+                if stage.env_full:
+                    with contextlib.suppress(Exception):
+                        await self.host.close_stage_session(stage.env_full, graceful=False)
+                await asyncio.to_thread(terminate_recorded, stage.processes, 3)
                 stage.state = "pending"
                 async with run.lock:
                     await self._attach_stage(run, browser, stage)

@@ -40,7 +40,7 @@ def real_daemon(tmp_path, site):
     d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
             "--resolve", "site-b.test=127.0.0.1")
     yield d
-    d.stop()
+    d.finish()
 
 
 def as_stage(env: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -115,6 +115,9 @@ def test_a_dead_browser_is_restarted_and_its_stages_are_told(real_daemon, site):
         time.sleep(0.2)
     events = {s["stage_id"]: [e["event"] for e in s["events"]] for s in run["stages"]}
     assert events == {"a": ["browser_restarted"], "b": ["browser_restarted"]}
+    # the sessions that served the dead browser are ended, not left running beside new ones
+    old = {a["AGENT_BROWSER_SESSION"], b["AGENT_BROWSER_SESSION"]}
+    assert session_processes(old) == []
     new_a = d.call("GET", "/v1/runs/r1/stages/a")[1]["env"]
     assert new_a["AGENT_BROWSER_CDP"] != a["AGENT_BROWSER_CDP"]
     timed(new_a, "open", f"http://site-a.test:{site}/")
@@ -126,6 +129,19 @@ def test_a_dead_browser_is_restarted_and_its_stages_are_told(real_daemon, site):
     assert anchor_main_of(d, "acct").pid != main.pid
     for run_id in ("r1", "r2"):
         d.call("POST", f"/v1/runs/{run_id}/end", {"outcome": "succeeded"})
+
+
+def session_processes(sessions: set[str]) -> list[int]:
+    """Live processes whose env names one of these agent-browser sessions."""
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            env = p.environ()
+            if env.get("AGENT_BROWSER_SESSION") in sessions and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out
 
 
 def anchor_main_of(d, profile: str) -> psutil.Process:

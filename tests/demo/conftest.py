@@ -57,5 +57,5 @@ def guard(tmp_path, site):
     d = Daemon(home, env, tmp_path / "daemon.log")
     d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1")
     yield d
-    d.stop()
+    d.finish()
     assert leftovers(str(home), str(runtime_path(home))) == []

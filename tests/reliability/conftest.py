@@ -229,7 +229,7 @@ def make_fake_guard(tmp_path, fake_cdp, site):
 
     yield make
     for d in made:
-        d.stop()
+        d.finish()
         kill_all(guard_processes(d.home))
 
 
@@ -243,7 +243,7 @@ def real_guard(tmp_path, site):
                     "--resolve", "site-b.test=127.0.0.1")
     d.start(*d.start_args)
     yield d
-    d.stop()
+    d.finish()
     kill_all(guard_processes(home))
 
 

@@ -37,7 +37,7 @@ def guard(tmp_path, site):
     d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
             "--resolve", "site-b.test=127.0.0.1")
     yield d
-    d.stop()
+    d.finish()
 
 
 def hits(port, host):

@@ -223,7 +223,7 @@ def test_control_socket_default_0600_and_api_group(tmp_path, fake_cdp, workspace
             if p.is_file() and not p.is_symlink():
                 assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, p
     finally:
-        d.stop()
+        d.finish()
     # a stopped guard leaves no bridge folder behind
     from supervisor.home import runtime_path
     from supervisor.stage_bridge import bridge_root_for
@@ -250,7 +250,7 @@ def test_no_sandbox_here_means_refusal_not_unconfined(tmp_path, fake_cdp, worksp
         assert r.returncode == 2 and "refuses to run a stage unconfined" in r.stderr, r.stderr
         assert not marker.exists()
     finally:
-        d.stop()
+        d.finish()
 
 
 def test_doctor_reports_the_sandbox():
