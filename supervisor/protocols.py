@@ -104,6 +104,8 @@ class LeaseHolder:
     run: str
     since: float
     owner: ProcessIdentity
+    host: str | None = None        # shared stores: the host and guard that granted it
+    guard: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ class Waiting:
     holder_since: float | None
     position: int
     queued_since: float
+    holder_host: str | None = None   # shared stores: where the holder runs
+    holder_guard: str | None = None
     granted: bool = field(default=False, init=False)
 
 
