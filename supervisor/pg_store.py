@@ -72,7 +72,7 @@ __all__ = ["StoreUnavailable", "SchemaTooNew", "StaleLease", "PgBackend", "PgKey
            "MIGRATIONS"]
 
 
-class StoreUnavailable(ProfileError):
+class StoreUnavailable(ProfileError, OSError):
     """The database cannot be reached or answered with an error (no secret in the message)."""
 
 
@@ -619,10 +619,11 @@ class PgProfileStore:
         if os.path.lexists(self._unsealed_dir(key)):
             raise ProfileBusy(f"profile {key.name!r} is open (leased): close it first")
         with self.backend.conn() as conn:
-            lease = conn.execute(
+            lease = conn.execute(     # held by a live guard other than this one
                 "SELECT l.holder_run FROM sfguard_leases l JOIN sfguard_guards g ON "
                 "g.guard_id = l.holder_guard WHERE l.scope = %s AND l.name = %s AND "
-                "g.expires_at >= clock_timestamp() FOR UPDATE OF l", (key.scope, key.name)).fetchone()
+                "g.expires_at >= clock_timestamp() AND l.holder_guard <> %s FOR UPDATE OF l",
+                (key.scope, key.name, self.backend.guard_id)).fetchone()
             if lease is not None and lease[0] is not None:
                 raise ProfileBusy(f"profile {key.name!r} is leased by run {lease[0]!r}")
             row = conn.execute("DELETE FROM sfguard_profiles WHERE scope = %s AND name = %s "
