@@ -619,12 +619,12 @@ class PgProfileStore:
         if os.path.lexists(self._unsealed_dir(key)):
             raise ProfileBusy(f"profile {key.name!r} is open (leased): close it first")
         with self.backend.conn() as conn:
-            lease = conn.execute(     # held by a live guard other than this one
-                "SELECT l.holder_run FROM sfguard_leases l JOIN sfguard_guards g ON "
-                "g.guard_id = l.holder_guard WHERE l.scope = %s AND l.name = %s AND "
-                "g.expires_at >= clock_timestamp() AND l.holder_guard <> %s FOR UPDATE OF l",
-                (key.scope, key.name, self.backend.guard_id)).fetchone()
-            if lease is not None and lease[0] is not None:
+            lease = conn.execute("SELECT holder_run, holder_guard FROM sfguard_leases WHERE "
+                                 "scope = %s AND name = %s FOR UPDATE",
+                                 (key.scope, key.name)).fetchone()
+            if lease is not None and lease[0] is not None and lease[1] != self.backend.guard_id \
+                    and conn.execute("SELECT 1 FROM sfguard_guards g WHERE g.guard_id = %s AND "
+                                     + _ALIVE, (lease[1],)).fetchone() is not None:
                 raise ProfileBusy(f"profile {key.name!r} is leased by run {lease[0]!r}")
             row = conn.execute("DELETE FROM sfguard_profiles WHERE scope = %s AND name = %s "
                                "RETURNING blob_id", (key.scope, key.name)).fetchone()
@@ -687,12 +687,15 @@ class PgProfileLease:
             self.backend.beat(conn)
             conn.execute("INSERT INTO sfguard_leases (scope, name) VALUES (%s, %s) "
                          "ON CONFLICT DO NOTHING", (key.scope, key.name))
-            row = conn.execute(
-                "SELECT l.holder_run, l.holder_guard, (g.guard_id IS NOT NULL AND " + _ALIVE + ") "
-                "FROM sfguard_leases l LEFT JOIN sfguard_guards g ON g.guard_id = l.holder_guard "
-                "WHERE l.scope = %s AND l.name = %s FOR UPDATE OF l", (key.scope, key.name)).fetchone()
+            # Lock the lease row alone, then read the holder's guard: a join under FOR UPDATE
+            # would re-check a row changed meanwhile against the guard row read before it.
+            row = conn.execute("SELECT holder_run, holder_guard FROM sfguard_leases WHERE "
+                               "scope = %s AND name = %s FOR UPDATE", (key.scope, key.name)).fetchone()
+            alive = row[1] is not None and conn.execute(
+                "SELECT 1 FROM sfguard_guards g WHERE g.guard_id = %s AND " + _ALIVE,
+                (row[1],)).fetchone() is not None
             dropped = []
-            if row[0] is not None and not row[2]:
+            if row[0] is not None and not alive:
                 dropped.append(row[0])
                 conn.execute("UPDATE sfguard_leases SET holder_run = NULL, holder_guard = NULL, "
                              "holder_since = NULL WHERE scope = %s AND name = %s",
@@ -819,13 +822,16 @@ class PgProfileLease:
     def sweep_stale(self) -> list[tuple[ProfileKey, str]]:
         """Release holders whose guard expired and drop their queue entries (all profiles)."""
         with self.backend.conn() as conn:
-            rows = conn.execute(
-                "UPDATE sfguard_leases l SET holder_run = NULL, holder_guard = NULL, "
-                "holder_since = NULL FROM (SELECT l2.scope, l2.name, l2.holder_run AS run FROM "
-                "sfguard_leases l2 WHERE l2.holder_run IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "
-                "sfguard_guards g WHERE g.guard_id = l2.holder_guard AND " + _ALIVE + ") "
-                "FOR UPDATE) d WHERE l.scope = d.scope AND l.name = d.name "
-                "RETURNING l.scope, l.name, d.run").fetchall()
+            candidates = conn.execute(
+                "SELECT l.scope, l.name FROM sfguard_leases l WHERE l.holder_run IS NOT NULL AND "
+                "NOT EXISTS (SELECT 1 FROM sfguard_guards g WHERE g.guard_id = l.holder_guard AND "
+                + _ALIVE + ") ORDER BY l.scope, l.name").fetchall()
+        rows = []
+        for scope, name in candidates:       # each re-checked under its row lock
+            key = ProfileKey(scope, name)
+            with self._locked(key) as (_conn, dropped):
+                rows += [(scope, name, run) for run in dropped]
+        with self.backend.conn() as conn:
             conn.execute("DELETE FROM sfguard_queue q WHERE NOT EXISTS (SELECT 1 FROM "
                          "sfguard_guards g WHERE g.guard_id = q.guard_id AND " + _ALIVE + ")")
             conn.execute("DELETE FROM sfguard_guards g WHERE g.expires_at < clock_timestamp() - "
