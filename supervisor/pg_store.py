@@ -466,9 +466,9 @@ class PgProfileStore:
                                    "name = %s", (key.scope, key.name)).fetchone()
                 if row is None:
                     raise ProfileNotFound(f"no profile {key.name!r} in scope {key.scope!r}")
-                # a server-side cursor: rows arrive in batches, never the whole blob at once
+                # a server-side cursor, one chunk row per fetch: never the whole blob in memory
                 with conn.cursor(name=f"fetch_{secrets.token_hex(4)}") as cur:
-                    cur.itersize = 4
+                    cur.itersize = 1
                     cur.execute("SELECT data FROM sfguard_blob_chunks WHERE blob_id = %s "
                                 "ORDER BY idx", (row[0],))
                     for (data,) in cur:
