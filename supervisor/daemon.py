@@ -42,7 +42,7 @@ from supervisor.login import LoginCheckError, LoginResult, check_login
 from supervisor.lease import current_process, process_alive
 from supervisor.profiles import pipeline_profile_name
 from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, ProfileError,
-                                  ProfileKey, Waiting)
+                                  ProfileKey, StoreUnavailable, Waiting)
 from supervisor.stores import open_stores
 from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
 from supervisor import stage_exec, tools
@@ -734,7 +734,11 @@ class Guard:
                 req = stage.browser_req
                 if req.profile is not None:
                     key = self._profile_key(run, req.profile)
-                    result = self.lease.try_acquire(key, run.run_id)
+                    try:
+                        result = self.lease.try_acquire(key, run.run_id)
+                    except StoreUnavailable:    # shared store away: no grant now, ask again
+                        stage.state = "waiting"
+                        return
                     if isinstance(result, Waiting):
                         stage.state, stage.waiting = "waiting", result
                         return

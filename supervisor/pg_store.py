@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 from cryptography.exceptions import InvalidTag
@@ -55,7 +55,7 @@ from supervisor.keys import KEY_BYTES, KeyMissing
 from supervisor.lease import current_process
 from supervisor.protocols import (
     Granted, LeaseHolder, ProcessIdentity, ProfileBusy, ProfileError, ProfileExists,
-    ProfileInfo, ProfileKey, ProfileNotFound, QueueEntry, Waiting, validate_name,
+    ProfileInfo, ProfileKey, ProfileNotFound, QueueEntry, StoreUnavailable, Waiting, validate_name,
     validate_run_id,
 )
 
@@ -63,6 +63,8 @@ log = logging.getLogger("sfguard.pg_store")
 
 BLOB_CHUNK = 1 << 20            # bytes of sealed data per database row
 DEFAULT_TTL = 30.0              # seconds a guard's leases outlive its last heartbeat
+POOL_WAIT = 3.0                 # seconds to wait for a database connection before giving up
+FAIL_FAST = 2.0                 # seconds after a failed connection during which calls fail at once
 ENV_TTL = "SFGUARD_LEASE_TTL"
 ENV_KEY = "SFGUARD_KEY"
 ENV_KEY_FILE = "SFGUARD_KEY_FILE"
@@ -70,10 +72,6 @@ ENV_KEY_FILE = "SFGUARD_KEY_FILE"
 __all__ = ["StoreUnavailable", "SchemaTooNew", "StaleLease", "PgBackend", "PgKeyProvider",
            "PgProfileStore", "PgProfileLease", "PgAuditSink", "redact_url", "load_master_key",
            "MIGRATIONS"]
-
-
-class StoreUnavailable(ProfileError, OSError):
-    """The database cannot be reached or answered with an error (no secret in the message)."""
 
 
 class SchemaTooNew(ProfileError):
@@ -208,7 +206,7 @@ class PgBackend:
     """
 
     def __init__(self, url: str, *, ttl: float | None = None, host: str | None = None,
-                 heartbeat: bool = True, pool_size: int = 4):
+                 heartbeat: bool = True, pool_size: int = 4, connect_wait: float = 15.0):
         import psycopg_pool  # noqa: PLC0415 - only guards on a shared store need it
         if ttl is None:
             ttl = _env_ttl()
@@ -223,11 +221,16 @@ class PgBackend:
         #: key -> (run, fencing token) for the profiles this guard holds
         self.tokens: dict[ProfileKey, tuple[str, int]] = {}
         self.tokens_lock = threading.Lock()
+        #: writes that found the database away, retried in order by the heartbeat
+        self.pending: list[tuple[str, Callable[[], None]]] = []
+        self.pending_lock = threading.Lock()
         self.pool = psycopg_pool.ConnectionPool(
-            url, min_size=1, max_size=pool_size, open=False, timeout=15,
-            kwargs={"connect_timeout": 5, "application_name": "sfguard"}, name="sfguard")
+            url, min_size=1, max_size=pool_size, open=False, timeout=POOL_WAIT,
+            check=psycopg_pool.ConnectionPool.check_connection,   # survives a server restart
+            kwargs={"connect_timeout": 3, "application_name": "sfguard"}, name="sfguard")
+        self._down_until = 0.0        # after a failure, fail fast for a moment (no pile-up)
         try:
-            self.pool.open(wait=True, timeout=15)
+            self.pool.open(wait=True, timeout=connect_wait)
         except Exception as exc:
             with contextlib.suppress(Exception):
                 self.pool.close(timeout=1)
@@ -248,14 +251,18 @@ class PgBackend:
     def conn(self) -> Iterator[Any]:
         """A pooled connection in a transaction (commit on success, rollback on error)."""
         import psycopg  # noqa: PLC0415
+        if time.monotonic() < self._down_until:
+            raise StoreUnavailable(f"the database {self.url_shown} is unreachable (just failed)")
         try:
             with self.pool.connection() as conn:
                 yield conn
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            self._down_until = time.monotonic() + FAIL_FAST
             raise StoreUnavailable(f"the database {self.url_shown} is unreachable "
                                    f"({type(exc).__name__})") from None
         except Exception as exc:
             if type(exc).__module__.startswith(("psycopg_pool",)):
+                self._down_until = time.monotonic() + FAIL_FAST
                 raise StoreUnavailable(f"no database connection to {self.url_shown} "
                                        f"({type(exc).__name__})") from None
             raise
@@ -280,6 +287,36 @@ class PgBackend:
             except Exception as exc:  # the database is away: leases lapse after the TTL
                 log.warning("heartbeat to the shared store failed (%s); leases of this guard "
                             "expire %.0f s after the last good one", type(exc).__name__, self.ttl)
+                continue
+            self.retry_pending()
+
+    def defer(self, what: str, action: Callable[[], None]) -> None:
+        """Keep a write that found the database away; `retry_pending` runs it when it is back."""
+        with self.pending_lock:
+            self.pending.append((what, action))
+        log.warning("the shared store is unreachable: %s is kept on this host and done when "
+                    "the database is back", what)
+
+    def retry_pending(self) -> int:
+        """Run the deferred writes in order; stop at the first that still cannot reach the
+        database. A write refused for good (stale fencing token) is dropped (and logged by
+        it). Returns how many are left."""
+        while True:
+            with self.pending_lock:
+                if not self.pending:
+                    return 0
+                what, action = self.pending[0]
+            try:
+                action()
+            except StoreUnavailable:
+                with self.pending_lock:
+                    return len(self.pending)
+            except Exception as exc:
+                log.error("deferred %s was refused (%s)", what, exc)
+            else:
+                log.info("deferred %s is done", what)
+            with self.pending_lock:
+                self.pending.pop(0)
 
     def token(self, key: ProfileKey) -> tuple[str, int] | None:
         with self.tokens_lock:
@@ -364,6 +401,8 @@ class PgKeyProvider:
     def __init__(self, backend: PgBackend, master: bytes, source: str):
         self.backend = backend
         self.source = source
+        self._cache: dict[str, bytes] = {}
+        self._cache_lock = threading.Lock()
         self._wrap = AESGCM(_derive(master, "scope-key wrapping"))
         self._audit = _derive(master, "audit chain")
         check = hmac.new(_derive(master, "check"), b"sfguard key check", hashlib.sha256).hexdigest()
@@ -377,6 +416,20 @@ class PgKeyProvider:
 
     def get_key(self, scope: str, *, create: bool = True) -> bytes:
         validate_name(scope, "scope")
+        try:
+            key = self._fetch_key(scope, create)
+        except StoreUnavailable:
+            # the database is away: seal with the key last read from it (so a run that ends
+            # now can still seal its profile on this host); never a key made up here
+            with self._cache_lock:
+                if scope in self._cache:
+                    return self._cache[scope]
+            raise
+        with self._cache_lock:
+            self._cache[scope] = key
+        return key
+
+    def _fetch_key(self, scope: str, create: bool) -> bytes:
         with self.backend.conn() as conn:
             if create:
                 nonce = secrets.token_bytes(12)
@@ -395,6 +448,8 @@ class PgKeyProvider:
             raise KeyMissing(f"the key of scope {scope!r} in the database is damaged") from None
 
     def delete_key(self, scope: str) -> bool:
+        with self._cache_lock:
+            self._cache.pop(scope, None)
         with self.backend.conn() as conn:
             cur = conn.execute("DELETE FROM sfguard_scope_keys WHERE scope = %s",
                                (validate_name(scope, "scope"),))
@@ -555,10 +610,12 @@ class PgProfileStore:
             sealed.unlink(missing_ok=True)
         return dest
 
-    def _check_fence(self, conn, key: ProfileKey, what: str) -> int:
-        """Lock the profile's lease row and return the fencing token this guard holds; raise
-        StaleLease (and log it) when this guard no longer holds it with that token."""
-        held = self.backend.token(key)
+    def _check_fence(self, conn, key: ProfileKey, what: str,
+                     held: tuple[str, int] | None = None) -> int:
+        """Lock the profile's lease row and return the fencing token this guard holds (or
+        `held`, captured earlier); raise StaleLease (and log it) when this guard no longer
+        holds it with that token."""
+        held = held or self.backend.token(key)
         row = conn.execute("SELECT holder_run, holder_guard, generation FROM sfguard_leases "
                            "WHERE scope = %s AND name = %s FOR UPDATE",
                            (key.scope, key.name)).fetchone()
@@ -577,11 +634,29 @@ class PgProfileStore:
         src = self._unsealed_dir(key)
         if not src.is_dir():
             raise ProfileNotFound(f"profile {key.name!r} is not open")
+        held = self.backend.token(key)
         sealed = self._seal_to_file(key, src)
+        try:
+            self._store_sealed(key, sealed, held)
+        except StoreUnavailable:
+            # Nothing is lost: the seal waits on this host (private runtime folder) and is
+            # stored, still fenced by the token it was made under, when the database is back.
+            self.backend.defer(f"reseal of profile {key}",
+                               lambda: self._store_sealed(key, sealed, held, final=True))
+            raise StoreUnavailable(f"the database is unreachable: profile {key.name!r} is sealed "
+                                   "on this host and stored when the database is back (if this "
+                                   "guard's lease is still current then)") from None
+        sealed.unlink(missing_ok=True)
+        return self.info(key)
+
+    def _store_sealed(self, key: ProfileKey, sealed: Path, held: tuple[str, int] | None,
+                      final: bool = False) -> None:
+        """Stream a sealed file in as the profile's new blob, fenced by `held`. `final`: a
+        deferred retry, whose file is removed once stored or refused."""
         try:
             with self.backend.conn() as conn:
                 blob_id, size = self._insert_blob(conn, sealed)
-                token = self._check_fence(conn, key, "reseal")
+                token = self._check_fence(conn, key, "reseal", held)
                 old = conn.execute("SELECT blob_id FROM sfguard_profiles WHERE scope = %s AND "
                                    "name = %s FOR UPDATE", (key.scope, key.name)).fetchone()
                 if old is None:
@@ -591,9 +666,13 @@ class PgProfileStore:
                              "last_used = %s, written_generation = %s WHERE scope = %s AND "
                              "name = %s", (blob_id, size, now, now, token, key.scope, key.name))
                 conn.execute("DELETE FROM sfguard_blob_chunks WHERE blob_id = %s", (old[0],))
-        finally:
+        except StoreUnavailable:
+            raise                                   # kept for the next retry
+        except BaseException:
             sealed.unlink(missing_ok=True)
-        return self.info(key)
+            raise
+        if final:
+            sealed.unlink(missing_ok=True)
 
     def record_login_check(self, key: ProfileKey, logged_in: bool) -> None:
         """A state write: the last login check's time and result, fenced like a reseal."""
@@ -676,8 +755,9 @@ class PgProfileLease:
     """ProfileLease on PostgreSQL: one holder per profile across hosts, FIFO queue, TTL and
     fencing tokens (see the module docstring)."""
 
-    def __init__(self, backend: PgBackend):
+    def __init__(self, backend: PgBackend, audit: "PgAuditSink | None" = None):
         self.backend = backend
+        self.audit = audit          # records the releases done late (after a database outage)
 
     @contextlib.contextmanager
     def _locked(self, key: ProfileKey) -> Iterator[tuple[Any, list]]:
@@ -762,6 +842,14 @@ class PgProfileLease:
     def release(self, key: ProfileKey, run: str) -> bool:
         """Release this guard's `run` on `key` and drop it from the queue."""
         validate_run_id(run)
+        try:
+            return self._release(key, run)
+        except StoreUnavailable:
+            self.backend.defer(f"release of profile {key} by run {run}",
+                               lambda: self._release(key, run))
+            raise
+
+    def _release(self, key: ProfileKey, run: str) -> bool:
         me = self.backend.guard_id
         with self.backend.conn() as conn:
             held = conn.execute(
@@ -778,14 +866,31 @@ class PgProfileLease:
 
     def release_all(self, run: str) -> list[ProfileKey]:
         validate_run_id(run)
+        try:
+            return self._release_all(run)
+        except StoreUnavailable:
+            self.backend.defer(f"release of run {run}'s leases",
+                               lambda: self._release_all(run, late=True))
+            raise
+
+    def _release_all(self, run: str, late: bool = False) -> list[ProfileKey]:
+        """`late`: a deferred release; its audit records go in with it (the guard that
+        asked could not write them while the database was away)."""
         me = self.backend.guard_id
         with self.backend.conn() as conn:
             rows = conn.execute(
                 "UPDATE sfguard_leases SET holder_run = NULL, holder_guard = NULL, holder_since = "
                 "NULL WHERE holder_run = %s AND holder_guard = %s RETURNING scope, name",
                 (run, me)).fetchall()
+            held = {ProfileKey(s, n) for s, n in rows}
             rows += conn.execute("DELETE FROM sfguard_queue WHERE run = %s AND guard_id = %s "
                                  "RETURNING scope, name", (run, me)).fetchall()
+            if late and self.audit is not None:
+                key_bytes = self.audit.keys.get_audit_key(create=True)
+                for key in sorted(held):
+                    PgAuditSink.append(conn, key_bytes, "profile_released", {
+                        "scope": key.scope, "profile": key.name, "run": run,
+                        "outcome": "released_late"})
         keys = sorted({ProfileKey(s, n) for s, n in rows})
         with self.backend.tokens_lock:
             for key in keys:

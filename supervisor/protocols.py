@@ -48,6 +48,11 @@ class ProfileBusy(ProfileError):
     """The profile is unsealed (open) or leased, so the operation is refused."""
 
 
+class StoreUnavailable(ProfileError, OSError):
+    """A shared store (database) cannot be reached right now; the message names it without
+    any secret. Treated like an I/O failure; a run waiting for a grant keeps waiting."""
+
+
 def validate_name(value: object, what: str = "profile name") -> str:
     """Return `value` if it matches `^[a-z0-9][a-z0-9_-]{0,63}$`, else raise ProfileNameError.
 
@@ -210,7 +215,7 @@ class AuditSink(Protocol):
 
 __all__: Iterable[str] = [
     "NAME_PATTERN", "LOCAL_SCOPE", "ProfileError", "ProfileNameError", "ProfileNotFound",
-    "ProfileExists", "ProfileBusy", "validate_name", "ProfileKey", "ProfileInfo",
+    "ProfileExists", "ProfileBusy", "StoreUnavailable", "validate_name", "ProfileKey", "ProfileInfo",
     "ProcessIdentity", "LeaseHolder", "QueueEntry", "Granted", "Waiting", "validate_run_id",
     "ProfileStore", "ProfileLease", "KeyProvider", "AuditSink",
 ]

@@ -83,6 +83,7 @@ def open_stores(home: Path, runtime: Path | None = None, flag: str | None = None
     except BaseException:
         backend.close()
         raise
+    audit = pg_store.PgAuditSink(backend, keys)
     return Stores("postgresql", f"PostgreSQL {backend.url_shown}", keys,
                   pg_store.PgProfileStore(backend, keys, home, runtime=runtime),
-                  pg_store.PgProfileLease(backend), pg_store.PgAuditSink(backend, keys), backend)
+                  pg_store.PgProfileLease(backend, audit), audit, backend)

@@ -68,6 +68,10 @@ class PgServer:
                       "postgres", "-E", "UTF8", "--no-sync")
         if r.returncode != 0:
             raise RuntimeError(f"initdb failed: {r.stderr[-2000:]}")
+        return self.resume()
+
+    def resume(self) -> "PgServer":
+        """pg_ctl start on the existing data folder (also after `pause`)."""
         opts = f"-k {self.sock} -c listen_addresses= -c max_connections=200"
         if not self.fsync:
             opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
@@ -77,6 +81,13 @@ class PgServer:
             log = self.logfile.read_text(errors="replace")[-2000:] if self.logfile.exists() else ""
             raise RuntimeError(f"pg_ctl start failed: {r.stderr[-1000:]} {log}")
         return self
+
+    def pause(self) -> None:
+        """Stop the server but keep its data (the database is "unreachable" until `resume`)."""
+        r = self._run(str(self.bin / "pg_ctl"), "stop", "-D", str(self.data), "-m", "fast",
+                      "-w", "-t", "60")
+        if r.returncode != 0:
+            raise RuntimeError(f"pg_ctl stop failed: {r.stderr[-1000:]}")
 
     def stop(self) -> None:
         """Stop the server (pg_ctl stop -m fast) and remove its folder."""

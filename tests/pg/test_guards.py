@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+from supervisor.client import GuardClient
 from supervisor.home import runtime_dir
 from tests.daemon.test_runs import stage, wait_ready
 from tests.pg.conftest import ROOT, TTL
@@ -90,17 +91,18 @@ class Watcher:
 
     def __init__(self, daemons):
         self.daemons = daemons
+        self.clients = [GuardClient(d.home, timeout=10) for d in daemons]
         self.samples: list[tuple[str, ...]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _holders(self) -> tuple[str, ...]:
         out = []
-        for d in self.daemons:
+        for d, client in zip(self.daemons, self.clients):
             if d.proc.poll() is not None:
                 continue                       # a dead guard holds nothing it can use
             try:
-                st = d.client.call("GET", "/v1/status")[1]
+                st = client.call("GET", "/v1/status")[1]
             except Exception:
                 continue
             for r in st["runs"]:
@@ -124,8 +126,6 @@ class Watcher:
 
 def test_kill_9_of_the_holder_hands_the_last_sealed_login_over_after_the_ttl(guards):
     g1, g2 = guards.start("g1"), guards.start("g2")
-    for d in (g1, g2):
-        d.client.timeout = 5
     new_run(g1, "r1")
     stage(g1, "r1", "s1")
     log_in(g1, b"sid=sealed-state")

@@ -32,8 +32,8 @@ class Host:
         self.keys = PgKeyProvider(self.backend, master, "test key")
         self.store = PgProfileStore(self.backend, self.keys, tmp / name / "home",
                                     runtime=tmp / name / "run")
-        self.lease = PgProfileLease(self.backend)
         self.audit = PgAuditSink(self.backend, self.keys)
+        self.lease = PgProfileLease(self.backend, self.audit)
 
 
 @pytest.fixture
@@ -237,7 +237,7 @@ def test_master_key_sources(tmp_path):
 def test_an_unreachable_database_is_named_without_its_password(tmp_path):
     url = f"postgresql://sfguard:hunter2-secret@/db?host={tmp_path}&port=1"
     with pytest.raises(StoreUnavailable) as err:
-        PgBackend(url)
+        PgBackend(url, connect_wait=1)
     assert "hunter2" not in str(err.value) and "sfguard:***@" in str(err.value)
     assert isinstance(err.value, OSError)   # the guard treats it like an I/O failure
 
@@ -269,3 +269,47 @@ def test_cli_profiles_audit_and_doctor_follow_the_store(pg_url, tmp_path, key_fi
     assert local.returncode == 2                                # --store wins over the env
     bad = cli("profiles", "list", "--store", "mysql://x:pw@h/d")
     assert bad.returncode == 2 and "pw" not in bad.stderr and "postgresql://" in bad.stderr
+
+
+def test_a_database_outage_loses_nothing(tmp_path, master):
+    """The holder keeps its working copy while the database is away; no new grant is made;
+    the run's reseal and release wait on the host and go in (fenced) when it is back."""
+    from tests.pgserver import PgServer
+    server = PgServer().start()
+    made = []
+    try:
+        url = server.create_db()
+        a = Host(url, tmp_path, "a", master, ttl=2.0)
+        made.append(a)
+        a.store.create(P)
+        assert isinstance(a.lease.try_acquire(P, "r1"), Granted)
+        work = a.store.open(P)
+        (work / "Cookies").write_bytes(b"sid=written-during-the-outage")
+        server.pause()
+        with pytest.raises(StoreUnavailable):
+            a.lease.try_acquire(P, "r2")              # no grant while the database is away
+        assert (work / "Cookies").exists()           # the holder keeps using its copy
+        with pytest.raises(StoreUnavailable, match="stored when the database is back"):
+            a.store.close(P)                          # the run ends during the outage
+        with pytest.raises(StoreUnavailable):
+            a.lease.release_all("r1")
+        assert not work.exists() and len(a.backend.pending) == 2
+        time.sleep(1.0)
+        server.resume()
+        deadline = time.monotonic() + 60
+        while a.backend.pending and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert a.backend.pending == []
+        b = Host(url, tmp_path, "b", master)
+        made.append(b)
+        assert isinstance(b.lease.try_acquire(P, "r3"), Granted)
+        assert (b.store.open(P) / "Cookies").read_bytes() == b"sid=written-during-the-outage"
+        b.store.close(P, save=False)
+        late = [r for r in b.audit.records(profile="shop") if r["event"] == "profile_released"]
+        assert [(r["fields"]["run"], r["fields"]["outcome"]) for r in late] == [("r1", "released_late")]
+        assert b.audit.verify().ok
+        assert not list((tmp_path / "a" / "run" / "store-tmp").glob("*.tmp"))   # nothing left over
+    finally:
+        for h in made:
+            h.backend.close()
+        server.stop()
