@@ -136,6 +136,7 @@ MIGRATIONS: list[str] = [
         host text NOT NULL,
         pid int NOT NULL,
         started double precision NOT NULL,
+        ttl double precision NOT NULL,
         expires_at timestamptz NOT NULL
     );
     CREATE TABLE sfguard_leases (
@@ -269,10 +270,10 @@ class PgBackend:
 
     def beat(self, conn=None) -> None:
         """Register or refresh this guard's row (its leases live until expires_at)."""
-        sql = ("INSERT INTO sfguard_guards (guard_id, host, pid, started, expires_at) "
-               "VALUES (%s, %s, %s, %s, clock_timestamp() + make_interval(secs => %s)) "
+        sql = ("INSERT INTO sfguard_guards (guard_id, host, pid, started, ttl, expires_at) "
+               "VALUES (%s, %s, %s, %s, %s, clock_timestamp() + make_interval(secs => %s)) "
                "ON CONFLICT (guard_id) DO UPDATE SET expires_at = EXCLUDED.expires_at")
-        args = (self.guard_id, self.host, self.pid, self.started, self.ttl)
+        args = (self.guard_id, self.host, self.pid, self.started, self.ttl, self.ttl)
         if conn is not None:
             conn.execute(sql, args)
             return
@@ -748,7 +749,11 @@ class PgProfileStore:
 
 # --------------------------------------------------------------------------- leases
 
-_ALIVE = "g.expires_at >= clock_timestamp()"
+# A guard is alive while its last heartbeat is younger than its TTL, and during its TTL after
+# the database server (re)started: an outage of the database is nobody's missed heartbeat, so
+# after it every guard gets a TTL to beat again (and store what waited) before it loses a lease.
+_ALIVE = ("(g.expires_at >= clock_timestamp() OR "
+          "pg_postmaster_start_time() + make_interval(secs => g.ttl) >= clock_timestamp())")
 
 
 class PgProfileLease:
