@@ -140,11 +140,19 @@ def _describe(ctx: _Ctx, key: ProfileKey) -> dict:
     tracked = not ctx.read_only or ctx.lease.has_state(key)
     holder = ctx.lease.holder(key) if tracked else None
     state = "leased" if holder else ("unsealed" if info.unsealed else "sealed")
-    return {"name": key.name, "scope": key.scope, "created": _when(info.created),
-            "last_used": _when(info.last_used), "size": info.size, "state": state,
-            "leased_by": holder.run if holder else None,
-            "leased_since": _when(holder.since) if holder else None,
-            "waiting": [q.run for q in ctx.lease.queue(key)] if tracked else []}
+    d = {"name": key.name, "scope": key.scope, "created": _when(info.created),
+         "last_used": _when(info.last_used), "size": info.size, "state": state,
+         "leased_by": holder.run if holder else None,
+         "leased_since": _when(holder.since) if holder else None,
+         "waiting": [q.run for q in ctx.lease.queue(key)] if tracked else []}
+    details = getattr(ctx.store, "details", None)     # the shared store keeps more
+    if details is not None:
+        extra = details(key)
+        d["last_login_check"] = _when(extra["last_login_check"])
+        d["last_login_ok"] = extra["last_login_ok"]
+        if holder is not None and holder.guard:
+            d["leased_on"] = f"host {holder.host}, guard {holder.guard}"
+    return d
 
 
 def _line(d: dict) -> str:

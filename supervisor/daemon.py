@@ -681,6 +681,10 @@ class Guard:
         self.audit.record("login_checked", scope=self.scope, profile=browser.key, run=run.run_id,
                           host=decision.normalized_host, logged_in=result.logged_in,
                           result="logged_in" if result.logged_in else "logged_out")
+        note = getattr(self.store, "record_login_check", None)   # shared store: a fenced state write
+        if note is not None:
+            with contextlib.suppress(ProfileError):   # a stale lease is refused and logged there
+                note(browser.profile, result.logged_in)
         return 200, {"logged_in": result.logged_in, "url": result.url}
 
     async def api_login_verify(self, run_id: str, body: models.LoginVerifyRequest) -> tuple[int, Any]:

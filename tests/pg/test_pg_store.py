@@ -256,6 +256,9 @@ def test_cli_profiles_audit_and_doctor_follow_the_store(pg_url, tmp_path, key_fi
     assert listed.returncode == 0, listed.stderr
     assert [p["name"] for p in json.loads(listed.stdout)["profiles"]] == ["shop"]
     assert not (tmp_path / "h1" / "profiles").exists()         # nothing of it in a home
+    shown = json.loads(cli("profiles", "show", "shop", "--json").stdout)
+    assert (shown["state"], shown["last_login_check"], shown["last_login_ok"]) == ("sealed", None, None)
+    assert shown["key_provider"].startswith("shared key file")
     cleared = cli("profiles", "clear", "shop", "--yes", "--home", str(tmp_path / "h2"))
     assert cleared.returncode == 0, cleared.stderr
     verify = cli("audit", "verify", "--json")
