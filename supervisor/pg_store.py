@@ -238,9 +238,14 @@ class PgBackend:
             raise StoreUnavailable(f"cannot reach the database {self.url_shown}: "
                                    f"{type(exc).__name__}") from None
         self.schema_version = 0
-        with self.conn() as conn:
-            self.schema_version = migrate(conn)
-        self.beat()
+        try:
+            with self.conn() as conn:
+                self.schema_version = migrate(conn)
+            self.beat()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.pool.close(timeout=1)
+            raise
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if heartbeat:
@@ -328,6 +333,12 @@ class PgBackend:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self._down_until = 0.0
+            left = self.retry_pending()          # what waited for the database goes in first
+            if left:
+                log.error("the shared store is still unreachable: %d deferred write(s) are "
+                          "lost with this guard (the profiles keep their last stored state)", left)
         with contextlib.suppress(Exception):
             with self.conn() as c:
                 c.execute("UPDATE sfguard_leases SET holder_run = NULL, holder_guard = NULL, "

@@ -6,7 +6,6 @@ cookie database), and reads back from the working copy of the guard that gets th
 """
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess

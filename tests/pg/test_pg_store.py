@@ -18,7 +18,7 @@ from supervisor.pg_store import (
     BLOB_CHUNK, PgAuditSink, PgBackend, PgKeyProvider, PgProfileLease, PgProfileStore,
     SchemaTooNew, StaleLease, StoreUnavailable,
 )
-from supervisor.protocols import Granted, ProfileBusy, ProfileKey, Waiting
+from supervisor.protocols import Granted, ProfileKey, Waiting
 from tests.pg.conftest import ROOT
 
 P = ProfileKey("local", "shop")
