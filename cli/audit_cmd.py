@@ -14,6 +14,8 @@ from supervisor.protocols import validate_name, validate_run_id
 def register(sub) -> None:
     home = argparse.ArgumentParser(add_help=False)
     home.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    home.add_argument("--store", metavar="URL", help="'local' (the home's audit.log, default) or the "
+                      "shared postgresql://... store (default $SFGUARD_STORE)")
     p = sub.add_parser("audit", help="verify and show the audit log",
                        description=("The guard's append-only, hash-chained audit log "
                                     "(<home>/audit.log): verify finds any edit, cut or reorder; show "
@@ -34,8 +36,28 @@ def register(sub) -> None:
     a.set_defaults(func=cmd_show)
 
 
+def _sink(args):
+    """The audit sink of the store setting: the home's log, or the shared database's chain."""
+    from supervisor.stores import StoreError, open_stores, store_url
+    try:
+        shared = store_url(args.store) is not None
+    except StoreError as exc:
+        raise CliError(str(exc), 2) from None
+    if not shared:
+        return LocalAuditSink(existing_home(args.home), read_only=True)
+    import atexit
+    from supervisor.home import resolve_home
+    from supervisor.protocols import ProfileError
+    try:
+        stores = open_stores(resolve_home(args.home), None, args.store, heartbeat=False)
+    except ProfileError as exc:
+        raise CliError(f"the store cannot be used: {exc}", 2) from None
+    atexit.register(stores.close)
+    return stores.audit
+
+
 def cmd_verify(args) -> int:
-    result = LocalAuditSink(existing_home(args.home), read_only=True).verify()
+    result = _sink(args).verify()
     if getattr(args, "json", False):
         print(json.dumps({"ok": result.ok, "records": result.records, "line": result.line,
                           "problem": result.reason, "message": str(result)}))
@@ -54,7 +76,7 @@ def cmd_show(args) -> int:
             validate_run_id(args.run)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    recs = LocalAuditSink(existing_home(args.home), read_only=True).records(profile=args.profile, run=args.run)
+    recs = _sink(args).records(profile=args.profile, run=args.run)
     for r in recs:
         if args.json:
             print(json.dumps(r, sort_keys=True))

@@ -6,7 +6,7 @@ import importlib.metadata as md
 from supervisor import tools
 
 REQUIRED_PACKAGES = ("mitmproxy", "aiohttp", "pydantic", "PyYAML", "psutil", "keyring",
-                     "cryptography", "idna")
+                     "cryptography", "idna", "psycopg", "psycopg-pool")
 
 
 def register(sub) -> None:
@@ -17,7 +17,36 @@ def register(sub) -> None:
                                     "present, 1 when something is missing."))
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: {version, ok, checks: [{status, what, detail}]}")
+    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    p.add_argument("--store", metavar="URL", help="the store to check: 'local' (default) or "
+                   "postgresql://... (default $SFGUARD_STORE)")
     p.set_defaults(func=run)
+
+
+def _store_checks(args) -> list[tuple[str, str, str]]:
+    """The store in use and the key provider behind it (a shared store is connected to)."""
+    from supervisor.home import resolve_home
+    from supervisor.protocols import ProfileError
+    from supervisor.stores import StoreError, describe_store, open_stores, store_url
+    try:
+        shared = store_url(getattr(args, "store", None)) is not None
+        shown = describe_store(getattr(args, "store", None))
+    except StoreError as exc:
+        return [("missing", "store", str(exc))]
+    home = resolve_home(getattr(args, "home", None))
+    if not shared:
+        from supervisor.keys import default_key_provider
+        return [("ok", "store", "local home (profiles, leases and audit in the guard home)"),
+                ("ok", "key provider", default_key_provider(home).describe())]
+    try:
+        stores = open_stores(home, None, getattr(args, "store", None), heartbeat=False)
+    except (ProfileError, ValueError) as exc:
+        return [("missing", "store", f"{shown}: {exc}")]
+    try:
+        return [("ok", "store", f"{stores.shown} (schema version {stores.backend.schema_version})"),
+                ("ok", "key provider", stores.keys.describe())]
+    finally:
+        stores.close()
 
 
 def _keyring_backend() -> tuple[bool, str]:
@@ -78,6 +107,7 @@ def run(args) -> int:
     checks.append(_sandbox_check())
     ok, text = _keyring_backend()
     checks.append(("ok" if ok else "info", "keyring", text))
+    checks += _store_checks(args)
     missing = sum(1 for c in checks if c[0] == "missing")
     if getattr(args, "json", False):
         import json

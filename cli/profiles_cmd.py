@@ -28,6 +28,8 @@ from supervisor.protocols import (
 def _home_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    p.add_argument("--store", metavar="URL", help="'local' (the home, default) or the shared "
+                   "postgresql://... store (default $SFGUARD_STORE)")
     return p
 
 
@@ -92,6 +94,36 @@ class _Ctx:
         self.audit = LocalAuditSink(self.home)
 
 
+class _SharedCtx:
+    """The shared (PostgreSQL) store: profiles, leases and audit from the database."""
+
+    def __init__(self, args, read_only: bool = False):
+        import atexit
+        from supervisor.home import resolve_home
+        from supervisor.stores import StoreError, open_stores
+        self.read_only = False          # the database answers holders and queues directly
+        home = resolve_home(args.home)
+        try:
+            stores = open_stores(home, None, args.store, heartbeat=False)
+        except (StoreError, ProfileError) as exc:
+            raise CliError(f"the store cannot be used: {exc}", 2) from None
+        atexit.register(stores.close)
+        self.home, self.keys = home, stores.keys
+        self.store, self.lease, self.audit = stores.store, stores.lease, stores.audit
+
+
+def _shared(args) -> bool:
+    from supervisor.stores import StoreError, store_url
+    try:
+        return store_url(getattr(args, "store", None)) is not None
+    except StoreError as exc:
+        raise CliError(str(exc), 2) from None
+
+
+def _ctx(args, read_only: bool = False):
+    return _SharedCtx(args, read_only) if _shared(args) else _Ctx(args, read_only)
+
+
 def _key(name: str) -> ProfileKey:
     try:
         return ProfileKey(LOCAL_SCOPE, name)
@@ -108,11 +140,19 @@ def _describe(ctx: _Ctx, key: ProfileKey) -> dict:
     tracked = not ctx.read_only or ctx.lease.has_state(key)
     holder = ctx.lease.holder(key) if tracked else None
     state = "leased" if holder else ("unsealed" if info.unsealed else "sealed")
-    return {"name": key.name, "scope": key.scope, "created": _when(info.created),
-            "last_used": _when(info.last_used), "size": info.size, "state": state,
-            "leased_by": holder.run if holder else None,
-            "leased_since": _when(holder.since) if holder else None,
-            "waiting": [q.run for q in ctx.lease.queue(key)] if tracked else []}
+    d = {"name": key.name, "scope": key.scope, "created": _when(info.created),
+         "last_used": _when(info.last_used), "size": info.size, "state": state,
+         "leased_by": holder.run if holder else None,
+         "leased_since": _when(holder.since) if holder else None,
+         "waiting": [q.run for q in ctx.lease.queue(key)] if tracked else []}
+    details = getattr(ctx.store, "details", None)     # the shared store keeps more
+    if details is not None:
+        extra = details(key)
+        d["last_login_check"] = _when(extra["last_login_check"])
+        d["last_login_ok"] = extra["last_login_ok"]
+        if holder is not None and holder.guard:
+            d["leased_on"] = f"host {holder.host}, guard {holder.guard}"
+    return d
 
 
 def _line(d: dict) -> str:
@@ -122,7 +162,7 @@ def _line(d: dict) -> str:
 
 
 def cmd_list(args) -> int:
-    ctx = _Ctx(args, read_only=True)
+    ctx = _ctx(args, read_only=True)
     rows = [_describe(ctx, info.key) for info in ctx.store.list(LOCAL_SCOPE)]
     if args.json:
         print(json.dumps({"profiles": rows, "key_provider": ctx.keys.describe()}, indent=2))
@@ -137,7 +177,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_show(args) -> int:
-    ctx = _Ctx(args, read_only=True)
+    ctx = _ctx(args, read_only=True)
     key = _key(args.name)
     try:
         d = _describe(ctx, key)
@@ -153,7 +193,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_create(args) -> int:
-    ctx = _Ctx(args)
+    ctx = _ctx(args)
     key = _key(args.name)
     try:
         info = ctx.store.create(key)
@@ -165,7 +205,7 @@ def cmd_create(args) -> int:
 
 
 def cmd_clear(args) -> int:
-    ctx = _Ctx(args)
+    ctx = _ctx(args)
     key = _key(args.name)
     if not ctx.store.exists(key):
         raise CliError(f"no profile {key.name!r}", 1)

@@ -24,6 +24,10 @@ def register(sub) -> None:
                                     "this home, 2 for an unusable home or policy."))
     p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
     p.add_argument("--policy", metavar="FILE", help="site policy (default: the shipped policy/sites.yaml)")
+    p.add_argument("--store", metavar="URL",
+                   help="where profiles, leases and audit live: 'local' (the home, default) or "
+                        "postgresql://... shared by several guard hosts (default $SFGUARD_STORE; "
+                        "needs the shared key $SFGUARD_KEY_FILE, see docs/deployment.md)")
     p.add_argument("--tcp", metavar="PORT", type=int,
                    help="also listen on 127.0.0.1:PORT with a bearer token (printed once, "
                         "or written to --token-file)")
@@ -61,8 +65,14 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redaction.install()
+    from supervisor.stores import StoreError
     try:
-        guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve))
+        guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
+                      store=args.store)
+    except StoreError as exc:
+        raise CliError(str(exc), 2) from None
+    except ProfileError as exc:  # shared store: unreachable, schema too new, key missing or wrong
+        raise CliError(f"the store cannot be used: {exc}", 2) from None
     except policy.PolicyError as exc:
         raise CliError(f"the site policy is invalid:\n{exc}", 2) from None
     except HomeError as exc:
@@ -149,6 +159,7 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None) ->
     ab, br = guard.host_tool_report()
     lines += [f"sfguard: home {guard.home} (runtime {guard.runtime})",
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
+              f"sfguard: store {guard.stores.shown}",
               f"sfguard: keys {guard.keys.describe()}",
               f"sfguard: policy {guard.policy_path} (mode {guard.site_policy.mode})",
               f"sfguard: stage sandbox (stage-exec): {'ok' if guard.sandbox_ok else 'UNAVAILABLE'}: "

@@ -33,6 +33,8 @@ def run(args) -> int:
         return 0
     g, pol = body["guard"], body["policy"]
     print(f"guard   pid {g['pid']} since {g['since']}, home {g['home']}, keys: {g['key_provider']}")
+    if g.get("store"):
+        print(f"store   {g['store']}")
     line = f"policy  {pol['file']} mode {pol['mode']}"
     if pol["state"] != "ok":
         line += f"  INVALID EDIT, last good policy kept: {pol['error']}"
@@ -51,7 +53,9 @@ def run(args) -> int:
     for lease in body["leases"]:
         if lease["holder_run"] or lease["queue"]:
             q = ", ".join(x["run"] for x in lease["queue"]) or "-"
-            print(f"lease   {lease['profile']} held by {lease['holder_run'] or '-'}; queue: {q}")
+            where = (f" (host {lease['holder_host']}, guard {lease['holder_guard']})"
+                     if lease.get("holder_guard") else "")
+            print(f"lease   {lease['profile']} held by {lease['holder_run'] or '-'}{where}; queue: {q}")
     if not body["runs"]:
         print("runs    none")
     return 0

@@ -39,7 +39,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from supervisor.home import FILE_MODE, atomic_write, ensure_home
 from supervisor.protocols import validate_name, validate_run_id
@@ -148,6 +148,29 @@ def head_mac(key: bytes, seq: int, digest: str) -> str:
                     hashlib.sha256).hexdigest()
 
 
+def clean_fields(event: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The validated fields of an allowed event; AuditFieldError for anything else."""
+    if event not in EVENTS:
+        raise AuditFieldError(f"unknown audit event {ascii(event)[:60]}")
+    clean = {}
+    for name, value in fields.items():
+        check = FIELDS.get(name)
+        if check is None:
+            raise AuditFieldError(f"field {ascii(name)[:40]} is not allowed in audit records")
+        clean[name] = check(value)
+    return clean
+
+
+def chain_record(key: bytes, last_seq: int, last_hash: str, event: str,
+                 clean: dict[str, Any]) -> dict[str, Any]:
+    """The next record after (last_seq, last_hash): hashed and keyed."""
+    rec = {"seq": last_seq + 1, "ts": round(time.time(), 6), "event": event,
+           "fields": clean, "prev": last_hash}
+    rec["hash"] = record_hash(rec)
+    rec["mac"] = record_mac(key, rec)
+    return rec
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     ok: bool
@@ -251,22 +274,12 @@ class LocalAuditSink:
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one validated record and return it. AuditFieldError for unknown input."""
-        if event not in EVENTS:
-            raise AuditFieldError(f"unknown audit event {ascii(event)[:60]}")
-        clean = {}
-        for name, value in fields.items():
-            check = FIELDS.get(name)
-            if check is None:
-                raise AuditFieldError(f"field {ascii(name)[:40]} is not allowed in audit records")
-            clean[name] = check(value)
+        clean = clean_fields(event, fields)
         with self._locked():
             # Continue the chain from the head file (the truth), else from the log's last line.
             last = self._head() or self._last_line_record() or (0, GENESIS)
             key = self._audit_key(create=True)
-            rec = {"seq": last[0] + 1, "ts": round(time.time(), 6), "event": event,
-                   "fields": clean, "prev": last[1]}
-            rec["hash"] = record_hash(rec)
-            rec["mac"] = record_mac(key, rec)
+            rec = chain_record(key, last[0], last[1], event, clean)
             line = canonical(rec) + b"\n"
             fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
                          FILE_MODE)
@@ -312,62 +325,88 @@ class LocalAuditSink:
                 key = self._audit_key(create=False)
             except Exception as exc:  # KeyMissing: damaged or not private
                 return VerifyResult(False, 0, None, f"the audit key cannot be used: {exc}")
-            prev_hash, seq, count = GENESIS, 0, 0
-            keyed = False
-            for n, line in self._iter_lines():
-                if not line.endswith(b"\n"):
-                    return VerifyResult(False, count, n, "last line is incomplete (cut mid-record)")
-                try:
-                    rec = json.loads(line)
-                    if not isinstance(rec, dict):
-                        raise ValueError
-                except ValueError:
-                    return VerifyResult(False, count, n, "not a JSON record")
-                if rec.get("hash") != record_hash(rec):
-                    return VerifyResult(False, count, n, "record content does not match its hash (edited)")
-                if rec.get("seq") != seq + 1:
-                    return VerifyResult(False, count, n, f"sequence number {rec.get('seq')} where "
-                                        f"{seq + 1} was expected (record deleted, inserted or moved)")
-                if rec.get("prev") != prev_hash:
-                    return VerifyResult(False, count, n, "does not chain to the previous record "
-                                        "(record deleted, inserted or moved)")
-                if rec.get("event") not in EVENTS:
-                    return VerifyResult(False, count, n, "unknown event")
-                if "mac" in rec:
-                    if key is None:
-                        return VerifyResult(False, count, n, "the record is keyed but the audit key "
-                                            "is missing (key deleted, or the log comes from "
-                                            "another home)")
-                    if not isinstance(rec["mac"], str) or not hmac.compare_digest(
-                            rec["mac"], record_mac(key, rec)):
-                        return VerifyResult(False, count, n, "record MAC does not match (rewritten "
-                                            "without the audit key)")
-                    keyed = True
-                elif keyed:
-                    return VerifyResult(False, count, n, "an unkeyed record after keyed ones "
-                                        "(rewritten without the audit key)")
-                prev_hash, seq, count = rec["hash"], rec["seq"], count + 1
+            walked = walk_chain(self._iter_lines(), key)
+            if isinstance(walked, VerifyResult):
+                return walked
             head = self._head_full()
             if head is None:
-                if count:
-                    return VerifyResult(False, count, None, f"head file {HEAD_FILE} is missing")
+                if walked.count:
+                    return VerifyResult(False, walked.count, None, f"head file {HEAD_FILE} is missing")
                 evidence = self._evidence()
                 if evidence:
                     return VerifyResult(False, 0, None, f"the audit log is missing or empty, but "
                                         f"{evidence} (log deleted or emptied)")
                 return VerifyResult(True, 0)
-            if head[0] == seq and head[1] == prev_hash and count:
-                if key is not None and not keyed:
-                    return VerifyResult(False, count, None, "the audit key exists but no record is "
-                                        "keyed (log rewritten without the audit key)")
-                if keyed and (head[2] is None or not hmac.compare_digest(
-                        head[2], head_mac(key, head[0], head[1]))):
-                    return VerifyResult(False, count, None, f"head file {HEAD_FILE} MAC does not "
-                                        "match (rewritten without the audit key)")
-            if head[0] != seq or head[1] != prev_hash:
-                if head[0] > seq:
-                    return VerifyResult(False, count, count + 1, f"log ends at record {seq} but the "
-                                        f"head file says {head[0]} (tail truncated)")
-                return VerifyResult(False, count, count or None,
-                                    f"last record (seq {seq}) does not match the head file (seq {head[0]})")
-            return VerifyResult(True, count)
+            return check_head(walked, head, key, f"head file {HEAD_FILE}")
+
+
+@dataclass(frozen=True)
+class ChainEnd:
+    """Where a verified walk over the records ended."""
+    prev_hash: str
+    seq: int
+    count: int
+    keyed: bool
+
+
+def walk_chain(lines: Iterable[tuple[int, bytes]], key: bytes | None) -> VerifyResult | ChainEnd:
+    """Check every record (one canonical JSON line each, numbered from 1): hash, sequence,
+    link, event and MAC. A VerifyResult names the first bad record; a ChainEnd says the walk
+    was clean. Shared by every AuditSink that keeps the chain (file or database)."""
+    prev_hash, seq, count = GENESIS, 0, 0
+    keyed = False
+    for n, line in lines:
+        if not line.endswith(b"\n"):
+            return VerifyResult(False, count, n, "last line is incomplete (cut mid-record)")
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError
+        except ValueError:
+            return VerifyResult(False, count, n, "not a JSON record")
+        if rec.get("hash") != record_hash(rec):
+            return VerifyResult(False, count, n, "record content does not match its hash (edited)")
+        if rec.get("seq") != seq + 1:
+            return VerifyResult(False, count, n, f"sequence number {rec.get('seq')} where "
+                                f"{seq + 1} was expected (record deleted, inserted or moved)")
+        if rec.get("prev") != prev_hash:
+            return VerifyResult(False, count, n, "does not chain to the previous record "
+                                "(record deleted, inserted or moved)")
+        if rec.get("event") not in EVENTS:
+            return VerifyResult(False, count, n, "unknown event")
+        if "mac" in rec:
+            if key is None:
+                return VerifyResult(False, count, n, "the record is keyed but the audit key "
+                                    "is missing (key deleted, or the log comes from "
+                                    "another home)")
+            if not isinstance(rec["mac"], str) or not hmac.compare_digest(
+                    rec["mac"], record_mac(key, rec)):
+                return VerifyResult(False, count, n, "record MAC does not match (rewritten "
+                                    "without the audit key)")
+            keyed = True
+        elif keyed:
+            return VerifyResult(False, count, n, "an unkeyed record after keyed ones "
+                                "(rewritten without the audit key)")
+        prev_hash, seq, count = rec["hash"], rec["seq"], count + 1
+    return ChainEnd(prev_hash, seq, count, keyed)
+
+
+def check_head(end: ChainEnd, head: tuple[int, str, str | None], key: bytes | None,
+               what: str) -> VerifyResult:
+    """Compare a clean walk's end with the head (seq, hash, mac) kept beside the records."""
+    seq, prev_hash, count = end.seq, end.prev_hash, end.count
+    if head[0] == seq and head[1] == prev_hash and count:
+        if key is not None and not end.keyed:
+            return VerifyResult(False, count, None, "the audit key exists but no record is "
+                                "keyed (log rewritten without the audit key)")
+        if end.keyed and (head[2] is None or not hmac.compare_digest(
+                head[2], head_mac(key, head[0], head[1]))):
+            return VerifyResult(False, count, None, f"{what} MAC does not "
+                                "match (rewritten without the audit key)")
+    if head[0] != seq or head[1] != prev_hash:
+        if head[0] > seq:
+            return VerifyResult(False, count, count + 1, f"log ends at record {seq} but the "
+                                f"{what} says {head[0]} (tail truncated)")
+        return VerifyResult(False, count, count or None,
+                            f"last record (seq {seq}) does not match the {what} (seq {head[0]})")
+    return VerifyResult(True, count)

@@ -34,17 +34,16 @@ from typing import Any
 import policy
 from supervisor import agent_browser, models, redaction
 from supervisor.api import ApiError
-from supervisor.audit import LocalAuditSink
 from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
 from supervisor.cdp_gate import CdpGate, GateError
 from supervisor.home import atomic_write, ensure_home, private_dir, runtime_dir
 from supervisor.handoff import HandoffImpossible, LocalWindowHandoff
-from supervisor.keys import default_key_provider
 from supervisor.login import LoginCheckError, LoginResult, check_login
-from supervisor.lease import LocalProfileLease, current_process, process_alive
-from supervisor.profiles import LocalProfileStore, pipeline_profile_name
+from supervisor.lease import current_process, process_alive
+from supervisor.profiles import pipeline_profile_name
 from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, ProfileError,
-                                  ProfileKey, Waiting)
+                                  ProfileKey, StoreUnavailable, Waiting)
+from supervisor.stores import open_stores
 from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
 from supervisor import stage_exec, tools
 from supervisor.stage_bridge import BridgeHost
@@ -65,6 +64,11 @@ LONG_POLL_STEP = 0.1
 
 def _now_iso(ts: float | None = None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts if ts is not None else time.time()))
+
+
+def _holder_where(host: str | None, guard: str | None) -> dict:
+    """Where a holder runs, for shared stores (local leases name only the run)."""
+    return {"holder_host": host, "holder_guard": guard} if guard else {}
 
 
 def _short_id() -> str:
@@ -241,7 +245,7 @@ class Stage:
             w = self.waiting
             since = w.holder_since if w.holder_since is not None else w.queued_since
             return 202, {"state": "waiting", "holder_run": w.holder_run or "", "since": _now_iso(since),
-                         "position": w.position}
+                         "position": w.position, **_holder_where(w.holder_host, w.holder_guard)}
         if self.state in ("pending", "waiting", "relaunching"):
             return 202, {"state": "waiting", "holder_run": "", "since": _now_iso(), "position": None}
         if self.state == "failed" and self.error is not None:
@@ -287,17 +291,18 @@ class Run:
 
 class Guard:
     def __init__(self, home: Path, policy_path: Path | None = None, *,
-                 resolve: dict[str, str] | None = None, scope: str = LOCAL_SCOPE):
+                 resolve: dict[str, str] | None = None, scope: str = LOCAL_SCOPE,
+                 store: str | None = None):
         self.home = ensure_home(home)
         self.runtime = runtime_dir(self.home)
         self.scope = scope
         self.policy_path = Path(policy_path or policy.default_policy_path()).absolute()
         self.policy_watch = policy.PolicyWatcher(self.policy_path)  # raises PolicyError if invalid
         self.resolve = dict(resolve or {})
-        self.keys = default_key_provider(self.home)
-        self.store = LocalProfileStore(self.home, self.keys, runtime=self.runtime)
-        self.lease = LocalProfileLease(self.home)
-        self.audit = LocalAuditSink(self.home)
+        # the local home, or a shared PostgreSQL (`--store` / $SFGUARD_STORE): supervisor/stores.py
+        self.stores = open_stores(self.home, self.runtime, store)
+        self.keys, self.store = self.stores.keys, self.stores.store
+        self.lease, self.audit = self.stores.lease, self.stores.audit
         self.host = LocalBrowserHost()
         self.browser_tool = tools.find_browser()
         self.gate = CdpGate(on_refusal=self._on_refusal)
@@ -379,6 +384,7 @@ class Guard:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        self.stores.close()
 
     @property
     def site_policy(self) -> policy.SitePolicy:
@@ -584,10 +590,12 @@ class Guard:
             queue = self.lease.queue(info.key)
             leases.append({"profile": info.key.name, "holder_run": holder.run if holder else None,
                            "since": _now_iso(holder.since) if holder else None,
-                           "queue": [{"run": q.run, "since": _now_iso(q.since)} for q in queue]})
+                           "queue": [{"run": q.run, "since": _now_iso(q.since)} for q in queue],
+                           **_holder_where(holder and holder.host, holder and holder.guard)})
         return 200, {
             "guard": {"pid": os.getpid(), "since": _now_iso(self.started), "home": str(self.home),
-                      "key_provider": self.keys.describe(), "scope": self.scope},
+                      "key_provider": self.keys.describe(), "scope": self.scope,
+                      "store": self.stores.shown},
             "policy": {"file": str(self.policy_path), "mode": self.site_policy.mode,
                        "state": "error" if self.policy_error else "ok", "error": self.policy_error},
             "runs": [r.public() for r in self.runs.values()],
@@ -673,6 +681,10 @@ class Guard:
         self.audit.record("login_checked", scope=self.scope, profile=browser.key, run=run.run_id,
                           host=decision.normalized_host, logged_in=result.logged_in,
                           result="logged_in" if result.logged_in else "logged_out")
+        note = getattr(self.store, "record_login_check", None)   # shared store: a fenced state write
+        if note is not None:
+            with contextlib.suppress(ProfileError):   # a stale lease is refused and logged there
+                note(browser.profile, result.logged_in)
         return 200, {"logged_in": result.logged_in, "url": result.url}
 
     async def api_login_verify(self, run_id: str, body: models.LoginVerifyRequest) -> tuple[int, Any]:
@@ -726,7 +738,11 @@ class Guard:
                 req = stage.browser_req
                 if req.profile is not None:
                     key = self._profile_key(run, req.profile)
-                    result = self.lease.try_acquire(key, run.run_id)
+                    try:
+                        result = self.lease.try_acquire(key, run.run_id)
+                    except StoreUnavailable:    # shared store away: no grant now, ask again
+                        stage.state = "waiting"
+                        return
                     if isinstance(result, Waiting):
                         stage.state, stage.waiting = "waiting", result
                         return

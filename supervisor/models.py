@@ -204,6 +204,10 @@ class StageWaiting(Answer):
     holder_run: str = Field(description="the run that holds the profile ('' while starting)")
     since: str = Field(description="UTC time (ISO 8601) since the holder has it, or since queued")
     position: int | None = Field(default=None, description="1 = next in the profile's queue")
+    holder_host: str | None = Field(default=None, description=(
+        "shared store only: the host of the guard whose run holds the profile"))
+    holder_guard: str | None = Field(default=None, description=(
+        "shared store only: the id of the guard (process) whose run holds the profile"))
 
 
 class StageEnded(Answer):
@@ -272,6 +276,8 @@ class GuardInfo(Answer):
     home: str
     key_provider: str
     scope: str
+    store: str | None = Field(default=None, description=(
+        "where profiles, leases and audit live: 'local home' or 'PostgreSQL <url without password>'"))
 
 
 class PolicyState(Answer):
@@ -292,6 +298,8 @@ class LeaseInfo(Answer):
     holder_run: str | None
     since: str | None
     queue: list[QueueEntryInfo]
+    holder_host: str | None = Field(default=None, description="shared store only: the holder's host")
+    holder_guard: str | None = Field(default=None, description="shared store only: the holder's guard id")
 
 
 class StatusAnswer(Answer):

@@ -48,6 +48,11 @@ class ProfileBusy(ProfileError):
     """The profile is unsealed (open) or leased, so the operation is refused."""
 
 
+class StoreUnavailable(ProfileError, OSError):
+    """A shared store (database) cannot be reached right now; the message names it without
+    any secret. Treated like an I/O failure; a run waiting for a grant keeps waiting."""
+
+
 def validate_name(value: object, what: str = "profile name") -> str:
     """Return `value` if it matches `^[a-z0-9][a-z0-9_-]{0,63}$`, else raise ProfileNameError.
 
@@ -104,6 +109,8 @@ class LeaseHolder:
     run: str
     since: float
     owner: ProcessIdentity
+    host: str | None = None        # shared stores: the host and guard that granted it
+    guard: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,8 @@ class Waiting:
     holder_since: float | None
     position: int
     queued_since: float
+    holder_host: str | None = None   # shared stores: where the holder runs
+    holder_guard: str | None = None
     granted: bool = field(default=False, init=False)
 
 
@@ -206,7 +215,7 @@ class AuditSink(Protocol):
 
 __all__: Iterable[str] = [
     "NAME_PATTERN", "LOCAL_SCOPE", "ProfileError", "ProfileNameError", "ProfileNotFound",
-    "ProfileExists", "ProfileBusy", "validate_name", "ProfileKey", "ProfileInfo",
+    "ProfileExists", "ProfileBusy", "StoreUnavailable", "validate_name", "ProfileKey", "ProfileInfo",
     "ProcessIdentity", "LeaseHolder", "QueueEntry", "Granted", "Waiting", "validate_run_id",
     "ProfileStore", "ProfileLease", "KeyProvider", "AuditSink",
 ]

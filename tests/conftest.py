@@ -80,3 +80,22 @@ def chromium_warmed_up(request):
                            stderr=subprocess.DEVNULL, timeout=COLD_START_BOUND_S)
         except subprocess.TimeoutExpired:
             pass  # subprocess.run killed it; the tests will report a browser that does not start
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A real PostgreSQL for the session (tests/pgserver.py), started when first asked for and
+    stopped (pg_ctl stop -m fast) at the end. Missing PostgreSQL fails: ./dev installs it."""
+    from tests.pgserver import PgMissing, PgServer
+    try:
+        server = PgServer().start()
+    except PgMissing as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server) -> str:
+    """The URL of a fresh, empty database on the session's PostgreSQL."""
+    return pg_server.create_db()

@@ -113,9 +113,72 @@ class FakeHarness:
         pass
 
 
-@pytest.fixture(params=["local", "fake"])
+PG_TTL = 3.0   # seconds: a killed "other process" loses its lease this long after its last beat
+
+PG_HOLDER_SCRIPT = r"""
+import sys
+from supervisor.pg_store import PgBackend, PgProfileLease
+from supervisor.protocols import ProfileKey
+lease = PgProfileLease(PgBackend(sys.argv[1], ttl=float(sys.argv[5])))
+got = lease.try_acquire(ProfileKey(sys.argv[2], sys.argv[3]), sys.argv[4])
+print(type(got).__name__, flush=True)
+sys.stdin.read()          # hold until the test closes stdin or kills us
+"""
+
+
+class PgHarness:
+    """The PostgreSQL store on a fresh database of the session's real server; "other
+    processes" are other guard processes on the same database (a kill lapses after the TTL)."""
+    kind = "pg"
+
+    def __init__(self, tmp: Path, url: str):
+        from supervisor.pg_store import PgBackend, PgKeyProvider, PgProfileLease, PgProfileStore
+        self.url = url
+        self.backend = PgBackend(url, ttl=PG_TTL)
+        self.keys = PgKeyProvider(self.backend, os.urandom(32), "test key")
+        self.store = PgProfileStore(self.backend, self.keys, tmp / "home", runtime=tmp / "run")
+        self.lease = PgProfileLease(self.backend)
+        self._procs: list[subprocess.Popen] = []
+
+    def other_process_acquires(self, key, run):
+        proc = run_python(PG_HOLDER_SCRIPT, self.url, key.scope, key.name, run, str(PG_TTL))
+        self._procs.append(proc)
+        return proc, proc.stdout.readline().strip()
+
+    def kill(self, handle) -> None:
+        import time
+        handle.kill()
+        handle.wait(timeout=10)
+        time.sleep(PG_TTL + 0.5)          # its heartbeat stopped: the lease lapses after the TTL
+
+    def plant_copy(self, src, dst) -> None:
+        """Point dst at a copy of src's sealed chunks (an attacker with database access)."""
+        with self.backend.conn() as conn:
+            blob = conn.execute("SELECT nextval('sfguard_blob_ids')").fetchone()[0]
+            conn.execute("INSERT INTO sfguard_blob_chunks (blob_id, idx, data) SELECT %s, idx, "
+                         "data FROM sfguard_blob_chunks c JOIN sfguard_profiles p ON "
+                         "p.blob_id = c.blob_id WHERE p.scope = %s AND p.name = %s",
+                         (blob, src.scope, src.name))
+            conn.execute("INSERT INTO sfguard_profiles (scope, name, created, updated, size, "
+                         "blob_id) SELECT %s, %s, created, updated, size, %s FROM sfguard_profiles "
+                         "WHERE scope = %s AND name = %s ON CONFLICT (scope, name) DO UPDATE SET "
+                         "blob_id = EXCLUDED.blob_id",
+                         (dst.scope, dst.name, blob, src.scope, src.name))
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        self.backend.close()
+
+
+@pytest.fixture(params=["local", "fake", "pg"])
 def harness(request, tmp_path):
-    h = (LocalHarness if request.param == "local" else FakeHarness)(tmp_path)
+    if request.param == "pg":
+        h = PgHarness(tmp_path, request.getfixturevalue("pg_url"))
+    else:
+        h = (LocalHarness if request.param == "local" else FakeHarness)(tmp_path)
     yield h
     h.close()
 

@@ -17,6 +17,12 @@ A = ProfileKey(SCOPE_A, "shop")
 B = ProfileKey(SCOPE_B, "shop")
 
 
+def hold(harness, key, run="run-seal"):
+    """Lease `key` the way the guard does before it opens a profile: a shared store refuses a
+    reseal without the current lease (fencing), the local store and the fakes allow it."""
+    assert isinstance(harness.lease.try_acquire(key, run), Granted)
+
+
 def test_implements_protocols(harness):
     assert isinstance(harness.store, ProfileStore)
     assert isinstance(harness.lease, ProfileLease)
@@ -25,6 +31,7 @@ def test_implements_protocols(harness):
 
 def test_create_open_save_reopen_round_trip(harness):
     harness.store.create(A)
+    hold(harness, A)
     work = harness.store.open(A)
     (work / "Default").mkdir(mode=0o700)
     (work / "Default" / "Cookies").write_bytes(b"cookie-db-bytes")
@@ -58,6 +65,7 @@ def test_copied_profile_of_other_scope_is_refused(harness):
     """An attacker copies B's sealed profile to where A's would be: A cannot open it."""
     harness.store.create(ProfileKey(SCOPE_A, "other"))      # scope A has a key of its own
     harness.store.create(B)
+    hold(harness, B)
     b_work = harness.store.open(B)
     (b_work / "Cookies").write_bytes(b"B's login")
     harness.store.close(B)
@@ -74,6 +82,7 @@ def test_delete_scope_removes_only_that_scope(harness):
     assert sorted(k.name for k in removed) == ["mail", "shop"]
     assert harness.store.list(SCOPE_A) == []
     assert [i.key for i in harness.store.list(SCOPE_B)] == [B]
+    hold(harness, B)
     work = harness.store.open(B)                 # B still opens with its own key
     harness.store.close(B)
     assert work.name == "shop"
@@ -81,10 +90,12 @@ def test_delete_scope_removes_only_that_scope(harness):
 
 def test_delete_refused_while_open(harness):
     harness.store.create(A)
+    hold(harness, A)
     harness.store.open(A)
     with pytest.raises(ProfileError):
         harness.store.delete(A)
     harness.store.close(A)
+    harness.lease.release(A, "run-seal")
     harness.store.delete(A)
     assert not harness.store.exists(A)
 
