@@ -37,6 +37,7 @@ from supervisor.api import ApiError
 from supervisor.audit import LocalAuditSink
 from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
 from supervisor.cdp_gate import CdpGate, GateError
+from supervisor.console import handoff as live
 from supervisor.home import atomic_write, ensure_home, private_dir, runtime_dir
 from supervisor.handoff import HandoffImpossible, LocalWindowHandoff
 from supervisor.keys import default_key_provider
@@ -319,6 +320,8 @@ class Guard:
         self.stage_user = None
         self.api_gid: int | None = None
         self.sandbox_ok, self.sandbox_detail = False, "not checked yet"
+        # the operator console (supervisor/console), set by `sfguard start` unless --no-console
+        self.console = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def acquire_instance_lock(self) -> None:
@@ -363,6 +366,7 @@ class Guard:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         self._stopping = True
+        await live.close_all(self)
         for run in list(self.runs.values()):
             if run.state == "active":
                 await self._end_run(run, "abandoned")
@@ -592,6 +596,7 @@ class Guard:
                        "state": "error" if self.policy_error else "ok", "error": self.policy_error},
             "runs": [r.public() for r in self.runs.values()],
             "leases": leases,
+            "console": {"url": self.console.base_url} if self.console is not None else None,
         }
 
     async def api_list_profiles(self) -> tuple[int, Any]:
@@ -691,6 +696,8 @@ class Guard:
 
     async def api_handoff(self, run_id: str, body: models.HandoffRequest) -> tuple[int, Any]:
         run = self._active_run(run_id)
+        if live.wants_live_view(self, body):   # no screen here: a live view in the console
+            return await live.open_live(self, run, body)
         handoff = LocalWindowHandoff()
         try:
             handoff.check_possible(profile=body.profile, url=body.url)
@@ -715,6 +722,14 @@ class Guard:
         self.audit.record("handoff_opened", scope=self.scope, profile=browser.key, run=run.run_id,
                           host=body.site)
         return 200, handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()
+
+    async def api_handoff_state(self, run_id: str, wait: float = 0.0) -> tuple[int, Any]:
+        return await live.state(self, run_id, wait)
+
+    async def api_console_link(self, body: models.ConsoleLinkRequest) -> tuple[int, Any]:
+        if self.console is None:
+            raise ApiError(409, "console_off", "the guard runs without its console (--no-console)", None)
+        return 200, self.console.login_link(body.ttl_s)
 
     # -- the stage state machine ---------------------------------------------------------------
     async def _advance(self, run: Run, stage: Stage) -> None:

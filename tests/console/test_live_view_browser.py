@@ -1,0 +1,98 @@
+"""The live-view login handoff with real browsers: a headless guard, a login stage, and a
+second headless Chromium (unguarded, the "person") that signs in through the live-view page."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.request
+import urllib.error
+
+import pytest
+
+from supervisor.audit import LOG_FILE
+from supervisor.console.viewer import Viewer, scripted_login
+from tests.console.conftest import ARTIFACTS
+
+pytestmark = pytest.mark.browser
+
+CHECK = {"logged_in": "http://site-a.test:{p}/account", "logged_out": ["http://site-a.test:{p}/login*"],
+         "url": "http://site-a.test:{p}/account", "selector": "#signed-in"}
+
+
+def check_spec(port: int) -> dict:
+    return {k: ([x.format(p=port) for x in v] if isinstance(v, list) else v.format(p=port))
+            for k, v in CHECK.items()}
+
+
+def browser(port: int) -> dict:
+    return {"profile": "fixture", "headed": False, "allow_domains": [f"site-a.test:{port}"],
+            "login_check": check_spec(port)}
+
+
+def get(url: str, cookie: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Cookie": cookie} if cookie else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_live_view_login_then_link_dead_then_second_run_logged_in(guard):
+    port = guard.site
+    d = guard
+    # run 1: the check says logged out, the login stage opens a live_view handoff
+    assert d.call("POST", "/v1/runs", {"run_id": "lv-1"})[0] == 201
+    status, ans = d.call("POST", "/v1/runs/lv-1/stages", {"stage_id": "login", "attempt": 1,
+                                                         "browser": browser(port)})
+    assert status == 200, ans
+    status, res = d.call("POST", "/v1/runs/lv-1/login-check", {"profile": "fixture",
+                                                               "login_check": check_spec(port)})
+    assert status == 200 and res["logged_in"] is False, res
+    status, payload = d.call("POST", "/v1/runs/lv-1/handoff", {
+        "profile": "fixture", "site": "site-a.test", "reason": "please sign in",
+        "url": f"http://site-a.test:{port}/login", "kind": "auto", "stage_id": "login"})
+    assert status == 200, payload
+    assert payload["kind"] == "live_view" and payload["url"].startswith(d.console + "/live/")
+    assert d.call("GET", "/v1/runs/lv-1/handoff")[1]["state"] == "open"
+
+    # the person, in a browser of their own, signs in through the page and presses Done
+    out = asyncio.run(scripted_login(payload["url"], "operator", "correct-horse", shots=ARTIFACTS))
+    assert out["pixels_changed"], "the login tab's pixels did not change after typing"
+    assert out["frames_after"] > out["frames_before"]
+    assert "logged in" in out["result"] and "NOT" not in out["result"], out
+
+    status, st = d.call("GET", "/v1/runs/lv-1/handoff?wait=5")
+    assert status == 200 and st["state"] == "done" and st["logged_in"] is True, st
+    # the guard's own check is what verify compares with
+    assert d.call("POST", "/v1/runs/lv-1/login-check/verify",
+                  {"profile": "fixture", "reported": {"logged_in": True, "url": st["url"]}})[0] == 200
+
+    # the link is dead now: the page, its WebSocket, Done again
+    code, body = get(payload["url"])
+    assert code in (401, 410), code
+    code, _ = get(payload["url"].split("?")[0])
+    assert code in (401, 410)
+    # the work stage finds the profile logged in (same run)
+    assert d.call("POST", "/v1/runs/lv-1/stages/login/end", {"outcome": "succeeded"})[0] == 200
+    status, res = d.call("POST", "/v1/runs/lv-1/login-check", {"profile": "fixture",
+                                                               "login_check": check_spec(port)})
+    assert res["logged_in"] is True
+    assert d.call("POST", "/v1/runs/lv-1/end", {"outcome": "succeeded"})[0] == 200
+
+    # run 2: the sealed profile is still logged in: no handoff needed
+    assert d.call("POST", "/v1/runs", {"run_id": "lv-2"})[0] == 201
+    assert d.call("POST", "/v1/runs/lv-2/stages", {"stage_id": "check", "attempt": 1,
+                                                   "browser": browser(port)})[0] == 200
+    status, res = d.call("POST", "/v1/runs/lv-2/login-check", {"profile": "fixture",
+                                                               "login_check": check_spec(port)})
+    assert res["logged_in"] is True, res
+    assert d.call("POST", "/v1/runs/lv-2/end", {"outcome": "succeeded"})[0] == 200
+
+    # audit: opened, viewed, confirmed; no token, cookie or CDP address anywhere
+    audit = (d.home / LOG_FILE).read_text() if (d.home / LOG_FILE).exists() else ""
+    events = [json.loads(l)["event"] for l in audit.splitlines() if l.strip()]
+    assert "handoff_opened" in events and "handoff_viewed" in events and "handoff_confirmed" in events
+    token = payload["url"].split("t=")[1]
+    assert token not in audit and token not in d.log.read_text()
