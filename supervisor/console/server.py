@@ -260,7 +260,7 @@ class ConsoleServer:
         _, status = await self.guard.api_status()
         handoffs = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
                     for h in self.handoffs.values() if h.state == "open"]
-        return {"status": status, "handoffs": handoffs}
+        return {"gs": status, "handoffs": handoffs}
 
     def _decisions(self, query: dict[str, str]) -> dict[str, Any]:
         filters = {k: query.get(k, "").strip()[:200] for k in ("run", "stage", "host", "decision", "reason")}
@@ -399,7 +399,7 @@ class ConsoleServer:
     async def h_live_ws(self, request: web.Request) -> web.StreamResponse:
         h, sess = self._live(request)
         if h is None or sess is None:
-            return web.Response(status=401, text="no session for this live view\n")
+            return web.Response(status=401, text="no session for this live view: open its link, or sign in with `sfguard console`\n")
         if h.state != "open":
             return web.Response(status=410, text="this live view has ended\n")
         if not self._same_origin(request):
@@ -446,7 +446,7 @@ class ConsoleServer:
     async def h_live_end(self, request: web.Request) -> web.StreamResponse:
         h, sess = self._live(request)
         if h is None or sess is None:
-            return web.Response(status=401, text="no session for this live view\n")
+            return web.Response(status=401, text="no session for this live view: open its link, or sign in with `sfguard console`\n")
         form = await request.post()
         if not sess.csrf_ok(form.get("csrf") or request.headers.get("X-CSRF-Token")):
             return web.Response(status=403, text="CSRF token missing or wrong\n")

@@ -22,8 +22,7 @@ def console_url(banner: str) -> str:
     return m.group(1)
 
 
-@pytest.fixture
-def guard(tmp_path, site):
+def _start(tmp_path: Path, site: int) -> Daemon:
     home = (tmp_path / "home").absolute()
     pol = tmp_path / "sites.yaml"
     pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
@@ -34,9 +33,28 @@ def guard(tmp_path, site):
     d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1")
     d.console = console_url(d.banner)
     d.site = site
-    yield d
+    return d
+
+
+def _stop(d: Daemon) -> None:
     d.stop()
-    assert leftovers(str(home), str(runtime_dir(home))) == []
+    assert leftovers(str(d.home), str(runtime_dir(d.home))) == []
+
+
+@pytest.fixture
+def guard(tmp_path, site):
+    """A guard with the fixture login site reachable as site-a.test."""
+    d = _start(tmp_path, site)
+    yield d
+    _stop(d)
+
+
+@pytest.fixture(scope="module")
+def shared_guard(tmp_path_factory):
+    """One guard for a module's console tests that need no site and no browser."""
+    d = _start(tmp_path_factory.mktemp("console"), 9)
+    yield d
+    _stop(d)
 
 
 def link(d: Daemon, ttl: int = 600) -> str:
