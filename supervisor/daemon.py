@@ -782,6 +782,8 @@ class Guard:
         return run.proxy
 
     def _refill_spare(self) -> None:
+        if self._spare is not None:
+            return  # one warm spare at most
         if self._spare_task is None or self._spare_task.done():
             self._spare_task = asyncio.get_running_loop().create_task(self._make_spare())
 
@@ -792,8 +794,8 @@ class Guard:
         except Exception as exc:
             log.warning("could not start a spare run proxy: %s", exc)
             return
-        if self._stopping:
-            await proxy.stop()
+        if self._stopping or self._spare is not None:
+            await proxy.stop()   # never overwrite (and so lose) a spare that is still running
         else:
             self._spare = proxy
 

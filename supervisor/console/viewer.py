@@ -197,6 +197,8 @@ async def scripted_login(url: str, user: str, password: str, *, say: Callable[[s
                          timeout, "a new frame after typing")
         await asyncio.sleep(0.3)
         after_png = await v.screenshot(shots / "live-typed.png" if shots else None, "#screen")
+        if shots:
+            await v.screenshot(shots / "console-live-view.png")
         say("[person] typed the user and the password into the login tab")
         await v.key("Enter", 13)
         await v.wait_for("!/\\/login/.test(document.getElementById('address').textContent)",

@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.audit import LOG_FILE
 from supervisor.console.viewer import Viewer, scripted_login
-from tests.console.conftest import ARTIFACTS
+from tests.console.conftest import ARTIFACTS, link
 
 pytestmark = pytest.mark.browser
 
@@ -96,3 +96,41 @@ def test_live_view_login_then_link_dead_then_second_run_logged_in(guard):
     assert "handoff_opened" in events and "handoff_viewed" in events and "handoff_confirmed" in events
     token = payload["url"].split("t=")[1]
     assert token not in audit and token not in d.log.read_text()
+
+    # the console's pages, as an operator sees them: screenshots for the CI artifacts and the
+    # docs, and a scan of everything shown for secrets
+    seen = asyncio.run(console_pages(link(d), out["console_log"]))
+    secrets_scan(seen + [audit, d.log.read_text()], [token])
+
+
+async def console_pages(url: str, live_console: list[str]) -> list[str]:
+    texts = []
+    async with Viewer() as v:
+        await v.goto(url)
+        for name, path in (("overview", "/"), ("decisions", "/decisions?decision=deny"),
+                           ("profiles", "/profiles"), ("audit", "/audit")):
+            await v.goto(url.split("/login")[0] + path)
+            await v.wait_for("document.getElementById('live') && document.getElementById('live').dataset.updated",
+                             20, f"the {name} page's live update")
+            texts.append(await v.eval("document.documentElement.outerHTML"))
+            await v.screenshot(ARTIFACTS / f"console-{name}.png")
+        texts += v.console_log + live_console
+        # the session cookie is HttpOnly: no script of the page can read it
+        assert await v.eval("document.cookie") == ""
+    return texts
+
+
+SECRET_PATTERNS = [
+    re.compile(r"sf_(persist|session)=[^;\s\"']"),        # the fixture site's cookie values
+    re.compile(r"wss?://[^\s\"']*devtools", re.I),          # a CDP address
+    re.compile(r"b-[0-9a-f]{8}:[A-Za-z0-9_-]{20,}@"),        # a proxy credential in a URL
+    re.compile(r"[?&]t=[A-Za-z0-9_-]{20,}"),                 # a link token
+]
+
+
+def secrets_scan(texts: list[str], values: list[str]) -> None:
+    for text in texts:
+        for pat in SECRET_PATTERNS:
+            assert not pat.search(text), f"{pat.pattern} in {text[:200]!r}"
+        for v in values:
+            assert v not in text
