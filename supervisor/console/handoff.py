@@ -168,6 +168,7 @@ async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
     h.finishing = True
     console = guard.console
     console.auth.end_scope(h.scope)
+    h.view.outcome = outcome     # what the viewers are told as their socket closes
     await h.view.close()
     if h.watcher is not None and h.watcher is not asyncio.current_task():
         h.watcher.cancel()

@@ -83,6 +83,7 @@ class LiveView:
         self.refused: list[str] = []
         self.viewers: set[asyncio.Queue] = set()
         self.closed = asyncio.Event()
+        self.outcome = "ended"
         self._task: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------------

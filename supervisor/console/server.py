@@ -419,7 +419,7 @@ class ConsoleServer:
                 else:
                     await ws.send_str(json.dumps(payload))
             with contextlib.suppress(Exception):
-                await ws.send_str(json.dumps({"t": "ended", "state": h.state}))
+                await ws.send_str(json.dumps({"t": "ended", "state": h.view.outcome}))
             await ws.close()
 
         sender = asyncio.get_running_loop().create_task(pump())

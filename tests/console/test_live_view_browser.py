@@ -134,3 +134,55 @@ def secrets_scan(texts: list[str], values: list[str]) -> None:
             assert not pat.search(text), f"{pat.pattern} in {text[:200]!r}"
         for v in values:
             assert v not in text
+
+
+def test_cancel_fails_the_stage_and_the_link_and_its_socket_die(guard):
+    port, d = guard.site, guard
+    assert d.call("POST", "/v1/runs", {"run_id": "lv-c"})[0] == 201
+    assert d.call("POST", "/v1/runs/lv-c/stages", {"stage_id": "login", "attempt": 1,
+                                                   "browser": browser(port)})[0] == 200
+    status, payload = d.call("POST", "/v1/runs/lv-c/handoff", {
+        "profile": "fixture", "site": "site-a.test", "reason": "please sign in",
+        "url": f"http://site-a.test:{port}/login", "kind": "live_view", "stage_id": "login"})
+    assert status == 200, payload
+    # a stage_id the run does not have is refused
+    assert d.call("POST", "/v1/runs/lv-c/handoff", {
+        "profile": "fixture", "site": "s", "reason": "r", "url": f"http://site-a.test:{port}/login",
+        "kind": "live_view", "stage_id": "nope"})[0] == 404
+
+    async def person() -> dict:
+        async with Viewer() as v:
+            await v.open_live_view(payload["url"])
+            ws = ("location.href.replace(/^http/, 'ws').replace(/[?#].*$/, '').replace(/\\/$/, '') + '/ws'")
+            assert await v.eval(f"window.__ws = new WebSocket({ws}); new Promise(r => "
+                                "{ __ws.onopen = () => r(true); __ws.onerror = () => r(false); })")
+            # Cancel as the page's form would send it, but from a script, so this page (and its
+            # sockets) stay open to watch what happens to them
+            text = await v.eval("(() => { const f = document.querySelector('form[action$=\"/cancel\"]'); "
+                                "return fetch(f.action, {method: 'POST', body: new URLSearchParams(new FormData(f))})"
+                                ".then(r => r.text()); })()")
+            await v.wait_for("document.body.dataset.ended === 'cancelled'", 10, "the page to show the end")
+            # the socket opened before is closed by the guard: no more input can reach the tab
+            await v.wait_for("window.__ws.readyState === 3", 10, "the old socket to close")
+            sent = await v.eval("(() => { try { __ws.send(JSON.stringify({t: 'text', text: 'x'})); "
+                                "return 'sent'; } catch (e) { return 'refused'; } })()")
+            again = await v.eval(f"new Promise(r => {{ const w = new WebSocket({ws}); "
+                                 "w.onopen = () => r('open'); w.onerror = () => r('refused'); })")
+            page = await v.eval("fetch('/live/' + location.pathname.split('/')[2]).then(r => r.status)")
+            return {"text": text, "again": again, "page": page, "sent": sent}
+
+    out = asyncio.run(person())
+    assert "cancelled" in out["text"], out
+    assert out["again"] == "refused" and out["page"] in (401, 410), out
+    status, st = d.call("GET", "/v1/runs/lv-c/handoff")
+    assert st["state"] == "cancelled"
+    status, stage = d.call("GET", "/v1/runs/lv-c/stages/login")
+    assert stage == {"state": "ended", "outcome": "failed"}, stage
+    # the link itself is dead too
+    code, _ = get(payload["url"])
+    assert code == 401
+    assert d.call("POST", "/v1/runs/lv-c/end", {"outcome": "failed"})[0] == 200
+    audit = (d.home / LOG_FILE).read_text()
+    closed = [json.loads(l) for l in audit.splitlines() if '"handoff_closed"' in l]
+    assert closed and closed[-1]["fields"]["outcome"] == "cancelled" and closed[-1]["fields"]["stage"] == "login"
+    assert closed[-1]["fields"]["by"].startswith("s-")
