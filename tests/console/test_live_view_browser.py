@@ -186,3 +186,40 @@ def test_cancel_fails_the_stage_and_the_link_and_its_socket_die(guard):
     closed = [json.loads(l) for l in audit.splitlines() if '"handoff_closed"' in l]
     assert closed and closed[-1]["fields"]["outcome"] == "cancelled" and closed[-1]["fields"]["stage"] == "login"
     assert closed[-1]["fields"]["by"].startswith("s-")
+
+
+def test_profiles_login_without_a_display_uses_the_live_view(guard):
+    """`sfguard profiles login` on a guard with no screen prints a one-time live-view link; a
+    person signs in through it and presses Done; --logged-in then checks the login."""
+    import subprocess
+    import sys
+    import time
+    from tests.demo.conftest import ROOT, cli_env
+    port = guard.site
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "profiles", "login", "acct", "--home", str(guard.home),
+         "--url", f"http://site-a.test:{port}/account", "--logged-in", f"http://site-a.test:{port}/account",
+         "--logged-out", f"http://site-a.test:{port}/login*",
+         "--wait", "120"],
+        cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        lines = []
+        while time.monotonic() < deadline and url is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "/live/" in line:
+                url = line.strip()
+        assert url, "".join(lines) + proc.stderr.read() if proc.poll() is not None else "".join(lines)
+        out = asyncio.run(scripted_login(url, "operator", "correct-horse"))
+        assert "logged in" in out["result"]
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, (rest, err)
+    assert "live view ended: done" in rest and "logged in" in rest.lower(), rest
