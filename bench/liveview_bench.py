@@ -47,7 +47,9 @@ def pct(xs: list[float], p: float) -> float:
 async def main(rounds: int) -> None:
     # the page the tab shows
     app = web.Application()
-    app.router.add_get("/", lambda r: web.Response(text=PAGE, content_type="text/html"))
+    async def index(_r):
+        return web.Response(text=PAGE, content_type="text/html")
+    app.router.add_get("/", index)
     page_runner = web.AppRunner(app)
     await page_runner.setup()
     site = web.TCPSite(page_runner, "127.0.0.1", 0)

@@ -212,7 +212,7 @@ class LiveView:
                 self.refused.append(display_url(url))
                 log.info("live view %s: navigation refused (outside allow_domains)", self.name)
                 await self.cdp.call("Fetch.failRequest", {"requestId": rid,
-                                    "errorReason": "BlockedByClient"}, session=self.session, timeout=5)
+                                    "errorReason": "Aborted"}, session=self.session, timeout=5)
                 self._broadcast(("state", self.state()))
 
     def _allowed(self, url: str) -> bool:
