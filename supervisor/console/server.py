@@ -104,7 +104,8 @@ class ConsoleServer:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> str:
         app = self.app()
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # open SSE streams and live-view sockets must not hold up the guard's stop
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -223,3 +223,23 @@ def test_profiles_login_without_a_display_uses_the_live_view(guard):
             proc.wait(10)
     assert proc.returncode == 0, (rest, err)
     assert "live view ended: done" in rest and "logged in" in rest.lower(), rest
+
+
+def test_an_unused_live_view_expires_and_its_link_dies(guard):
+    port, d = guard.site, guard
+    assert d.call("POST", "/v1/runs", {"run_id": "lv-t"})[0] == 201
+    assert d.call("POST", "/v1/runs/lv-t/stages", {"stage_id": "login", "attempt": 1,
+                                                   "browser": browser(port)})[0] == 200
+    status, payload = d.call("POST", "/v1/runs/lv-t/handoff", {
+        "profile": "fixture", "site": "site-a.test", "reason": "please sign in",
+        "url": f"http://site-a.test:{port}/login", "kind": "live_view", "stage_id": "login",
+        "timeout_s": 10})
+    assert status == 200, payload
+    status, st = d.call("GET", "/v1/runs/lv-t/handoff?wait=30")
+    assert st["state"] == "expired", st
+    assert get(payload["url"])[0] == 401
+    # the stage itself goes on (only Cancel fails it); the runner decides what to do
+    assert d.call("GET", "/v1/runs/lv-t/stages/login")[1]["state"] == "ready"
+    assert d.call("POST", "/v1/runs/lv-t/end", {"outcome": "failed"})[0] == 200
+    audit = (d.home / LOG_FILE).read_text()
+    assert '"outcome":"expired"' in audit.replace(" ", "")
