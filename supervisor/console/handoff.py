@@ -93,6 +93,11 @@ async def open_live(guard, run, body: models.HandoffRequest) -> tuple[int, dict]
     if not body.url:
         raise ApiError(400, "invalid_request", "url: a live_view handoff needs the page to open",
                        "url")
+    try:
+        page_pattern = policy.allow_pattern_for_url(body.url)
+    except (policy.MalformedHost, ValueError) as exc:
+        raise ApiError(400, "invalid_request", f"url: not an http:// or https:// address with a "
+                       f"valid host ({exc})", "url") from None
     stage = None
     if body.stage_id is not None:
         stage = run.stages.get(body.stage_id)
@@ -104,7 +109,7 @@ async def open_live(guard, run, body: models.HandoffRequest) -> tuple[int, dict]
             await finish(guard, old, "ended", by="guard")
     browser = await guard._leased_browser(run, body.profile, headed=False)
     host = urlsplit(body.url).hostname or ""
-    allow = sorted(set(guard._browser_allow(run, browser)) | {policy.allow_pattern_for_url(body.url)})
+    allow = sorted(set(guard._browser_allow(run, browser)) | {page_pattern})
     patterns = policy.compile_patterns(allow)
     await run.proxy.set_allow(browser.client, allow)
 
@@ -183,6 +188,12 @@ async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
     elif outcome == "cancelled" and h.stage_id and run is not None and run.state == "active":
         with contextlib.suppress(ApiError):
             await guard.api_end_stage(h.run_id, h.stage_id, models.StageEnd(outcome="failed"))
+    if run is not None and run.state == "active" and run.proxy is not None:
+        # the page's host was added for the handoff only: back to what the stages allow
+        with contextlib.suppress(Exception):
+            browser = run.browsers.get(guard._profile_key(run, h.profile).name)
+            if browser is not None and browser.client in run.proxy.clients:
+                await run.proxy.set_allow(browser.client, guard._browser_allow(run, browser))
     h.result = result
     h.state = outcome
     fields = dict(scope=guard.scope, profile=h.profile, run=h.run_id, by=by)
