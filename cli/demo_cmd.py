@@ -22,6 +22,10 @@ def register(sub) -> None:
                    help="guard home for the demo (default: a temporary one, deleted at the end)")
     p.add_argument("--keep", action="store_true",
                    help="keep the demo's temporary files (guard home, demo policy, logs)")
+    p.add_argument("--auto-login", action="store_true",
+                   help="where the guard has no display: a scripted person logs in through the "
+                        "live view from a separate headless browser (for tests and CI); without "
+                        "it the demo prints the live-view link and waits for you")
     p.set_defaults(func=run)
 
 
@@ -37,7 +41,8 @@ def run(args) -> int:
         print(line, flush=True)
 
     try:
-        result = demo.run_demo(home, args.keep, say, interactive=interactive)
+        result = demo.run_demo(home, args.keep, say, interactive=interactive,
+                               auto_login=args.auto_login)
     except demo.DemoError as exc:
         raise CliError(str(exc), 1) from None
     if not result.ok:

@@ -17,6 +17,7 @@ import sys
 COMMAND_MODULES = (
     "cli.start_cmd",
     "cli.status_cmd",
+    "cli.console_cmd",
     "cli.proxy_cmd",
     "cli.policy_cmd",
     "cli.profiles_cmd",

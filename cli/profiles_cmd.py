@@ -71,11 +71,14 @@ def register(sub) -> None:
     a.add_argument("name", help="profile name")
     _login_check_args(a, required=True)
     a.set_defaults(func=cmd_check)
-    a = psub.add_parser("login", parents=[home], help="open a visible browser window on a profile so a "
-                        "person can log in (needs a display where the guard runs)",
+    a = psub.add_parser("login", parents=[home], help="open a browser on a profile so a person can log "
+                        "in (a visible window, or a live view in the guard's console without a display)",
                         description="Open a visible browser on the profile through the running guard "
-                                    "so a person logs in, then reseal it on Enter; with --logged-in, "
-                                    "check the login afterwards. Exit 3 when no guard runs.")
+                                    "so a person logs in, then reseal it on Enter. Where the guard has "
+                                    "no display, print a one-time link to a live view of the login "
+                                    "page in the guard's console instead, and reseal on Done there. "
+                                    "With --logged-in, check the login afterwards. Exit 3 when no "
+                                    "guard runs.")
     a.add_argument("name", help="profile name")
     _login_check_args(a, required=False)
     a.add_argument("--wait", type=float, default=3600, metavar="SECONDS",
@@ -314,7 +317,7 @@ def cmd_login(args) -> int:
     spec = _check_spec(args)
     profile_ops = _guard_op(args)
     try:
-        session = profile_ops.open_login_window()
+        session = profile_ops.open_login_window(spec)
     except ops.HandoffRefused as exc:
         print(f"sfguard profiles login: cannot open a login window: {exc}", file=sys.stderr)
         return 1
@@ -323,10 +326,22 @@ def cmd_login(args) -> int:
     confirmed = False
     try:
         payload = session.payload
-        print(f"A browser window is open on {payload.get('url') or args.url} (profile {args.name}).")
-        print("Log in there yourself (password, 2FA), then press Enter here. Ctrl-D aborts.",
-              flush=True)
-        confirmed = _wait_for_enter(args.wait)
+        if payload.get("kind") == "live_view":
+            print(f"The guard has no screen: log in to profile {args.name} through the live view "
+                  "in its console. Open this one-time link in a browser:")
+            print(f"  {payload['url']}")
+            print("Sign in there (password, 2FA), then press Done in the page (Cancel aborts).",
+                  flush=True)
+            state = session.run.wait_handoff(args.wait)
+            print(f"live view ended: {state['state']}")
+            confirmed = state["state"] == "done"
+        else:
+            print(f"A browser window is open on {payload.get('url') or args.url} (profile {args.name}).")
+            print("Log in there yourself (password, 2FA), then press Enter here. Ctrl-D aborts.",
+                  flush=True)
+            confirmed = _wait_for_enter(args.wait)
+    except ops.OpError as exc:
+        print(f"sfguard profiles login: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
         print("\naborted")
     finally:

@@ -42,6 +42,13 @@ def register(sub) -> None:
     p.add_argument("--stage-user", metavar="USER", default=None,
                    help="when the guard runs as root: the unprivileged user `sfguard stage-exec` "
                         "runs stages as (default sfguard-stage, created when missing)")
+    p.add_argument("--console", metavar="[HOST:]PORT", default="127.0.0.1:0",
+                   help="the operator console's address (default: a free port on 127.0.0.1; "
+                        "sign in with `sfguard console`)")
+    p.add_argument("--console-public", action="store_true",
+                   help="allow a console address that is not loopback")
+    p.add_argument("--no-console", action="store_true",
+                   help="no operator console (and so no live_view login handoff)")
     p.set_defaults(func=run)
 
 
@@ -91,8 +98,15 @@ def run(args) -> int:
                            "cannot give the control socket to it", 2)
     if args.stage_user:
         guard.stage_user_name = args.stage_user
+    console_at = None
+    if not args.no_console:
+        from supervisor.console.server import ConsoleError, parse_listen
+        try:
+            console_at = parse_listen(args.console, args.console_public)
+        except ConsoleError as exc:
+            raise CliError(str(exc), 2) from None
     try:
-        return asyncio.run(_serve(guard, args.tcp, token_file))
+        return asyncio.run(_serve(guard, args.tcp, token_file, console_at))
     except GuardAlreadyRunning as exc:
         raise CliError(str(exc), 3) from None
     except ProfileError as exc:  # e.g. a damaged lease file: named, left untouched
@@ -118,7 +132,8 @@ def _write_token(target: Path, token: str) -> Path:
     return target
 
 
-async def _serve(guard, tcp_port: int | None, token_file: Path | None = None) -> int:
+async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
+                 console_at: tuple[str, int] | None = None) -> int:
     from supervisor.api import build_app
     from supervisor.client import socket_path
 
@@ -156,6 +171,17 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None) ->
         runners.append(tcp_runner)
         lines.append(f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token in {token_path})"
                      if token_path else f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token: {token})")
+    if console_at is not None:
+        from supervisor.console.server import ConsoleServer
+        console = ConsoleServer(guard, *console_at)
+        try:
+            await console.start()
+        except OSError as exc:
+            await guard.stop()
+            raise CliError(f"the console could not listen on {console_at[0]}:{console_at[1]}: "
+                           f"{exc.strerror or exc}", 2) from None
+        guard.console = console
+        lines.append(f"sfguard: console on {console.base_url} (sign in: `sfguard console`)")
     ab, br = guard.host_tool_report()
     lines += [f"sfguard: home {guard.home} (runtime {guard.runtime})",
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
@@ -183,6 +209,8 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None) ->
     print("sfguard: stopping; every run is torn down as abandoned", flush=True)
     for r in runners:
         await r.cleanup()
+    if guard.console is not None:
+        await guard.console.stop()
     await guard.stop()
     if sock.exists():
         sock.unlink()

@@ -39,6 +39,8 @@ def run(args) -> int:
     if pol["state"] != "ok":
         line += f"  INVALID EDIT, last good policy kept: {pol['error']}"
     print(line)
+    console = body.get("console")
+    print(f"console {console['url']} (sign in: sfguard console)" if console else "console off")
     for r in body["runs"]:
         proxy = r["proxy"]
         print(f"run     {r['run_id']} {r['state']}" + (f" ({r['outcome']})" if r["outcome"] else "")

@@ -161,11 +161,28 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/runs/{run_id}/handoff", "api_handoff",
           "Open the profile's browser for a person to log in; answers the gate payload",
           m.HandoffRequest, ((200, m.HandoffAnswer),),
-          _RUN + ((400, ("no_pipeline",)), (409, ("run_ended", "handoff_impossible", "profile_leased",
-                                                  "browser_failed")), (503, ("browser_failed",))),
+          _RUN + ((400, ("no_pipeline",)), (404, ("stage_not_found",)),
+                  (409, ("run_ended", "handoff_impossible", "profile_leased", "browser_failed")),
+                  (503, ("browser_failed",))),
           "For a login stage's gate: reopens the run's browser on the profile headed (needs a "
           "display where the guard runs; 409 handoff_impossible names the cause) and answers the "
-          "payload to show the person. End the login stage when the person confirms."),
+          "payload to show the person. End the login stage when the person confirms. With "
+          "`kind: live_view` (or `auto` on a guard without a screen) the payload's url is a "
+          "one-time link to a live view of the login tab in the guard's console; follow it with "
+          "GET .../handoff."),
+    Route("GET", "/v1/runs/{run_id}/handoff", "api_handoff_state",
+          "The state of the run's live_view handoff (long-poll with ?wait=)", None,
+          ((200, m.HandoffState),), _RUN + ((404, ("handoff_not_found",)),),
+          "open until the person presses Done (then `done` with the guard's own login check: "
+          "logged_in and url) or Cancel (`cancelled`; the handoff's stage failed), or the link "
+          f"timed out (`expired`) or its stage or run ended (`ended`). With ?wait=SECONDS (0-{MAX_WAIT:.0f}) "
+          "an open handoff's answer is held until it changes or the time is up.",
+          query=("wait",)),
+    Route("POST", "/v1/console/link", "api_console_link",
+          "A one-time login link to the operator console (`sfguard console`)",
+          m.ConsoleLinkRequest, ((200, m.ConsoleLink),), ((409, ("console_off",)),),
+          "The link is good once, for ttl_s seconds; its first use gives an HttpOnly, "
+          "SameSite=Strict session cookie. 409 console_off when the guard runs without a console."),
     Route("GET", "/v1/status", "api_status", "Runs, leases, queues, anchors, proxies, policy", None,
           ((200, m.StatusAnswer),), (),
           "What `sfguard status` prints: every run, profile lease and queue, and the site policy's "

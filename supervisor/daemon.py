@@ -36,6 +36,7 @@ from supervisor import agent_browser, models, redaction
 from supervisor.api import ApiError
 from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
 from supervisor.cdp_gate import CdpGate, GateError
+from supervisor.console import handoff as live
 from supervisor.home import atomic_write, ensure_home, private_dir, runtime_dir
 from supervisor.handoff import HandoffImpossible, LocalWindowHandoff
 from supervisor.login import LoginCheckError, LoginResult, check_login
@@ -324,6 +325,8 @@ class Guard:
         self.stage_user = None
         self.api_gid: int | None = None
         self.sandbox_ok, self.sandbox_detail = False, "not checked yet"
+        # the operator console (supervisor/console), set by `sfguard start` unless --no-console
+        self.console = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def acquire_instance_lock(self) -> None:
@@ -368,6 +371,7 @@ class Guard:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         self._stopping = True
+        await live.close_all(self)
         for run in list(self.runs.values()):
             if run.state == "active":
                 await self._end_run(run, "abandoned")
@@ -600,6 +604,7 @@ class Guard:
                        "state": "error" if self.policy_error else "ok", "error": self.policy_error},
             "runs": [r.public() for r in self.runs.values()],
             "leases": leases,
+            "console": {"url": self.console.base_url} if self.console is not None else None,
         }
 
     async def api_list_profiles(self) -> tuple[int, Any]:
@@ -703,6 +708,8 @@ class Guard:
 
     async def api_handoff(self, run_id: str, body: models.HandoffRequest) -> tuple[int, Any]:
         run = self._active_run(run_id)
+        if live.wants_live_view(self, body):   # no screen here: a live view in the console
+            return await live.open_live(self, run, body)
         handoff = LocalWindowHandoff()
         try:
             handoff.check_possible(profile=body.profile, url=body.url)
@@ -727,6 +734,14 @@ class Guard:
         self.audit.record("handoff_opened", scope=self.scope, profile=browser.key, run=run.run_id,
                           host=body.site)
         return 200, handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()
+
+    async def api_handoff_state(self, run_id: str, wait: float = 0.0) -> tuple[int, Any]:
+        return await live.state(self, run_id, wait)
+
+    async def api_console_link(self, body: models.ConsoleLinkRequest) -> tuple[int, Any]:
+        if self.console is None:
+            raise ApiError(409, "console_off", "the guard runs without its console (--no-console)", None)
+        return 200, self.console.login_link(body.ttl_s)
 
     # -- the stage state machine ---------------------------------------------------------------
     async def _advance(self, run: Run, stage: Stage) -> None:
@@ -783,6 +798,8 @@ class Guard:
         return run.proxy
 
     def _refill_spare(self) -> None:
+        if self._spare is not None:
+            return  # one warm spare at most
         if self._spare_task is None or self._spare_task.done():
             self._spare_task = asyncio.get_running_loop().create_task(self._make_spare())
 
@@ -793,8 +810,8 @@ class Guard:
         except Exception as exc:
             log.warning("could not start a spare run proxy: %s", exc)
             return
-        if self._stopping:
-            await proxy.stop()
+        if self._stopping or self._spare is not None:
+            await proxy.stop()   # never overwrite (and so lose) a spare that is still running
         else:
             self._spare = proxy
 

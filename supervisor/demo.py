@@ -61,6 +61,7 @@ STARTUP_S = 60.0             # fixture site / guard start-up
 STOP_S = 60.0                # guard shutdown (closes browsers, reseals) before SIGKILL
 AB_TIMEOUT_S = 60.0          # one agent-browser command of the stage side
 MAX_LOGIN_ATTEMPTS = 3
+LIVE_VIEW_WAIT_S = 900.0     # a person at a live view has this long (the guard's own limit too)
 
 
 # --------------------------------------------------------------------------- errors
@@ -182,17 +183,34 @@ class GuardRun:
         if status != 200:
             raise _error_of(status, answer)
 
-    def handoff(self, profile: str, site: str, reason: str, url: str | None) -> dict:
-        """Open the profile's browser for a person; the gate payload, or HandoffRefused."""
-        body: dict[str, Any] = {"profile": profile, "site": site, "reason": reason}
+    def handoff(self, profile: str, site: str, reason: str, url: str | None,
+                kind: str = "auto", stage_id: str | None = None,
+                login_check: dict | None = None) -> dict:
+        """Open the profile's browser for a person; the gate payload, or HandoffRefused.
+        `auto`: a visible window where the guard has a screen, else a live view in its console."""
+        body: dict[str, Any] = {"profile": profile, "site": site, "reason": reason, "kind": kind}
         if url:
             body["url"] = url
+        if stage_id:
+            body["stage_id"] = stage_id
+        if login_check:
+            body["login_check"] = login_check
         status, answer = self._call("POST", f"/v1/runs/{self.run_id}/handoff", body)
         if status == 409 and (answer or {}).get("error", {}).get("code") == "handoff_impossible":
             raise HandoffRefused(answer["error"]["message"], "handoff_impossible", 409)
         if status != 200:
             raise _error_of(status, answer)
         return dict(answer)
+
+    def wait_handoff(self, limit: float = LIVE_VIEW_WAIT_S) -> dict:
+        """Long-poll the run's live_view handoff until it is no longer open (or `limit` s)."""
+        deadline = time.monotonic() + limit
+        while True:
+            status, answer = self._call("GET", f"/v1/runs/{self.run_id}/handoff?wait=30")
+            if status != 200:
+                raise _error_of(status, answer)
+            if answer["state"] != "open" or time.monotonic() >= deadline:
+                return dict(answer)
 
     def end(self, outcome: str = "succeeded") -> list[str]:
         """End the run: the guard closes its browsers, reseals its profiles, releases leases."""
@@ -275,9 +293,10 @@ class ProfileOps:
             run.end()
         return result
 
-    def open_login_window(self) -> LoginWindow:
-        """A run with a headed stage on the profile and a local_window handoff at the URL.
-        HandoffRefused when the guard cannot show a window (the reason names the cause)."""
+    def open_login_window(self, spec: dict | None = None) -> LoginWindow:
+        """A run with a headed stage on the profile and a local_window handoff at the URL; on a
+        guard without a screen, a headless stage and a live_view handoff (payload kind
+        live_view, url = a one-time console link). HandoffRefused when neither can work."""
         run = GuardRun(self.client, _run_id("login"))
         try:
             try:
@@ -285,11 +304,15 @@ class ProfileOps:
             except OpError as exc:
                 if exc.code != "no_display":
                     raise
-                # The guard has no screen. Its handoff says why in full (display or container);
-                # asking it opens no browser (it refuses before leasing anything).
-                run.handoff(self.name, urlsplit(self.url).hostname or self.url,
-                            "sfguard profiles login", self.url)
-                raise HandoffRefused(str(exc), "no_display") from None
+                # The guard has no screen: a headless browser and a live view in its console
+                # (kind auto), or, with its console off, a refusal that names the cause.
+                run.stage("login", self._browser(headed=False), wait=0)
+                payload = run.handoff(self.name, urlsplit(self.url).hostname or self.url,
+                                      f"sfguard profiles login: sign in to profile {self.name}",
+                                      self.url, "auto", "login", spec)
+                if payload.get("kind") != "live_view":
+                    raise HandoffRefused(str(exc), "no_display")
+                return LoginWindow(run, payload)
             payload = run.handoff(self.name, urlsplit(self.url).hostname or self.url,
                                   f"sfguard profiles login: sign in to profile {self.name}", self.url)
         except BaseException:
@@ -497,10 +520,11 @@ class DemoRunner:
     """Plays the pipeline runner for the validated example pipeline, one run at a time."""
 
     def __init__(self, client: GuardClient, report, pipeline_src: Path, stage_home: Path,
-                 say: Callable[[str], None], interactive: bool):
+                 say: Callable[[str], None], interactive: bool, auto_login: bool = False):
         self.client, self.stages, self.say = client, report.stages, say
         self.pipeline_src, self.stage_home = pipeline_src, stage_home
         self.interactive = interactive
+        self.auto_login = auto_login
         self.headless_fallback = False
         self.user = os.environ.get("SFGUARD_FIXTURE_USER") or FIXTURE_USER
         self.password = os.environ.get("SFGUARD_FIXTURE_PASSWORD") or FIXTURE_PASSWORD
@@ -584,8 +608,24 @@ class DemoRunner:
             stage = self._request(run, st, attempt)
             self.say(f"[{st.id}] gate: {gate.get('message', 'confirm')}")
             try:
+                kind = "live_view" if handoff.get("kind") == "live_view" else "auto"
                 payload = run.handoff(st.browser.profile, str(handoff.get("site")),
-                                      str(handoff.get("reason")), spec["url"])
+                                      str(handoff.get("reason")), spec["url"], kind, st.id)
+                if payload["kind"] == "live_view":
+                    if not self._live_view(run, st, payload, rep):
+                        raise DemoError("the login was cancelled in the live view")
+                    self.say(f"[{st.id}] gate confirmed (Done in the live view)")
+                    result = run.login_check(st.browser.profile, spec,
+                                             on_retry=lambda m: self.say(f"[{st.id}] {m}"))
+                    self.say(f"[{st.id}] verify: guard login check says logged_in="
+                             f"{str(result['logged_in']).lower()} ({result['url']})")
+                    run.end_stage(st.id, "succeeded" if result["logged_in"] else "failed")
+                    if result["logged_in"]:
+                        return result
+                    if st.on_verify_fail != st.id:
+                        raise DemoError(f"the login was not confirmed by the guard ({result['url']})")
+                    self.say(f"[{st.id}] on_verify_fail: back to {st.id}")
+                    continue
                 self.say(f"[{st.id}] handoff: {payload['kind']} for {payload['site']} at {payload.get('url')}")
                 if self.interactive:
                     self.say(f"[{st.id}] log in as user {self.user!r} in the browser window, then press "
@@ -615,6 +655,32 @@ class DemoRunner:
                 raise DemoError(f"the login was not confirmed by the guard ({result['url']})")
             self.say(f"[{st.id}] on_verify_fail: back to {st.id}")
         raise DemoError(f"no login after {MAX_LOGIN_ATTEMPTS} attempts")
+
+    def _live_view(self, run: GuardRun, st, payload: dict, rep: RunReport) -> bool:
+        """The guard has no screen: its console shows the login tab at a one-time link. With
+        --auto-login a scripted person (a separate, unguarded headless Chromium) signs in
+        through that page; otherwise a person opens the link. True when Done was pressed."""
+        url = payload["url"]
+        shown = url.split("?", 1)[0]
+        if self.auto_login:
+            self.say(f"[{st.id}] handoff: live_view for {payload['site']} at {shown} (one-time "
+                     "link given to the scripted person, not printed)")
+            import asyncio
+            from supervisor.console.viewer import ViewerError, scripted_login
+            try:
+                out = asyncio.run(scripted_login(url, self.user, self.password, say=self.say))
+            except ViewerError as exc:
+                raise DemoError(f"the scripted person could not log in through the live view: {exc}") from None
+            self.say(f"[person] pressed Done; the page says: {out['result']}")
+            rep.login_by = "a scripted person, through the live view (a separate headless browser)"
+        else:
+            self.say(f"[{st.id}] handoff: live_view for {payload['site']}. Open this one-time "
+                     f"link in a browser, sign in as user {self.user!r}, then press Done:")
+            self.say(f"    {url}")
+            rep.login_by = "the operator, through the live view"
+        state = run.wait_handoff()
+        self.say(f"[{st.id}] live view ended: {state['state']}")
+        return state["state"] == "done"
 
     def _play_operator(self, stage: StageSide, url: str) -> None:
         stage.run("open", url)
@@ -691,7 +757,7 @@ def guard_running(home: Path) -> bool:
 
 
 def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
-             interactive: bool = False) -> DemoResult:
+             interactive: bool = False, auto_login: bool = False) -> DemoResult:
     """`sfguard demo`: see the module docstring. `home` None: a temp guard home. Raises
     DemoError with a sentence for the user; stops every process it started on every path."""
     if home is not None and guard_running(home):
@@ -745,7 +811,8 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
             f"{' (temporary)' if home is None and not keep else ''}, policy {pol}")
         stage_home = workdir / "stage-home"
         stage_home.mkdir(mode=0o700)
-        runner = DemoRunner(GuardClient(guard_home), report, EXAMPLE_PIPELINE, stage_home, say, interactive)
+        runner = DemoRunner(GuardClient(guard_home), report, EXAMPLE_PIPELINE, stage_home, say,
+                            interactive, auto_login)
         runs = [runner.run(1), runner.run(2)]
         ok, summary = _summarise(runs)
         say("== summary ==")

@@ -6,10 +6,10 @@ operator reading `sfguard`) what to do, as a `HandoffPayload`:
     {"kind": "local_window", "site": "127.0.0.1", "reason": "...", "url": "http://..."}
     {"kind": "live_view",    "site": "...",       "reason": "...", "url": "https://viewer..."}
 
-`local_window` (the only kind built) means: the run's anchor browser is shown as a visible
-window on this machine, at `url`, and the operator logs in there. `live_view` is the seam for a
-hosted service (a console link to a streamed browser); the schema accepts it so a console needs
-no change when it arrives, but no local implementation produces it.
+`local_window` means: the run's anchor browser is shown as a visible window on this machine,
+at `url`, and the operator logs in there. `live_view` means: the login tab is streamed to a
+page of the guard's console (supervisor/console/handoff.py), at a one-time `url`; it is what a
+guard without a screen (a container, CI) uses, and the seam for a hosted service.
 
 A handoff is refused up front with `HandoffImpossible` when it cannot work, naming the cause:
 a local window needs a screen, so on Linux DISPLAY or WAYLAND_DISPLAY must be set, and inside a
@@ -108,7 +108,8 @@ class LocalWindowHandoff:
         if self._container():
             raise HandoffImpossible(
                 "a visible login window is not possible: the guard runs inside a container, "
-                "where no one can see a browser window (a live_view handoff is not built yet). "
+                "where no one can see a browser window (ask for a live_view handoff in the guard's "
+                "console instead: kind live_view, or auto with the console on). "
                 f"{prepare}", "container")
         if self._platform not in ("darwin", "win32") and not self._display():
             raise HandoffImpossible(

@@ -133,7 +133,7 @@ ERROR_CODES = (
     "invalid_name", "profile_not_found", "profile_leased",
     # login check, envelope verification, handoff
     "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
-    "envelope_mismatch", "handoff_impossible",
+    "envelope_mismatch", "handoff_impossible", "handoff_not_found", "console_off",
     # stage-exec
     "stage_ended", "stage_failed", "stage_not_ready", "sandbox_unavailable",
 )
@@ -302,11 +302,16 @@ class LeaseInfo(Answer):
     holder_guard: str | None = Field(default=None, description="shared store only: the holder's guard id")
 
 
+class ConsoleInfo(Answer):
+    url: str = Field(description="the operator console's address (log in with `sfguard console`)")
+
+
 class StatusAnswer(Answer):
     guard: GuardInfo
     policy: PolicyState
     runs: list[RunInfo]
     leases: list[LeaseInfo]
+    console: ConsoleInfo | None = None
 
 
 class ProfileInfoAnswer(Answer):
@@ -328,6 +333,24 @@ class HandoffAnswer(Answer):
     site: str
     reason: str
     url: str | None = None
+
+
+class HandoffState(Answer):
+    state: Literal["open", "done", "cancelled", "expired", "ended"]
+    kind: Literal["live_view"]
+    site: str
+    profile: str
+    logged_in: bool | None = Field(None, description="done: the guard's login check after Done")
+    url: str | None = Field(None, description="done: the final address of that check")
+
+
+class ConsoleLinkRequest(Strict):
+    ttl_s: Annotated[int, Field(ge=1, le=86400)] = 600
+
+
+class ConsoleLink(Answer):
+    url: str = Field(description="one-time login link to the console (good once, until it expires)")
+    expires: str
 
 
 class LoginCheckRequest(Strict):
@@ -359,6 +382,17 @@ class HandoffRequest(Strict):
     site: Annotated[str, StringConstraints(min_length=1, max_length=300)]
     reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
     url: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
+    kind: Literal["auto", "local_window", "live_view"] = Field(
+        "auto", description="auto: a local window where the guard has a screen, else a live view "
+        "in the guard's console")
+    stage_id: Annotated[str, StringConstraints(pattern=STAGE_ID)] | None = Field(
+        None, description="live_view: the login stage; Cancel in the live view fails it")
+    login_check: LoginCheck | None = Field(
+        None, description="live_view: the check the guard runs when the person presses Done "
+        "(default: the stage's login_check)")
+    timeout_s: Annotated[int, Field(ge=10, le=3600)] | None = Field(
+        None, description="live_view: the link and the handoff end after this many seconds "
+        "(default 900)")
 
     _profile = field_validator("profile")(BrowserField._profile_name.__func__)
 

@@ -50,6 +50,9 @@ ELSEWHERE = {
         "a damaged sealed profile (tests/reliability: refused with the profile named)",
     ("POST", "/v1/runs/{run_id}/handoff", 409, "browser_failed"): "needs a display (handoff_impossible first)",
     ("POST", "/v1/runs/{run_id}/handoff", 503, "browser_failed"): "needs a display (handoff_impossible first)",
+    ("GET", "/v1/runs/{run_id}/handoff", 200, None): "tests/console (a live_view handoff, real browsers)",
+    ("POST", "/v1/console/link", 409, "console_off"): "tests/console (a guard started with --no-console)",
+    ("POST", "/v1/runs/{run_id}/handoff", 404, "stage_not_found"): "tests/console (live_view with an unknown stage_id)",
     ("POST", "/v1/runs/{run_id}/login-check", 503, "browser_failed"):
         "test_a_browser_that_cannot_start_is_an_answer_not_a_500 below",
     ("DELETE", "/v1/profiles/{name}", 400, "invalid_name"):
@@ -227,6 +230,9 @@ def test_a_runner_session_gets_only_documented_answers(daemon):
                 {"profile": "acct", "reported": {"logged_in": True, "url": "x"}})[0] == 404
     # handoff without a display: refused with the cause
     assert call("POST", "/v1/runs/r1/handoff", {"profile": "acct", "site": "site-a.test", "reason": "log in"})[0] == 409
+    assert call("GET", "/v1/runs/r1/handoff")[0] == 404                 # handoff_not_found
+    assert call("GET", "/v1/runs/nope/handoff")[0] == 404               # run_not_found
+    assert call("POST", "/v1/console/link", {})[0] == 200
     assert call("GET", "/v1/status")[0] == 200
     assert call("GET", "/v1/profiles")[0] == 200
     assert call("GET", "/v1/openapi.json")[0] == 200

@@ -92,7 +92,22 @@ def test_check_of_a_profile_in_use_fails_without_waiting(guard, site):
         lease.release(key, "other-run")
 
 
-def test_login_without_a_display_fails_clearly(guard, site):
+def test_login_without_a_display_or_console_fails_clearly(tmp_path, site):
+    from tests.demo.conftest import ROOT
+    from tests.daemon.conftest import Daemon
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
+    guard = Daemon((tmp_path / "nc").absolute(), env, tmp_path / "nc.log")
+    pol = tmp_path / "nc-sites.yaml"
+    pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
+                   "private_networks:\n  allow: [127.0.0.1/32]\n")
+    guard.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1", "--no-console")
+    try:
+        _login_refused(guard, site)
+    finally:
+        guard.stop()
+
+
+def _login_refused(guard, site):
     r = sfguard("profiles", "login", "acct", "--url", f"http://site-a.test:{site}/login",
                 "--home", str(guard.home))
     assert r.returncode == 1, (r.stdout, r.stderr)

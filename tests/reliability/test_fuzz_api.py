@@ -108,7 +108,8 @@ def test_path_tricks_in_every_route(api):
             target = fill(r.path, trick.replace("\x00", "%00"))
             status, data = raw(api, r.method, target, b"{}" if r.body else None)
             assert_error_shape_or_ok(status, data, f"{r.method} {target[:80]}")
-            assert status != 200 or r.method == "GET", (target, data[:200])
+            # a POST answers 200 only where there is no path to trick (POST /v1/console/link {})
+            assert status != 200 or r.method == "GET" or "{" not in r.path, (target, data[:200])
 
 
 def test_very_long_id_gets_the_error_shape(make_fake_guard):

@@ -1,0 +1,10 @@
+"""The operator console: a small web server the guard runs on loopback (issue 16).
+
+* `auth`     one-time login links, session cookies, CSRF tokens (nothing on disk)
+* `liveview` a live view of one login tab: CDP screencast frames out, the person's input in
+* `handoff`  the guard's side of a `live_view` login handoff (open, state, done, cancel)
+* `server`   the aiohttp app: overview, decisions, profiles, audit, live view, SSE updates
+
+Everything the browser gets ships in this package (templates/, static/): no CDN, no inline
+script, a strict Content-Security-Policy; it works offline.
+"""

@@ -1,0 +1,244 @@
+"""The guard's side of a `live_view` login handoff (issue 16, DESIGN 4.5).
+
+    POST /v1/runs/RUN/handoff {"profile", "site", "reason", "url", "kind": "live_view"|"auto",
+                               "stage_id"?}
+      -> {"kind": "live_view", "site", "reason", "url": "http://127.0.0.1:PORT/live/ID?t=TOKEN"}
+    GET  /v1/runs/RUN/handoff?wait=S -> {"state": open|done|cancelled|expired|ended, ...}
+
+`open_live` leases the profile's browser (headless is fine), opens a login tab at the page
+(`LiveView`) and makes a one-time link scoped to this handoff. The person opens it (the
+console's live page), logs in through the frames, then presses Done (the guard runs its own
+login check, `verify: login_check`) or Cancel (the stage named by `stage_id` fails). The link
+and every session made from it die when the handoff ends: done, cancelled, timed out, its stage
+or run ended, or its tab or browser went away. The audit log gets `handoff_opened`,
+`handoff_viewed` (by the console session's public id), and `handoff_confirmed` or
+`handoff_closed` with the outcome; never frames, text or addresses with queries.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import policy
+from supervisor import models, tools
+from supervisor.api import ApiError
+from supervisor.console.liveview import LiveView
+
+log = logging.getLogger("sfguard.console.handoff")
+
+HANDOFF_TIMEOUT = 900.0     # a live view nobody finishes ends after 15 minutes
+WATCH_STEP = 0.25
+MAX_WAIT = 60.0
+TERMINAL = ("done", "cancelled", "expired", "ended")
+
+
+@dataclass
+class LiveHandoff:
+    id: str
+    run_id: str
+    profile: str
+    stage_id: str | None
+    site: str
+    host: str
+    login_check: models.LoginCheck | None
+    deadline: float
+    view: LiveView
+    state: str = "open"
+    result: dict | None = None
+    viewers_seen: set[str] = field(default_factory=set)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Task | None = None
+    finishing: bool = False
+
+    @property
+    def scope(self) -> str:
+        return f"live:{self.id}"
+
+    def public(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state, "kind": "live_view", "site": self.site,
+                               "profile": self.profile}
+        if self.result is not None:
+            out["logged_in"] = self.result.get("logged_in")
+            out["url"] = self.result.get("url")
+        return out
+
+
+def wants_live_view(guard, body: models.HandoffRequest) -> bool:
+    """`live_view` asked for, or `auto` with a page to open on a guard with no screen (no
+    display, or a container) and its console on."""
+    kind = getattr(body, "kind", "auto")
+    if kind == "live_view":
+        return True
+    if kind == "local_window":
+        return False
+    no_screen = tools.in_container() or not tools.display_available()
+    return no_screen and bool(body.url) and getattr(guard, "console", None) is not None
+
+
+def _registry(guard) -> dict[str, LiveHandoff]:
+    return guard.console.handoffs
+
+
+async def open_live(guard, run, body: models.HandoffRequest) -> tuple[int, dict]:
+    console = getattr(guard, "console", None)
+    if console is None:
+        raise ApiError(409, "handoff_impossible", "a live_view handoff needs the guard's console, "
+                       "which is off (start the guard without --no-console)", None)
+    if not body.url:
+        raise ApiError(400, "invalid_request", "url: a live_view handoff needs the page to open",
+                       "url")
+    try:
+        page_pattern = policy.allow_pattern_for_url(body.url)
+    except (policy.MalformedHost, ValueError) as exc:
+        raise ApiError(400, "invalid_request", f"url: not an http:// or https:// address with a "
+                       f"valid host ({exc})", "url") from None
+    stage = None
+    if body.stage_id is not None:
+        stage = run.stages.get(body.stage_id)
+        if stage is None:
+            raise ApiError(404, "stage_not_found", f"no stage {body.stage_id!r} in run "
+                           f"{run.run_id!r}", "stage_id")
+    for old in _registry(guard).values():   # one open live view per run and profile
+        if old.run_id == run.run_id and old.profile == body.profile and old.state == "open":
+            await finish(guard, old, "ended", by="guard")
+    browser = await guard._leased_browser(run, body.profile, headed=False)
+    host = urlsplit(body.url).hostname or ""
+    allow = sorted(set(guard._browser_allow(run, browser)) | {page_pattern})
+    patterns = policy.compile_patterns(allow)
+    await run.proxy.set_allow(browser.client, allow)
+
+    def allowed(url: str) -> bool:
+        p = urlsplit(url)
+        if p.scheme not in ("http", "https") or not p.hostname:
+            return False
+        port = p.port or (443 if p.scheme == "https" else 80)
+        return guard.site_policy.decide(p.hostname, port, patterns).allowed
+
+    hid = secrets.token_hex(8)
+    view = LiveView(browser.anchor.pipe, allowed, name=f"live:{hid}")
+    try:
+        await view.start(body.url)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            await view.close()
+        raise ApiError(503, "browser_failed", f"could not open the login tab for the live view "
+                       f"({type(exc).__name__})", None) from None
+    check = body.login_check or (stage.browser_req.login_check if stage is not None else None)
+    h = LiveHandoff(hid, run.run_id, body.profile, body.stage_id, body.site, host, check,
+                    time.monotonic() + float(body.timeout_s or HANDOFF_TIMEOUT), view)
+    _registry(guard)[hid] = h
+    token = console.auth.new_link(h.scope, ttl=float(body.timeout_s or HANDOFF_TIMEOUT))
+    h.watcher = asyncio.get_running_loop().create_task(_watch(guard, h))
+    guard.audit.record("handoff_opened", scope=guard.scope, profile=browser.key, run=run.run_id,
+                       host=body.site if _plain_host(body.site) else host, mode="live_view")
+    url = f"{console.base_url}/live/{hid}?t={token}"
+    return 200, {"kind": "live_view", "site": body.site, "reason": body.reason, "url": url}
+
+
+def _plain_host(site: str) -> bool:
+    import re
+    return bool(re.fullmatch(r"[A-Za-z0-9._:\-\[\]*]{1,255}", site))
+
+
+async def _watch(guard, h: LiveHandoff) -> None:
+    """End the handoff when its time is up, its stage or run ended, or its tab went away."""
+    try:
+        while h.state == "open":
+            await asyncio.sleep(WATCH_STEP)
+            if h.state != "open" or h.finishing:
+                return
+            run = guard.runs.get(h.run_id)
+            stage = run.stages.get(h.stage_id) if (run is not None and h.stage_id) else None
+            if time.monotonic() >= h.deadline:
+                await finish(guard, h, "expired", by="guard")
+            elif run is None or run.state != "active" or (stage is not None and stage.state in ("ended", "failed")):
+                await finish(guard, h, "ended", by="guard")
+            elif h.view.closed.is_set():
+                await finish(guard, h, "ended", by="guard")
+    except asyncio.CancelledError:
+        pass
+
+
+async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
+    """End a handoff: `done` (then the guard's login check), `cancelled` (the stage fails),
+    `expired` or `ended`. Idempotent; the link and its sessions stop working at once."""
+    if h.state != "open" or h.finishing:
+        return h.public()
+    h.finishing = True
+    console = guard.console
+    console.auth.end_scope(h.scope)
+    h.view.outcome = outcome     # what the viewers are told as their socket closes
+    await h.view.close()
+    if h.watcher is not None and h.watcher is not asyncio.current_task():
+        h.watcher.cancel()
+    run = guard.runs.get(h.run_id)
+    result = None
+    if outcome == "done" and h.login_check is not None and run is not None and run.state == "active":
+        try:
+            _, result = await guard.api_login_check(h.run_id, models.LoginCheckRequest(
+                profile=h.profile, login_check=h.login_check))
+        except ApiError as exc:
+            result = {"logged_in": False, "url": "", "error": exc.code}
+    elif outcome == "cancelled" and h.stage_id and run is not None and run.state == "active":
+        with contextlib.suppress(ApiError):
+            await guard.api_end_stage(h.run_id, h.stage_id, models.StageEnd(outcome="failed"))
+    if run is not None and run.state == "active" and run.proxy is not None:
+        # the page's host was added for the handoff only: back to what the stages allow
+        with contextlib.suppress(Exception):
+            browser = run.browsers.get(guard._profile_key(run, h.profile).name)
+            if browser is not None and browser.client in run.proxy.clients:
+                await run.proxy.set_allow(browser.client, guard._browser_allow(run, browser))
+    h.result = result
+    h.state = outcome
+    fields = dict(scope=guard.scope, profile=h.profile, run=h.run_id, by=by)
+    if h.stage_id:
+        fields["stage"] = h.stage_id
+    with contextlib.suppress(Exception):
+        if outcome == "done":
+            guard.audit.record("handoff_confirmed", outcome="done", **fields,
+                               **({"logged_in": bool(result.get("logged_in"))} if result else {}))
+        else:
+            guard.audit.record("handoff_closed", outcome=outcome, **fields)
+    h.changed.set()
+    console.notify()
+    log.info("live view %s of run %s ended: %s", h.id, h.run_id, outcome)
+    return h.public()
+
+
+def viewed(guard, h: LiveHandoff, session_id: str) -> None:
+    """Audit the first time a console session opens this live view."""
+    if session_id in h.viewers_seen:
+        return
+    h.viewers_seen.add(session_id)
+    with contextlib.suppress(Exception):
+        guard.audit.record("handoff_viewed", scope=guard.scope, profile=h.profile, run=h.run_id,
+                           by=session_id)
+
+
+async def state(guard, run_id: str, wait: float = 0.0) -> tuple[int, dict]:
+    """The run's latest live handoff; with `wait`, held until it is no longer open."""
+    guard._run(run_id)
+    console = getattr(guard, "console", None)
+    mine = [h for h in (console.handoffs.values() if console else []) if h.run_id == run_id]
+    if not mine:
+        raise ApiError(404, "handoff_not_found", f"run {run_id!r} has no live_view handoff", "run_id")
+    h = mine[-1]
+    if h.state == "open" and wait > 0:
+        h.changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(h.changed.wait(), min(wait, MAX_WAIT))
+    return 200, h.public()
+
+
+async def close_all(guard) -> None:
+    console = getattr(guard, "console", None)
+    if console is None:
+        return
+    for h in list(console.handoffs.values()):
+        await finish(guard, h, "ended", by="guard")

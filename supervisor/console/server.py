@@ -1,0 +1,458 @@
+"""The operator console: an aiohttp server the guard runs on loopback (issue 16).
+
+    sfguard start [--console [HOST:]PORT] [--console-public] [--no-console]
+    sfguard console          -> a one-time login link
+
+Pages (server-rendered with Jinja2, autoescaped): overview (runs, stages, leases and queues,
+browsers, proxies, site policy state), decisions (the decision log with filters, the rule and
+its source line, a copy-ready `sfguard policy explain`), profiles (names, scope, sealed or
+leased, last login check; never a cookie), audit (chain state and the latest records), and the
+live view of a login handoff. `/events` pushes fresh page fragments over SSE.
+
+Security: every page and endpoint needs a session (401 otherwise); a session comes only from
+a one-time link (supervisor.console.auth); the cookie is HttpOnly, SameSite=Strict, with a
+Max-Age. Every POST and the live view's WebSocket check the Origin, and POSTs a CSRF token.
+The Host header must name this server (no DNS rebinding). Every answer carries a strict
+Content-Security-Policy (scripts and styles from this server only, no inline script),
+`Referrer-Policy: same-origin` (a link token never leaks to another site; `no-referrer` would make Chromium send `Origin: null` on our own POSTs), `X-Frame-Options: DENY`
+and `Cache-Control: no-store`. Everything the browser loads ships in this package.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import json
+import logging
+import shlex
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from aiohttp import WSMsgType, web
+
+from supervisor.console import handoff as live
+from supervisor.console.auth import LINK_TTL, ConsoleAuth, Session
+
+log = logging.getLogger("sfguard.console")
+
+HERE = Path(__file__).resolve().parent
+STATIC = {p.name: p for p in (HERE / "static").iterdir() if p.suffix in (".js", ".css")}
+CONSOLE_COOKIE = "sfguard_console"
+LIVE_COOKIE = "sfguard_live"
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; "
+       "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+SSE_STEP = 1.0
+SSE_HEARTBEAT = 15.0
+DECISIONS_TAIL = 5000
+DECISIONS_SHOWN = 200
+AUDIT_SHOWN = 50
+PAGES = ("overview", "decisions", "profiles", "audit")
+
+
+class ConsoleError(Exception):
+    pass
+
+
+def parse_listen(value: str, public: bool) -> tuple[str, int]:
+    """`[HOST:]PORT` -> (host, port). Non-loopback hosts need `public`."""
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", value
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port_n = int(port)
+        if not 0 <= port_n <= 65535:
+            raise ValueError
+    except ValueError:
+        raise ConsoleError(f"--console wants [HOST:]PORT with a port from 0 to 65535, got {value!r}") from None
+    if host != "localhost":
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise ConsoleError(f"--console: {host!r} is not an IP address") from None
+        if not ip.is_loopback and not public:
+            raise ConsoleError(f"--console {value}: {host} is not a loopback address; the console "
+                               "is for this machine's operator (add --console-public to listen "
+                               "there anyway)")
+    return host, port_n
+
+
+def _fmt_ts(ts: Any) -> str:
+    if isinstance(ts, (int, float)):
+        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ts))
+    return str(ts or "")
+
+
+class ConsoleServer:
+    def __init__(self, guard, host: str = "127.0.0.1", port: int = 0):
+        self.guard = guard
+        self.host, self.port = host, port
+        self.auth = ConsoleAuth()
+        self.handoffs: dict[str, live.LiveHandoff] = {}
+        self.base_url = ""
+        self._runner: web.AppRunner | None = None
+        self._version = 0
+        self._changed = asyncio.Event()
+        self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")),
+                                      autoescape=True, undefined=jinja2.StrictUndefined)
+        self.env.filters["ts"] = _fmt_ts
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> str:
+        app = self.app()
+        # open SSE streams and live-view sockets must not hold up the guard's stop
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        sock = site._server.sockets[0]  # the bound port (0 = a free one)
+        self.port = sock.getsockname()[1]
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        self.base_url = f"http://{shown}:{self.port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        await live.close_all(self.guard)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def login_link(self, ttl: float = LINK_TTL) -> dict:
+        token = self.auth.new_link("console", ttl=float(ttl))
+        return {"url": f"{self.base_url}/login?t={token}",
+                "expires": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + ttl))}
+
+    def notify(self) -> None:
+        self._version += 1
+        self._changed.set()
+
+    # -- the app -----------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        @web.middleware
+        async def guard_mw(request: web.Request, handler):
+            if self.base_url and request.host not in self._hosts():
+                return self._headers(web.Response(status=421, text="wrong Host for this console\n"))
+            if request.method not in ("GET", "HEAD") and not self._same_origin(request):
+                return self._headers(web.Response(status=403, text="cross-origin request refused\n"))
+            try:
+                resp = await handler(request)
+            except web.HTTPException as exc:
+                resp = exc
+            except Exception:
+                log.exception("console error on %s %s", request.method, request.rel_url.path)
+                resp = web.Response(status=500, text="internal error; see the guard's log\n")
+            if isinstance(resp, web.StreamResponse) and not resp.prepared:
+                self._headers(resp)
+            return resp
+
+        app = web.Application(middlewares=[guard_mw], client_max_size=64 * 1024)
+        app.router.add_get("/login", self.h_login)
+        app.router.add_post("/logout", self.h_logout)
+        app.router.add_get("/", self.h_page)
+        for name in PAGES[1:]:
+            app.router.add_get(f"/{name}", self.h_page)
+        app.router.add_get("/events", self.h_events)
+        app.router.add_get("/static/{name}", self.h_static)
+        app.router.add_get("/live/{hid}", self.h_live)
+        app.router.add_get("/live/{hid}/ws", self.h_live_ws)
+        app.router.add_post("/live/{hid}/done", self.h_live_end)
+        app.router.add_post("/live/{hid}/cancel", self.h_live_end)
+        return app
+
+    def _hosts(self) -> set[str]:
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        out = {f"{shown}:{self.port}"}
+        if self.host in ("127.0.0.1", "localhost"):
+            out |= {f"127.0.0.1:{self.port}", f"localhost:{self.port}"}
+        return out
+
+    def _same_origin(self, request: web.Request) -> bool:
+        origin = request.headers.get("Origin")
+        if not origin:
+            return False
+        return origin in {f"http://{h}" for h in self._hosts()}
+
+    @staticmethod
+    def _headers(resp: web.StreamResponse) -> web.StreamResponse:
+        resp.headers["Content-Security-Policy"] = CSP
+        resp.headers["Referrer-Policy"] = "same-origin"
+        resp.headers["X-Frame-Options"] = "DENY"
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["Cross-Origin-Opener-Policy"] = "same-origin"
+        resp.headers["Cache-Control"] = "no-store"
+        return resp
+
+    def _render(self, name: str, status: int = 200, **ctx) -> web.Response:
+        html = self.env.get_template(name).render(**ctx)
+        return web.Response(status=status, text=html, content_type="text/html", charset="utf-8")
+
+    def _set_cookie(self, resp: web.StreamResponse, name: str, value: str, sess: Session, path: str) -> None:
+        resp.set_cookie(name, value, max_age=max(1, int(sess.expires - time.time())), path=path,
+                        httponly=True, samesite="Strict", secure=False)
+
+    def _console_session(self, request: web.Request) -> Session | None:
+        return self.auth.session(request.cookies.get(CONSOLE_COOKIE))
+
+    def _unauthorized(self, request: web.Request) -> web.Response:
+        if request.headers.get("Accept", "").startswith("text/event-stream"):
+            return web.Response(status=401, text="sign in with a link from `sfguard console`\n")
+        return self._render("message.html", 401, title="Not signed in", session=None,
+                            message="This console needs a session. Run `sfguard console` on the "
+                                    "guard's machine and open the one-time link it prints.")
+
+    # -- sign in / out -----------------------------------------------------------------------
+    async def h_login(self, request: web.Request) -> web.StreamResponse:
+        got = self.auth.redeem(request.query.get("t"), scope="console")
+        if got is None:
+            return self._render("message.html", 401, title="Link not valid", session=None,
+                                message="This login link was already used, has expired, or is "
+                                        "not one of this guard's. Run `sfguard console` for a new one.")
+        cookie, sess = got
+        # A page (not a redirect) that moves on by itself: the next request starts on this
+        # site, so the SameSite=Strict cookie goes with it wherever the link was clicked.
+        resp = self._render("moved.html", title="Signed in", target="/", session=None)
+        self._set_cookie(resp, CONSOLE_COOKIE, cookie, sess, "/")
+        log.info("console: session %s signed in", sess.public_id)
+        return resp
+
+    async def h_logout(self, request: web.Request) -> web.StreamResponse:
+        sess = self._console_session(request)
+        if sess is None:
+            return self._unauthorized(request)
+        form = await request.post()
+        if not sess.csrf_ok(form.get("csrf") or request.headers.get("X-CSRF-Token")):
+            return web.Response(status=403, text="CSRF token missing or wrong\n")
+        self.auth.end_session(request.cookies.get(CONSOLE_COOKIE))
+        resp = self._render("message.html", title="Signed out", session=None,
+                            message="Signed out. Run `sfguard console` to sign in again.")
+        resp.del_cookie(CONSOLE_COOKIE, path="/")
+        return resp
+
+    async def h_static(self, request: web.Request) -> web.StreamResponse:
+        path = STATIC.get(request.match_info["name"])
+        if path is None:
+            raise web.HTTPNotFound()
+        ctype = "text/javascript" if path.suffix == ".js" else "text/css"
+        return web.Response(body=path.read_bytes(), content_type=ctype, charset="utf-8")
+
+    # -- pages -------------------------------------------------------------------------------
+    async def h_page(self, request: web.Request) -> web.StreamResponse:
+        sess = self._console_session(request)
+        if sess is None:
+            return self._unauthorized(request)
+        page = request.path.strip("/") or "overview"
+        ctx = await self.page_context(page, dict(request.query))
+        return self._render(f"{page}.html", page=page, session=sess, **ctx)
+
+    async def page_context(self, page: str, query: dict[str, str]) -> dict[str, Any]:
+        if page == "overview":
+            return await self._overview()
+        if page == "decisions":
+            return self._decisions(query)
+        if page == "profiles":
+            return await self._profiles()
+        return self._audit()
+
+    async def _overview(self) -> dict[str, Any]:
+        _, status = await self.guard.api_status()
+        handoffs = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
+                    for h in self.handoffs.values() if h.state == "open"]
+        return {"gs": status, "handoffs": handoffs}
+
+    def _decisions(self, query: dict[str, str]) -> dict[str, Any]:
+        filters = {k: query.get(k, "").strip()[:200] for k in ("run", "stage", "host", "decision", "reason")}
+        rows: deque = deque(maxlen=DECISIONS_TAIL)
+        path = self.guard.logs_dir / "decisions.log"
+        with contextlib.suppress(FileNotFoundError):
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    rows.append(line)
+        out = []
+        for line in reversed(rows):
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(d, dict):
+                continue
+            stage = str(d.get("stage") or d.get("client") or "")
+            rec = {"ts": d.get("ts"), "run": str(d.get("run") or (stage.split("/")[0] if "/" in stage else "")),
+                   "stage": stage, "method": d.get("method"), "host": str(d.get("host") or ""),
+                   "port": d.get("port"), "decision": str(d.get("decision") or ""),
+                   "reason": str(d.get("reason") or ""), "rule": d.get("rule"),
+                   "source": d.get("source") or "proxy"}
+            if any(v and v.lower() not in str(rec[k]).lower() for k, v in filters.items()):
+                continue
+            rec["explain"] = self._explain(rec)
+            out.append(rec)
+            if len(out) >= DECISIONS_SHOWN:
+                break
+        return {"rows": out, "filters": filters}
+
+    def _explain(self, rec: dict) -> str | None:
+        if rec["source"] != "proxy" or not rec["host"]:
+            return None
+        target = rec["host"] + (f":{rec['port']}" if rec["port"] not in (None, 80, 443) else "")
+        argv = ["sfguard", "policy", "explain", target, "--policy", str(self.guard.policy_path)]
+        run = self.guard.runs.get(rec["run"])
+        if run is not None:
+            allow = sorted({a for s in run.stages.values() for a in s.browser_req.allow_domains})
+            for a in allow:
+                argv += ["--allow", a]
+        return shlex.join(argv)
+
+    async def _profiles(self) -> dict[str, Any]:
+        _, answer = await self.guard.api_list_profiles()
+        checks: dict[str, dict] = {}
+        with contextlib.suppress(Exception):
+            for rec in self.guard.audit.records():
+                if rec.get("event") == "login_checked":
+                    f = rec.get("fields") or {}
+                    checks[str(f.get("profile"))] = {"ts": rec.get("ts"), "result": f.get("result")}
+        rows = [dict(p, state="leased" if p["leased_by"] else "sealed", check=checks.get(p["name"]))
+                for p in answer["profiles"]]
+        return {"profiles": rows}
+
+    def _audit(self) -> dict[str, Any]:
+        result = self.guard.audit.verify()
+        records = self.guard.audit.records()[-AUDIT_SHOWN:]
+        shown = [{"seq": r.get("seq"), "ts": r.get("ts"), "event": r.get("event"),
+                  "fields": " ".join(f"{k}={v}" for k, v in sorted((r.get("fields") or {}).items()))}
+                 for r in reversed(records)]
+        return {"verify": result, "records": shown}
+
+    # -- live updates ------------------------------------------------------------------------
+    async def h_events(self, request: web.Request) -> web.StreamResponse:
+        sess = self._console_session(request)
+        if sess is None:
+            return self._unauthorized(request)
+        page = request.query.get("page", "overview")
+        if page not in PAGES:
+            raise web.HTTPBadRequest(text="unknown page\n")
+        query = {k: v for k, v in request.query.items() if k != "page"}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        self._headers(resp)
+        await resp.prepare(request)
+        last, beat = "", time.monotonic()
+        try:
+            while sess.alive():
+                ctx = await self.page_context(page, query)
+                html = self.env.get_template(f"_{page}.html").render(session=sess, **ctx)
+                digest = hashlib.sha256(html.encode()).hexdigest()
+                if digest != last:
+                    last = digest
+                    data = "\n".join(f"data: {line}" for line in html.splitlines() or [""])
+                    await resp.write(f"event: update\n{data}\n\n".encode())
+                    beat = time.monotonic()
+                elif time.monotonic() - beat > SSE_HEARTBEAT:
+                    await resp.write(b": keep-alive\n\n")
+                    beat = time.monotonic()
+                self._changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), SSE_STEP)
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        return resp
+
+    # -- live view ---------------------------------------------------------------------------
+    def _live(self, request: web.Request) -> tuple[live.LiveHandoff | None, Session | None]:
+        h = self.handoffs.get(request.match_info["hid"])
+        if h is None:
+            return None, None
+        sess = self.auth.session(request.cookies.get(LIVE_COOKIE))
+        if sess is None or not sess.can_view(h.scope):
+            sess = self._console_session(request)
+        if sess is None or not sess.can_view(h.scope):
+            return h, None
+        return h, sess
+
+    def _live_gone(self) -> web.Response:
+        return self._render("message.html", 410, title="Live view ended", session=None,
+                            message="This live view has ended (done, cancelled, timed out, or its "
+                                    "stage ended). Its link no longer works.")
+
+    async def h_live(self, request: web.Request) -> web.StreamResponse:
+        hid = request.match_info["hid"]
+        h = self.handoffs.get(hid)
+        if "t" in request.query:
+            got = self.auth.redeem(request.query.get("t"), scope=f"live:{hid}")
+            if got is None or h is None or h.state != "open":
+                return self._render("message.html", 401, title="Link not valid", session=None,
+                                    message="This live-view link was already used, has expired, "
+                                            "or its login has ended.")
+            cookie, sess = got
+            resp = self._render("moved.html", title="Live view", target=f"/live/{hid}", session=None)
+            self._set_cookie(resp, LIVE_COOKIE, cookie, sess, f"/live/{hid}")
+            return resp
+        h, sess = self._live(request)
+        if h is None or h.state != "open":
+            return self._live_gone() if (h is not None or sess is not None) else self._unauthorized(request)
+        if sess is None:
+            return self._unauthorized(request)
+        live.viewed(self.guard, h, sess.public_id)
+        return self._render("live.html", page="live", session=sess, h=h,
+                            state=h.view.state(), csrf=sess.csrf)
+
+    async def h_live_ws(self, request: web.Request) -> web.StreamResponse:
+        h, sess = self._live(request)
+        if h is None or sess is None:
+            return web.Response(status=401, text="no session for this live view: open its link, or sign in with `sfguard console`\n")
+        if h.state != "open":
+            return web.Response(status=410, text="this live view has ended\n")
+        if not self._same_origin(request):
+            return web.Response(status=403, text="cross-origin WebSocket refused\n")
+        ws = web.WebSocketResponse(heartbeat=20, max_msg_size=16 * 1024)
+        await ws.prepare(request)
+        q = h.view.add_viewer()
+
+        async def pump() -> None:
+            while True:
+                item = await q.get()
+                if item is None:
+                    break
+                kind, payload = item
+                if kind == "frame":
+                    await ws.send_bytes(payload)
+                else:
+                    await ws.send_str(json.dumps(payload))
+            with contextlib.suppress(Exception):
+                await ws.send_str(json.dumps({"t": "ended", "state": h.view.outcome}))
+            await ws.close()
+
+        sender = asyncio.get_running_loop().create_task(pump())
+        try:
+            async for msg in ws:
+                if msg.type != WSMsgType.TEXT or h.state != "open":
+                    continue
+                if not self.auth.session(request.cookies.get(LIVE_COOKIE)) and \
+                        not self._console_session(request):
+                    break       # the session ended (the handoff ended): no more input
+                try:
+                    data = json.loads(msg.data)
+                except ValueError:
+                    continue
+                await h.view.input(data)
+        finally:
+            h.view.remove_viewer(q)
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sender
+            await ws.close()
+        return ws
+
+    async def h_live_end(self, request: web.Request) -> web.StreamResponse:
+        h, sess = self._live(request)
+        if h is None or sess is None:
+            return web.Response(status=401, text="no session for this live view: open its link, or sign in with `sfguard console`\n")
+        form = await request.post()
+        if not sess.csrf_ok(form.get("csrf") or request.headers.get("X-CSRF-Token")):
+            return web.Response(status=403, text="CSRF token missing or wrong\n")
+        if h.state != "open":
+            return self._live_gone()
+        outcome = "done" if request.path.endswith("/done") else "cancelled"
+        result = await live.finish(self.guard, h, outcome, by=sess.public_id)
+        return self._render("live_result.html", title="Live view ended", session=None, result=result)

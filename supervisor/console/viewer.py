@@ -1,0 +1,216 @@
+"""A scripted person at a live view: a separate, unguarded headless Chromium that opens the
+live-view link and logs in through the page, as a person would (issue 16).
+
+Used by `sfguard demo --auto-login`, `sfguard profiles login --auto-login` (tests and CI) and
+the live-view tests and benchmark. It is NOT the guard's browser: it is started here over its
+own `--remote-debugging-pipe` (no port), with a temporary profile, no proxy, and reaches only
+the console on loopback. It never gets the stage's env or anything of the guard's: only the
+one-time link. It drives the viewer page with real input events (`Input.*` on the viewer
+page), which the page's script forwards to the login tab.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from supervisor import chromium, tools
+from supervisor.cdp_pipe import CdpPipe, CdpSession
+from supervisor.sweep import ProcRecord, terminate_recorded
+
+
+class ViewerError(Exception):
+    pass
+
+
+class Viewer:
+    """One headless Chromium with one page, driven over its DevTools pipe."""
+
+    def __init__(self, browser_path: str | None = None, width: int = 1400, height: int = 1000):
+        self.browser_path = browser_path or tools.find_browser().path
+        self.width, self.height = width, height
+        self.dir: Path | None = None
+        self.proc = None
+        self.pipe: CdpPipe | None = None
+        self.cdp: CdpSession | None = None
+        self.session: str | None = None
+        self.console_log: list[str] = []
+
+    async def __aenter__(self) -> "Viewer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if not self.browser_path:
+            raise ViewerError("no Chromium found for the viewer")
+        self.dir = Path(tempfile.mkdtemp(prefix="sfguard-viewer-"))
+        argv = chromium.chromium_args(browser_path=self.browser_path, profile_dir=self.dir,
+                                      proxy_port=None, headed=False, no_sandbox=os.geteuid() == 0)
+        self.proc, reader, writer = await chromium.spawn(argv, env=chromium.browser_env(), cwd=str(self.dir))
+        self.pipe = CdpPipe(reader, writer)
+        await self.pipe.start(timeout=60)
+        self.cdp = await self.pipe.session("viewer")
+        target = (await self.cdp.call("Target.createTarget", {"url": "about:blank"}))["targetId"]
+        self.session = (await self.cdp.call("Target.attachToTarget",
+                                            {"targetId": target, "flatten": True}))["sessionId"]
+        for m in ("Page.enable", "Runtime.enable"):
+            await self.call(m)
+        await self.call("Emulation.setDeviceMetricsOverride", {
+            "width": self.width, "height": self.height, "deviceScaleFactor": 1, "mobile": False})
+        asyncio.get_running_loop().create_task(self._collect())
+
+    async def _collect(self) -> None:
+        with contextlib.suppress(Exception):
+            while True:
+                ev = await self.cdp.events.get()
+                if ev.get("method") == "Runtime.consoleAPICalled":
+                    args = (ev.get("params") or {}).get("args") or []
+                    self.console_log.append(" ".join(str(a.get("value", a.get("description", ""))) for a in args))
+                elif ev.get("method") == "Runtime.exceptionThrown":
+                    self.console_log.append(json.dumps((ev.get("params") or {}).get("exceptionDetails", {}))[:500])
+
+    async def close(self) -> None:
+        if self.pipe is not None:
+            with contextlib.suppress(Exception):
+                await self.pipe.call("Browser.close", timeout=5)
+            await self.pipe.close()
+        if self.proc is not None:
+            rec = ProcRecord.of(self.proc.pid, "browser")
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except asyncio.TimeoutError:
+                await asyncio.to_thread(terminate_recorded, [rec] if rec else [], 3)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def call(self, method: str, params: dict | None = None, timeout: float = 30) -> dict:
+        return await self.cdp.call(method, params or {}, session=self.session, timeout=timeout)
+
+    async def eval(self, expr: str) -> Any:
+        res = await self.call("Runtime.evaluate", {"expression": expr, "returnByValue": True,
+                                                   "awaitPromise": True})
+        if res.get("exceptionDetails"):
+            raise ViewerError(f"evaluation failed: {expr[:80]}")
+        return (res.get("result") or {}).get("value")
+
+    async def goto(self, url: str, timeout: float = 30) -> None:
+        await self.call("Page.navigate", {"url": url})
+        await self.wait_for("document.readyState === 'complete' && !document.querySelector('meta[http-equiv=refresh]')",
+                            timeout)
+
+    async def wait_for(self, expr: str, timeout: float = 30, what: str | None = None) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(ViewerError, Exception):
+                value = await self.eval(expr)
+                if value:
+                    return value
+            if time.monotonic() >= deadline:
+                raise ViewerError(f"timed out waiting for {what or expr[:80]}")
+            await asyncio.sleep(0.05)
+
+    async def screenshot(self, path: Path | None = None, clip_selector: str | None = None) -> bytes:
+        params: dict[str, Any] = {"format": "png"}
+        if clip_selector:
+            r = await self.eval(f"(() => {{ const r = document.querySelector({json.dumps(clip_selector)})"
+                                ".getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()")
+            params["clip"] = {"x": r[0], "y": r[1], "width": r[2], "height": r[3], "scale": 1}
+        else:
+            params["captureBeyondViewport"] = True
+        data = base64.b64decode((await self.call("Page.captureScreenshot", params))["data"])
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        return data
+
+    async def click_selector(self, selector: str) -> None:
+        r = await self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
+                            "e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect(); "
+                            "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        await self.click(r[0], r[1])
+
+    async def click(self, x: float, y: float) -> None:
+        for typ in ("mousePressed", "mouseReleased"):
+            await self.call("Input.dispatchMouseEvent", {"type": typ, "x": x, "y": y,
+                                                         "button": "left", "clickCount": 1})
+
+    async def key(self, key: str, code: int) -> None:
+        params = {"key": key, "code": key, "windowsVirtualKeyCode": code, "nativeVirtualKeyCode": code}
+        await self.call("Input.dispatchKeyEvent", {"type": "keyDown", **params})
+        await self.call("Input.dispatchKeyEvent", {"type": "keyUp", **params})
+
+    async def type_text(self, text: str) -> None:
+        await self.call("Input.insertText", {"text": text})
+
+    # -- the live view -------------------------------------------------------------------------
+    async def frames(self) -> int:
+        return int(await self.eval("Number(document.getElementById('screen').dataset.frames || 0)") or 0)
+
+    async def screen_point(self, fx: float, fy: float) -> tuple[float, float]:
+        """Viewer-page coordinates of a point (fx, fy) in the login tab's frame."""
+        r = await self.eval("(() => { const s = document.getElementById('screen'); const r = "
+                            "s.getBoundingClientRect(); return [r.x, r.y, r.width, r.height, "
+                            "s.naturalWidth || s.width, s.naturalHeight || s.height]; })()")
+        x, y, w, h, nw, nh = r
+        return x + fx * w / nw, y + fy * h / nh
+
+    async def open_live_view(self, url: str, timeout: float = 30) -> None:
+        await self.goto(url, timeout)
+        await self.wait_for("location.pathname.startsWith('/live/') && document.body.dataset.live === '1'",
+                            timeout, "the live view to connect")
+        await self.wait_for("Number(document.getElementById('screen').dataset.frames || 0) > 0 && "
+                            "document.getElementById('screen').naturalWidth > 0 && "
+                            "document.getElementById('screen').getBoundingClientRect().width > 0",
+                            timeout, "the first frame of the login tab")
+
+
+async def scripted_login(url: str, user: str, password: str, *, say: Callable[[str], None] = lambda s: None,
+                         shots: Path | None = None, timeout: float = 60,
+                         done: bool = True) -> dict[str, Any]:
+    """Open the live-view `url` in a new viewer, sign in with the keyboard and mouse through
+    the page (click into the page, Tab to the user field, type, Tab, type the password, Enter),
+    check that the frames changed, then press Done (or Cancel with `done=False`). Returns
+    {"frames_before", "frames_after", "pixels_changed", "result"} (the result page's sentence)."""
+    async with Viewer() as v:
+        await v.open_live_view(url, timeout)
+        say("[person] the live view shows the login tab")
+        before_png = await v.screenshot(shots / "live-before.png" if shots else None, "#screen")
+        frames_before = await v.frames()
+        # a click on an empty spot of the page focuses it (forwarded as a real mouse click)
+        x, y = await v.screen_point(5, 5)
+        await v.click(x, y)
+        await v.key("Tab", 9)
+        await v.type_text(user)
+        await v.key("Tab", 9)
+        await v.type_text(password)
+        await v.wait_for(f"Number(document.getElementById('screen').dataset.frames || 0) > {frames_before}",
+                         timeout, "a new frame after typing")
+        await asyncio.sleep(0.3)
+        after_png = await v.screenshot(shots / "live-typed.png" if shots else None, "#screen")
+        if shots:
+            await v.screenshot(shots / "console-live-view.png")
+        say("[person] typed the user and the password into the login tab")
+        await v.key("Enter", 13)
+        await v.wait_for("!/\\/login/.test(document.getElementById('address').textContent)",
+                         timeout, "the login tab to leave the login page")
+        shown = await v.eval("document.getElementById('address').textContent")
+        say(f"[person] signed in; the live view shows {shown}")
+        frames_after = await v.frames()
+        await v.click_selector("#done" if done else "#cancel")
+        text = await v.wait_for("document.getElementById('result') && document.getElementById('result').textContent",
+                                timeout, "the result of Done")
+        if shots:
+            await v.screenshot(shots / "live-result.png")
+        return {"frames_before": frames_before, "frames_after": frames_after,
+                "pixels_changed": before_png != after_png, "result": text,
+                "console_log": list(v.console_log)}
