@@ -251,7 +251,7 @@ agent-browser sessions attached to the CDP gate."""
         proc = pipe = None
         records: list[ProcRecord] = []
         try:
-            proc, reader, writer = await chromium.spawn(argv, env=chromium.browser_env(),
+            proc, reader, writer = await chromium.spawn(argv, env=chromium.browser_env(profile_dir=profile_dir),
                                                         cwd=str(profile_dir))
             rec = ProcRecord.of(proc.pid, "browser")
             records = [rec] if rec else []
@@ -266,6 +266,7 @@ agent-browser sessions attached to the CDP gate."""
             if proc is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(proc.wait(), 3)
+            await asyncio.to_thread(chromium.end_helpers, profile_dir)
             self._drop_temp(profile_dir, temp_profile)
             raise AnchorError(f"could not launch anchor {spec.session}: the browser {what}") from None
         return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
@@ -298,10 +299,12 @@ agent-browser sessions attached to the CDP gate."""
         terminated = await asyncio.to_thread(terminate_recorded, anchor.processes, 5.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(anchor.proc.wait(), 3)
+        # the crash handler lives outside the group and may outlive the browser by a moment
+        helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir)
         if anchor.temp_profile:
             shutil.rmtree(anchor.profile_dir, ignore_errors=True)
         return CloseReport(graceful=graceful and exited and not terminated,
-                           terminated=terminated, removed_files=[],
+                           terminated=terminated + helpers, removed_files=[],
                            seconds=time.monotonic() - started)
 
     def alive(self, anchor: Anchor) -> bool:

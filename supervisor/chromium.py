@@ -19,6 +19,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
+
 #: The flags agent-browser 0.41.2 launched Chromium with, kept because they still serve.
 AGENT_BROWSER_FLAGS = (
     "--no-first-run",
@@ -54,6 +56,8 @@ GUARD_FLAGS = (
     "--disable-renderer-backgrounding",
 )
 PROXY_BYPASS = "<-loopback>"
+#: Crash reports, inside the profile dir.
+CRASH_DIR = "Crash Reports"
 #: DevTools pipe fds inside the browser (Chromium's fixed numbers).
 PIPE_READ_FD, PIPE_WRITE_FD = 3, 4
 
@@ -73,13 +77,30 @@ def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_p
     return argv
 
 
-def browser_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def browser_env(base: dict[str, str] | None = None, *,
+                profile_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """A scrubbed environment: no proxy variables (Chromium would not use them with
-    --proxy-server, but nothing inherited should matter), only plain session variables."""
+    --proxy-server, but nothing inherited should matter), only plain session variables.
+
+    With `profile_dir`, crash reports go inside the profile (`BREAKPAD_DUMP_LOCATION`, which
+    Chromium's crash handler takes as its `--database`): a dump holds the browser's memory,
+    live cookies included, so it stays where the profile is sealed or deleted, never in
+    ~/.config/chromium. The handler then also names the profile on its command line, which
+    is how `end_helpers` finds it (it double-forks out of the browser's process group)."""
     src = os.environ if base is None else base
     keep = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY", "WAYLAND_DISPLAY",
             "XAUTHORITY", "FONTCONFIG_PATH", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
-    return {k: src[k] for k in keep if src.get(k)}
+    env = {k: src[k] for k in keep if src.get(k)}
+    if profile_dir is not None:
+        env["BREAKPAD_DUMP_LOCATION"] = os.path.join(os.fspath(profile_dir), CRASH_DIR)
+    return env
+
+
+def end_helpers(profile_dir: str | os.PathLike, timeout: float = 3.0) -> list[ProcRecord]:
+    """End what a closed browser left running outside its process group: processes naming
+    its profile (the crash handler, which may outlive the browser). Blocking; returns the
+    records it had to signal."""
+    return terminate_recorded(scan_orphans([profile_dir]), timeout)
 
 
 async def spawn(argv: list[str], *, env: dict[str, str], cwd: str,

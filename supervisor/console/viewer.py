@@ -56,7 +56,8 @@ class Viewer:
         self.dir = Path(tempfile.mkdtemp(prefix="sfguard-viewer-"))
         argv = chromium.chromium_args(browser_path=self.browser_path, profile_dir=self.dir,
                                       proxy_port=None, headed=False, no_sandbox=os.geteuid() == 0)
-        self.proc, reader, writer = await chromium.spawn(argv, env=chromium.browser_env(), cwd=str(self.dir))
+        self.proc, reader, writer = await chromium.spawn(argv, env=chromium.browser_env(profile_dir=self.dir),
+                                                         cwd=str(self.dir))
         self.pipe = CdpPipe(reader, writer)
         await self.pipe.start(timeout=60)
         self.cdp = await self.pipe.session("viewer")
@@ -91,6 +92,7 @@ class Viewer:
             except asyncio.TimeoutError:
                 await asyncio.to_thread(terminate_recorded, [rec] if rec else [], 3)
         if self.dir is not None:
+            await asyncio.to_thread(chromium.end_helpers, self.dir)
             shutil.rmtree(self.dir, ignore_errors=True)
 
     async def call(self, method: str, params: dict | None = None, timeout: float = 30) -> dict:

@@ -167,3 +167,27 @@ async def test_failed_browser_start_leaves_nothing_behind(real_rig, tmp_path):
     with pytest.raises(AnchorError, match="could not launch anchor .*exited during start"):
         await real_rig.host.launch_anchor(spec)
     assert scan_orphans([real_rig.root]) == []
+
+
+
+async def test_crash_reports_stay_in_the_profile_and_the_crash_handler_ends_with_the_anchor(real_rig):
+    """A crash dump is the browser's memory (live cookies): it belongs inside the profile,
+    never in ~/.config/chromium. Chromium's crash handler double-forks out of the browser's
+    process group, so closing the anchor must end it explicitly."""
+    profile = real_rig.root / "p1"
+    anchor = await real_rig.host.launch_anchor(real_rig.spec(profile))
+    try:
+        handlers = []
+        for _ in range(40):           # the handler starts within ~50 ms of the browser
+            handlers = [r for r in scan_orphans([profile]) if r.kind == "crashpad"]
+            if handlers:
+                break
+            await asyncio.sleep(0.05)
+        assert handlers, "no crash handler names the profile"
+        for rec in handlers:
+            db = [a for a in psutil.Process(rec.pid).cmdline() if a.startswith("--database=")]
+            assert db and db[0] == f"--database={profile}/Crash Reports", db
+    finally:
+        report = await real_rig.host.close_anchor(anchor)
+    assert report.graceful
+    assert scan_orphans([profile]) == []

@@ -49,7 +49,10 @@ async def tunnel(proxy_port: int, target_port: int, auth: str, until: float, sta
         head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), STALL)
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(f"CONNECT refused: {head[:60]!r}")
-        payload = os.urandom(CHUNK)
+        # A binary protocol on an explicitly allowed port. Its first byte is fixed: a tunnel
+        # whose first byte is 0x16 is judged as a TLS ClientHello (random bytes are not a valid
+        # one: `tls_hello_invalid`, closed), and one starting with a capital as an HTTP request.
+        payload = b"\x00" + os.urandom(CHUNK - 1)
         while time.monotonic() < until:
             t0 = time.monotonic()
             w.write(payload)
