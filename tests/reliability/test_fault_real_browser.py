@@ -30,7 +30,8 @@ def chromium_mains(d) -> list[psutil.Process]:
     for p in guard_processes(d.home):
         try:
             cmd = p.cmdline()
-            if "chrom" in os.path.basename(cmd[0]).lower() and not any(a.startswith("--type=") for a in cmd):
+            exe = os.path.basename(cmd[0]).lower()
+            if "chrom" in exe and "crashpad" not in exe and not any(a.startswith("--type=") for a in cmd):
                 out.append(p)
         except psutil.Error:
             pass
