@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from supervisor import chromium, tools
-from supervisor.cdp_pipe import CdpPipe, CdpSession
+from supervisor.cdp_pipe import CdpCallError, CdpPipe, CdpSession
 from supervisor.sweep import ProcRecord, terminate_recorded
 
 
@@ -132,7 +132,15 @@ class Viewer:
             params["clip"] = {"x": r[0], "y": r[1], "width": r[2], "height": r[3], "scale": 1}
         else:
             params["captureBeyondViewport"] = True
-        data = base64.b64decode((await self.call("Page.captureScreenshot", params))["data"])
+        for attempt in range(5):
+            try:
+                data = base64.b64decode((await self.call("Page.captureScreenshot", params))["data"])
+                break
+            except CdpCallError:
+                # a page just navigated to may not be laid out yet ("... with 0 width")
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.3)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)

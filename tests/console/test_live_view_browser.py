@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import urllib.request
 import urllib.error
 
@@ -51,6 +52,7 @@ def get(url: str, cookie: str | None = None) -> tuple[int, str]:
 
 
 def test_live_view_login_then_link_dead_then_second_run_logged_in(guard):
+    started = time.time() - 1
     port = guard.site
     d = guard
     # run 1: the check says logged out, the login stage opens a live_view handoff
@@ -124,6 +126,11 @@ def test_live_view_login_then_link_dead_then_second_run_logged_in(guard):
     # docs, and a scan of everything shown for secrets
     seen = asyncio.run(console_pages(link(d), out["console_log"]))
     secrets_scan(seen + [audit, d.log.read_text()], [token])
+    # every page's picture was written by this test, for CI to keep
+    for name in ("console-overview", "console-decisions", "console-profiles", "console-audit",
+                 "console-live-view", "live-before", "live-typed", "live-result"):
+        shot = ARTIFACTS / f"{name}.png"
+        assert shot.stat().st_mtime >= started and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot
 
 
 async def console_pages(url: str, live_console: list[str]) -> list[str]:
@@ -173,6 +180,7 @@ def test_live_view_refuses_navigation_outside_the_allowed_sites(guard):
     address box: refused, the login tab stays where it was, nothing reaches that site. The
     address box itself works (an allowed address opens), and the run's proxy refuses the same
     site to the same browser."""
+    started = time.time() - 1
     port, d = guard.site, guard
     a, b = f"http://site-a.test:{port}", f"http://site-b.test:{port}"
     assert d.call("POST", "/v1/runs", {"run_id": "lv-n"})[0] == 201
@@ -202,6 +210,7 @@ def test_live_view_refuses_navigation_outside_the_allowed_sites(guard):
             await asyncio.sleep(1.0)      # time for a navigation that should not happen
             frames = await v.frames()
             await v.screenshot(ARTIFACTS / "console-live-view-refused.png")
+            assert (ARTIFACTS / "console-live-view-refused.png").stat().st_mtime >= started
             stayed = await v.eval("document.getElementById('address').textContent")
             # an allowed address from the same box opens (the box is not what refuses)
             await go(f"{a}/")
