@@ -1,8 +1,7 @@
 """A scripted person at a live view: a separate, unguarded headless Chromium that opens the
 live-view link and logs in through the page, as a person would (issue 16).
 
-Used by `sfguard demo --auto-login`, `sfguard profiles login --auto-login` (tests and CI) and
-the live-view tests and benchmark. It is NOT the guard's browser: it is started here over its
+Used by `sfguard demo --auto-login` (tests and CI) and the live-view tests. It is NOT the guard's browser: it is started here over its
 own `--remote-debugging-pipe` (no port), with a temporary profile, no proxy, and reaches only
 the console on loopback. It never gets the stage's env or anything of the guard's: only the
 one-time link. It drives the viewer page with real input events (`Input.*` on the viewer
