@@ -217,7 +217,7 @@ def test_live_view_refuses_navigation_outside_the_allowed_sites(guard):
             await v.wait_for(f"document.getElementById('address').textContent === '{a}/'", 20,
                              "the allowed address to open")
             await v.wait_for(f"Number(document.getElementById('screen').dataset.frames || 0) > {frames}",
-                             20, "a frame of the allowed page")
+                             45, "a frame of the allowed page")
             await v.click_selector("#cancel")
             await v.wait_for("!!document.getElementById('result')", 20, "the end of the live view")
             return {"refused": refused, "stayed": stayed}
@@ -325,6 +325,8 @@ def test_profiles_login_without_a_display_uses_the_live_view(guard):
         assert url, "".join(lines) + proc.stderr.read() if proc.poll() is not None else "".join(lines)
         out = asyncio.run(scripted_login(url, "operator", "correct-horse"))
         assert "logged in" in out["result"]
+        assert site_json(port, "submits")["submits"] == [
+            {"host": f"site-a.test:{port}", "via": "click", "ok": True}]
         rest, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

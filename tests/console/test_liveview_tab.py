@@ -153,10 +153,12 @@ async def _real_tab(tmp_path: Path) -> None:
         assert view.refused[-1] == f"http://127.0.0.2:{port}/typed"
         assert display_url(view.url) == base + "/"
         assert await js("location.href") == base + "/"
-        # a link inside the allowed site works
+        # a link inside the allowed site works, and the tab is still streamed after the refusals
+        frames = view.frames
         for typ in ("mousePressed", "mouseReleased"):
             await view.input({"t": "mouse", "type": typ, "x": 30, "y": 150, "button": "left", "clickCount": 1})
         await until(lambda: asyncio.sleep(0, view.url == base + "/next"), "the allowed navigation")
+        await until(lambda: asyncio.sleep(0, view.frames > frames), "a frame of the next page")
         # and so does a typed address inside it
         assert await view.input({"t": "navigate", "url": base + "/"})
         await until(lambda: asyncio.sleep(0, view.url == base + "/"), "the typed allowed address")
