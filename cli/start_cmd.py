@@ -134,17 +134,43 @@ def _write_token(target: Path, token: str) -> Path:
 
 async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
                  console_at: tuple[str, int] | None = None) -> int:
-    from supervisor.api import build_app
     from supervisor.client import socket_path
 
     report = await guard.start()
     sock = socket_path(guard.home)
+    runners: list = []
+    token_path: list[Path] = []       # set once the token file is written
+    try:
+        return await _serve_started(guard, report, sock, runners, token_path, tcp_port,
+                                    token_file, console_at)
+    finally:
+        # every way out (a signal, a port that cannot be bound, an error) stops the guard: its
+        # runs, browsers, proxies, bridge and runtime folders go with it
+        for r in runners:
+            with contextlib.suppress(Exception):
+                await r.cleanup()
+        if guard.console is not None:
+            with contextlib.suppress(Exception):
+                await guard.console.stop()
+        await guard.stop()
+        if sock.exists():
+            sock.unlink()
+        for t in token_path:
+            with contextlib.suppress(FileNotFoundError):
+                t.unlink()   # the token dies with this guard
+
+
+async def _serve_started(guard, report: dict, sock: Path, runners: list, token_paths: list[Path],
+                         tcp_port: int | None, token_file: Path | None,
+                         console_at: tuple[str, int] | None) -> int:
+    from supervisor.api import build_app
+
     if sock.exists() or sock.is_symlink():
         sock.unlink()  # we hold the instance lock, so this socket is stale
-    runners = []
     app_runner = web.AppRunner(build_app(guard), access_log=None, handle_signals=False,
                                max_line_size=65536, max_field_size=65536)
     await app_runner.setup()
+    runners.append(app_runner)
     old_umask = os.umask(0o177)
     try:
         await web.UnixSite(app_runner, str(sock)).start()
@@ -157,18 +183,18 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
         os.chmod(sock, 0o660)
     else:
         os.chmod(sock, 0o600)
-    runners.append(app_runner)
     lines = [f"sfguard: API on unix:{sock}"]
     token_path: Path | None = None
     if tcp_port is not None:
         token = secrets.token_urlsafe(32)
         if token_file:
             token_path = _write_token(token_file, token)
+            token_paths.append(token_path)
         tcp_runner = web.AppRunner(build_app(guard, token=token), access_log=None,
                                    handle_signals=False, max_line_size=65536, max_field_size=65536)
         await tcp_runner.setup()
-        await web.TCPSite(tcp_runner, "127.0.0.1", tcp_port).start()
         runners.append(tcp_runner)
+        await web.TCPSite(tcp_runner, "127.0.0.1", tcp_port).start()
         lines.append(f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token in {token_path})"
                      if token_path else f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token: {token})")
     if console_at is not None:
@@ -177,7 +203,8 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
         try:
             await console.start()
         except OSError as exc:
-            await guard.stop()
+            with contextlib.suppress(Exception):
+                await console.stop()
             raise CliError(f"the console could not listen on {console_at[0]}:{console_at[1]}: "
                            f"{exc.strerror or exc}", 2) from None
         guard.console = console
@@ -207,14 +234,4 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
     print("\n".join(lines), flush=True)
     await stop.wait()
     print("sfguard: stopping; every run is torn down as abandoned", flush=True)
-    for r in runners:
-        await r.cleanup()
-    if guard.console is not None:
-        await guard.console.stop()
-    await guard.stop()
-    if sock.exists():
-        sock.unlink()
-    if token_path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            token_path.unlink()   # the token dies with this guard
     return 0

@@ -33,6 +33,7 @@ def run(args) -> int:
         raise CliError("a guard is running on this home; it swept at start and owns its runs", 3) from None
     report = sweep(guard)
     report["runtime_removed"] = release_runtime(guard)  # nothing of the guard left in memory fs
+    report["bridges_removed"] = guard.bridges.remove()  # nor its stages' bridge sockets
     if args.json:
         print(json.dumps(report))
     else:

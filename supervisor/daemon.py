@@ -343,6 +343,16 @@ class Guard:
 
     async def start(self) -> dict:
         self.acquire_instance_lock()
+        try:
+            return await self._start()
+        except BaseException:
+            # a start that fails half-way leaves nothing: no gate, spare proxy, bridge folder
+            # or runtime folder (this guard holds the lock, so they are its own)
+            with contextlib.suppress(Exception):
+                await self.stop()
+            raise
+
+    async def _start(self) -> dict:
         report = sweep(self)
         # damaged state is reported, never silently reset
         audit = self.audit.verify()

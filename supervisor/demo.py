@@ -520,8 +520,10 @@ class DemoRunner:
     """Plays the pipeline runner for the validated example pipeline, one run at a time."""
 
     def __init__(self, client: GuardClient, report, pipeline_src: Path, stage_home: Path,
-                 say: Callable[[str], None], interactive: bool, auto_login: bool = False):
+                 say: Callable[[str], None], interactive: bool, auto_login: bool = False,
+                 site_origin: str | None = None):
         self.client, self.stages, self.say = client, report.stages, say
+        self.site_origin = site_origin
         self.pipeline_src, self.stage_home = pipeline_src, stage_home
         self.interactive = interactive
         self.auto_login = auto_login
@@ -672,6 +674,7 @@ class DemoRunner:
             except ViewerError as exc:
                 raise DemoError(f"the scripted person could not log in through the live view: {exc}") from None
             self.say(f"[person] pressed Done; the page says: {out['result']}")
+            self._say_how_the_form_was_sent()
             rep.login_by = "a scripted person, through the live view (a separate headless browser)"
         else:
             self.say(f"[{st.id}] handoff: live_view for {payload['site']}. Open this one-time "
@@ -681,6 +684,22 @@ class DemoRunner:
         state = run.wait_handoff()
         self.say(f"[{st.id}] live view ended: {state['state']}")
         return state["state"] == "done"
+
+    def _say_how_the_form_was_sent(self) -> None:
+        """What the fixture site saw of its sign-in form (its /submits.json: how each POST was
+        sent, by a click on the button or by the keyboard; never the user or password)."""
+        if not self.site_origin:
+            return
+        import json
+        import urllib.request
+        try:
+            with urllib.request.urlopen(f"{self.site_origin}/submits.json", timeout=10) as r:
+                submits = json.load(r).get("submits") or []
+        except (OSError, ValueError):
+            self.say("[site] could not read how the sign-in form was sent")
+            return
+        vias = ", ".join(str(x.get("via")) for x in submits) or "none"
+        self.say(f"[site] sign-in form posts so far, sent by: {vias}")
 
     def _play_operator(self, stage: StageSide, url: str) -> None:
         stage.run("open", url)
@@ -812,7 +831,7 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
         stage_home = workdir / "stage-home"
         stage_home.mkdir(mode=0o700)
         runner = DemoRunner(GuardClient(guard_home), report, EXAMPLE_PIPELINE, stage_home, say,
-                            interactive, auto_login)
+                            interactive, auto_login, site_origin=origin)
         runs = [runner.run(1), runner.run(2)]
         ok, summary = _summarise(runs)
         say("== summary ==")

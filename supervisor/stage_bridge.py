@@ -190,8 +190,22 @@ class BridgeHost:
                 await proxy.remove_client(sb.proxy_client)
 
     async def close_all(self) -> None:
-        """At guard stop: every stage's bridges, then the (now empty) bridge root."""
+        """At guard stop: every stage's bridges, then the bridge root with whatever is left in
+        it (no stage keeps a way out once its guard is gone)."""
         for key in list(self._stages):
             await self.close(key, None)
-        with contextlib.suppress(OSError):
-            self.root.rmdir()
+        self.remove()
+
+    def remove(self) -> bool:
+        """Remove the bridge root and everything in it (a guard stopping, or `sfguard sweep`
+        after a dead one; the caller holds the home's instance lock). Only a plain folder of
+        this user is removed, never what a symlink points at. True when it is gone."""
+        try:
+            st = os.lstat(self.root)
+        except FileNotFoundError:
+            return True
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            shutil.rmtree(self.root, ignore_errors=True)
+        else:
+            log.error("%s is not a plain folder of this user; left in place", self.root)
+        return not os.path.lexists(self.root)

@@ -99,3 +99,36 @@ def pg_server():
 def pg_url(pg_server) -> str:
     """The URL of a fresh, empty database on the session's PostgreSQL."""
     return pg_server.create_db()
+
+
+# -- no bridge folder left behind (issue 16) -----------------------------------------------------
+# A guard's per-stage bridge folders (`/dev/shm/sfb-...`) must go with it on every exit path.
+# After each test, the bridge folders of homes inside that test's tmp_path must be gone; at the
+# end of the session, those of every home under the session's temporary folder (module-scoped
+# guards included). Matched by name (tests/shm_leftovers.py): other sessions' folders are never
+# counted, and nothing is removed.
+
+@pytest.fixture(autouse=True)
+def no_bridge_folder_left(request):
+    yield
+    tmp = request.node.funcargs.get("tmp_path")
+    if tmp is None:
+        return
+    from tests.shm_leftovers import left_by
+    left = left_by(Path(tmp))
+    assert left == [], f"bridge folders left by this test's guards: {[str(p) for p in left]}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    base = getattr(factory, "_basetemp", None)     # None: no test asked for a temp folder
+    if base is None or exitstatus not in (0, 1):
+        return
+    from tests.shm_leftovers import left_by
+    left = left_by(Path(base))
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        msg = f"bridge folders left by this session's guards: {[str(p) for p in left]}"
+        if reporter is not None:
+            reporter.write_line(msg, red=True)
+        session.exitstatus = 1

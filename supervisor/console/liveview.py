@@ -7,11 +7,13 @@ The guard holds the anchor's DevTools pipe. A `LiveView` opens one new tab in th
     handed to the viewers as bytes, with only the frame size as metadata;
   * forwards input to that tab only: `Input.dispatchMouseEvent` (move, press, release, wheel),
     `Input.dispatchKeyEvent` (a fixed set of named keys), `Input.insertText` (typed or pasted
-    text) and `Emulation.setDeviceMetricsOverride` (the viewer's size). Every message is
-    validated; anything else is dropped;
-  * refuses navigation outside the stage's `allow_domains`: document requests of the tab pause
-    (`Fetch.enable` on the tab's session) and go on only when the site policy allows their host
-    for these patterns; the run's proxy still enforces the same rules underneath;
+    text), `Emulation.setDeviceMetricsOverride` (the viewer's size) and `Page.navigate` (the
+    page's address box: an http(s) address only). Every message is validated; anything else
+    is dropped;
+  * refuses navigation outside the stage's `allow_domains`, however it starts (a link, a
+    redirect, a script, the address box): document requests of the tab pause (`Fetch.enable`
+    on the tab's session) and go on only when the site policy allows their host for these
+    patterns; the run's proxy still enforces the same rules underneath;
   * reports the tab's current address as scheme://host/path (no query: login flows put codes
     there).
 
@@ -36,6 +38,7 @@ log = logging.getLogger("sfguard.console.liveview")
 VIEW_W, VIEW_H = 1280, 720
 MIN_W, MIN_H, MAX_W, MAX_H = 320, 240, 1920, 1200
 MAX_TEXT = 2000
+MAX_URL = 2048
 MOUSE_TYPES = {"mousePressed", "mouseReleased", "mouseMoved"}
 BUTTONS = {"none", "left", "middle", "right"}
 #: named keys the viewer may send as key events (printable text goes through insertText)
@@ -296,6 +299,19 @@ def _translate(msg: dict, size: tuple[int, int]) -> tuple[str, dict] | None:
         if not isinstance(text, str) or not 0 < len(text) <= MAX_TEXT:
             return None
         return "Input.insertText", {"text": text}
+    if t == "navigate":
+        url = msg.get("url")
+        if not isinstance(url, str) or not 0 < len(url) <= MAX_URL or any(c <= " " or c == "\x7f" for c in url):
+            return None
+        try:
+            p = urlsplit(url)
+            p.port        # a malformed port raises
+        except ValueError:
+            return None
+        if p.scheme not in ("http", "https") or not p.hostname:
+            return None
+        # where the tab may go is decided for every document request (Fetch), this one too
+        return "Page.navigate", {"url": url, "transitionType": "typed"}
     if t == "resize":
         nw, nh = _num(msg.get("w"), MIN_W, MAX_W), _num(msg.get("h"), MIN_H, MAX_H)
         if nw is None or nh is None:

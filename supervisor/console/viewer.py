@@ -1,12 +1,13 @@
 """A scripted person at a live view: a separate, unguarded headless Chromium that opens the
 live-view link and logs in through the page, as a person would (issue 16).
 
-Used by `sfguard demo --auto-login`, `sfguard profiles login --auto-login` (tests and CI) and
-the live-view tests and benchmark. It is NOT the guard's browser: it is started here over its
+Used by `sfguard demo --auto-login` (tests and CI) and the live-view tests. It is NOT the guard's browser: it is started here over its
 own `--remote-debugging-pipe` (no port), with a temporary profile, no proxy, and reaches only
 the console on loopback. It never gets the stage's env or anything of the guard's: only the
 one-time link. It drives the viewer page with real input events (`Input.*` on the viewer
-page), which the page's script forwards to the login tab.
+page), which the page's script forwards to the login tab. Like a person it knows the login
+tab only from its frames: it finds the Sign in button by its colour in the latest frame and
+clicks there (the fixture site gives the button a colour of its own).
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from supervisor import chromium, tools
-from supervisor.cdp_pipe import CdpPipe, CdpSession
+from supervisor.cdp_pipe import CdpCallError, CdpPipe, CdpSession
 from supervisor.sweep import ProcRecord, terminate_recorded
 
 
@@ -42,6 +43,7 @@ class Viewer:
         self.cdp: CdpSession | None = None
         self.session: str | None = None
         self.console_log: list[str] = []
+        self.keys_sent: list[str] = []       # named keys pressed on the viewer page, in order
 
     async def __aenter__(self) -> "Viewer":
         await self.start()
@@ -129,7 +131,15 @@ class Viewer:
             params["clip"] = {"x": r[0], "y": r[1], "width": r[2], "height": r[3], "scale": 1}
         else:
             params["captureBeyondViewport"] = True
-        data = base64.b64decode((await self.call("Page.captureScreenshot", params))["data"])
+        for attempt in range(5):
+            try:
+                data = base64.b64decode((await self.call("Page.captureScreenshot", params))["data"])
+                break
+            except CdpCallError:
+                # a page just navigated to may not be laid out yet ("... with 0 width")
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.3)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
@@ -147,8 +157,10 @@ class Viewer:
                                                          "button": "left", "clickCount": 1})
 
     async def key(self, key: str, code: int) -> None:
+        self.keys_sent.append(key)
         params = {"key": key, "code": key, "windowsVirtualKeyCode": code, "nativeVirtualKeyCode": code}
-        await self.call("Input.dispatchKeyEvent", {"type": "keyDown", **params})
+        text = {"Enter": "\r"}.get(key)
+        await self.call("Input.dispatchKeyEvent", {"type": "keyDown", **params, **({"text": text} if text else {})})
         await self.call("Input.dispatchKeyEvent", {"type": "keyUp", **params})
 
     async def type_text(self, text: str) -> None:
@@ -166,6 +178,31 @@ class Viewer:
         x, y, w, h, nw, nh = r
         return x + fx * w / nw, y + fy * h / nh
 
+    async def find_colour(self, rgb: tuple[int, int, int], tolerance: int = 60,
+                          min_pixels: int = 80) -> tuple[float, float] | None:
+        """The centre (frame pixels) of the pixels of the latest frame within `tolerance` (sum
+        of channel differences) of `rgb`, or None when fewer than `min_pixels` match. It reads
+        the picture the page shows, nothing else: the frame is drawn into a canvas."""
+        r, g, b = (int(c) for c in rgb)
+        found = await self.eval(
+            "(() => { const s = document.getElementById('screen'); const w = s.naturalWidth, "
+            "h = s.naturalHeight; if (!w || !h) return null; const c = document.createElement('canvas'); "
+            "c.width = w; c.height = h; const x = c.getContext('2d'); x.drawImage(s, 0, 0); "
+            "const d = x.getImageData(0, 0, w, h).data; let n = 0, sx = 0, sy = 0; "
+            "for (let i = 0; i < d.length; i += 4) { "
+            f"if (Math.abs(d[i] - {r}) + Math.abs(d[i + 1] - {g}) + Math.abs(d[i + 2] - {b}) <= {int(tolerance)}) "
+            "{ const p = i / 4; n += 1; sx += p % w; sy += Math.floor(p / w); } } "
+            "return [n, n ? sx / n : 0, n ? sy / n : 0]; })()")
+        if not found or found[0] < min_pixels:
+            return None
+        return float(found[1]), float(found[2])
+
+    async def click_frame(self, fx: float, fy: float) -> None:
+        """A left click on the viewer page at the point (fx, fy) of the login tab's frame."""
+        x, y = await self.screen_point(fx, fy)
+        await self.call("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x, "y": y})
+        await self.click(x, y)
+
     async def open_live_view(self, url: str, timeout: float = 30) -> None:
         await self.goto(url, timeout)
         await self.wait_for("location.pathname.startsWith('/live/') && document.body.dataset.live === '1'",
@@ -176,13 +213,21 @@ class Viewer:
                             timeout, "the first frame of the login tab")
 
 
+#: the fixture site's Sign in button (fixtures/login_server: SIGN_IN_RGB)
+SIGN_IN_RGB = (0x12, 0x6B, 0xD8)
+
+
 async def scripted_login(url: str, user: str, password: str, *, say: Callable[[str], None] = lambda s: None,
-                         shots: Path | None = None, timeout: float = 60,
-                         done: bool = True) -> dict[str, Any]:
-    """Open the live-view `url` in a new viewer, sign in with the keyboard and mouse through
-    the page (click into the page, Tab to the user field, type, Tab, type the password, Enter),
-    check that the frames changed, then press Done (or Cancel with `done=False`). Returns
-    {"frames_before", "frames_after", "pixels_changed", "result"} (the result page's sentence)."""
+                         shots: Path | None = None, timeout: float = 60, done: bool = True,
+                         button_rgb: tuple[int, int, int] = SIGN_IN_RGB,
+                         before_click: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
+    """Open the live-view `url` in a new viewer and sign in through the page: click into the
+    page, Tab to the user field, type, Tab, type the password, then click the Sign in button
+    where the frame shows it (a mouse click forwarded at that point; Enter is never pressed).
+    Checks that the frames changed, then presses Done (or Cancel with `done=False`).
+    `before_click` is awaited just before the click (a test looks at the site then). Returns
+    {"frames_before", "frames_after", "pixels_changed", "button", "keys", "result",
+    "console_log"}: `button` is the point clicked (frame pixels), `keys` the named keys pressed."""
     async with Viewer() as v:
         await v.open_live_view(url, timeout)
         say("[person] the live view shows the login tab")
@@ -202,7 +247,18 @@ async def scripted_login(url: str, user: str, password: str, *, say: Callable[[s
         if shots:
             await v.screenshot(shots / "console-live-view.png")
         say("[person] typed the user and the password into the login tab")
-        await v.key("Enter", 13)
+        button = None
+        deadline = time.monotonic() + timeout
+        while button is None:
+            button = await v.find_colour(button_rgb)
+            if button is None:
+                if time.monotonic() >= deadline:
+                    raise ViewerError("the Sign in button is not in the live view's frame")
+                await asyncio.sleep(0.1)
+        if before_click is not None:
+            await before_click()
+        await v.click_frame(*button)
+        say(f"[person] clicked Sign in where the live view shows it ({button[0]:.0f}, {button[1]:.0f})")
         await v.wait_for("!/\\/login/.test(document.getElementById('address').textContent)",
                          timeout, "the login tab to leave the login page")
         shown = await v.eval("document.getElementById('address').textContent")
@@ -214,5 +270,5 @@ async def scripted_login(url: str, user: str, password: str, *, say: Callable[[s
         if shots:
             await v.screenshot(shots / "live-result.png")
         return {"frames_before": frames_before, "frames_after": frames_after,
-                "pixels_changed": before_png != after_png, "result": text,
-                "console_log": list(v.console_log)}
+                "pixels_changed": before_png != after_png, "button": button,
+                "keys": list(v.keys_sent), "result": text, "console_log": list(v.console_log)}

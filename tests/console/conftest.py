@@ -30,7 +30,8 @@ def _start(tmp_path: Path, site: int) -> Daemon:
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
            "PYTHONPATH": str(ROOT)}
     d = Daemon(home, env, tmp_path / "daemon.log")
-    d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1")
+    d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
+            "--resolve", "site-b.test=127.0.0.1")
     d.console = console_url(d.banner)
     d.site = site
     return d
@@ -43,7 +44,8 @@ def _stop(d: Daemon) -> None:
 
 @pytest.fixture
 def guard(tmp_path, site):
-    """A guard with the fixture login site reachable as site-a.test."""
+    """A guard with the fixture login site reachable as site-a.test (and as site-b.test, which
+    no stage here allows)."""
     d = _start(tmp_path, site)
     yield d
     _stop(d)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import subprocess
+import time
 import urllib.request
 import urllib.error
 
@@ -30,6 +33,15 @@ def browser(port: int) -> dict:
             "login_check": check_spec(port)}
 
 
+def site_json(port: int, what: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/{what}.json", timeout=10) as r:
+        return json.load(r)
+
+
+def hits(port: int, host: str) -> int:
+    return sum(r["count"] for r in site_json(port, "hits")["hits"] if r["host"].split(":")[0] == host)
+
+
 def get(url: str, cookie: str | None = None) -> tuple[int, str]:
     req = urllib.request.Request(url, headers={"Cookie": cookie} if cookie else {})
     try:
@@ -40,6 +52,7 @@ def get(url: str, cookie: str | None = None) -> tuple[int, str]:
 
 
 def test_live_view_login_then_link_dead_then_second_run_logged_in(guard):
+    started = time.time() - 1
     port = guard.site
     d = guard
     # run 1: the check says logged out, the login stage opens a live_view handoff
@@ -58,10 +71,22 @@ def test_live_view_login_then_link_dead_then_second_run_logged_in(guard):
     assert d.call("GET", "/v1/runs/lv-1/handoff")[1]["state"] == "open"
 
     # the person, in a browser of their own, signs in through the page and presses Done
-    out = asyncio.run(scripted_login(payload["url"], "operator", "correct-horse", shots=ARTIFACTS))
+    seen_before_click = []
+
+    async def before_click():
+        seen_before_click.append(await asyncio.to_thread(site_json, port, "submits"))
+
+    out = asyncio.run(scripted_login(payload["url"], "operator", "correct-horse", shots=ARTIFACTS,
+                                     before_click=before_click))
     assert out["pixels_changed"], "the login tab's pixels did not change after typing"
     assert out["frames_after"] > out["frames_before"]
     assert "logged in" in out["result"] and "NOT" not in out["result"], out
+    # the form went to the site once, after the click, and it was sent by a pointer on the
+    # button: the page's own submit handler says so (Enter would have said "keyboard")
+    assert seen_before_click == [{"submits": []}]
+    assert site_json(port, "submits")["submits"] == [
+        {"host": f"site-a.test:{port}", "via": "click", "ok": True}]
+    assert "Enter" not in out["keys"], out["keys"]
 
     status, st = d.call("GET", "/v1/runs/lv-1/handoff?wait=5")
     assert status == 200 and st["state"] == "done" and st["logged_in"] is True, st
@@ -101,6 +126,11 @@ def test_live_view_login_then_link_dead_then_second_run_logged_in(guard):
     # docs, and a scan of everything shown for secrets
     seen = asyncio.run(console_pages(link(d), out["console_log"]))
     secrets_scan(seen + [audit, d.log.read_text()], [token])
+    # every page's picture was written by this test, for CI to keep
+    for name in ("console-overview", "console-decisions", "console-profiles", "console-audit",
+                 "console-live-view", "live-before", "live-typed", "live-result"):
+        shot = ARTIFACTS / f"{name}.png"
+        assert shot.stat().st_mtime >= started and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot
 
 
 async def console_pages(url: str, live_console: list[str]) -> list[str]:
@@ -134,6 +164,85 @@ def secrets_scan(texts: list[str], values: list[str]) -> None:
             assert not pat.search(text), f"{pat.pattern} in {text[:200]!r}"
         for v in values:
             assert v not in text
+
+
+def stage_agent_browser(env: dict, *args: str) -> subprocess.CompletedProcess:
+    """agent-browser as the stage runs it: with the env the guard's stage answer gave, nothing
+    else."""
+    from supervisor import tools
+    stage_env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **env}
+    return subprocess.run([tools.find_agent_browser().path, *args], env=stage_env,
+                          capture_output=True, text=True, timeout=90)
+
+
+def test_live_view_refuses_navigation_outside_the_allowed_sites(guard):
+    """From the live-view page, the person types a site the stage does not allow into the
+    address box: refused, the login tab stays where it was, nothing reaches that site. The
+    address box itself works (an allowed address opens), and the run's proxy refuses the same
+    site to the same browser."""
+    started = time.time() - 1
+    port, d = guard.site, guard
+    a, b = f"http://site-a.test:{port}", f"http://site-b.test:{port}"
+    assert d.call("POST", "/v1/runs", {"run_id": "lv-n"})[0] == 201
+    status, ans = d.call("POST", "/v1/runs/lv-n/stages", {"stage_id": "login", "attempt": 1,
+                                                         "browser": browser(port)})
+    assert status == 200, ans
+    status, payload = d.call("POST", "/v1/runs/lv-n/handoff", {
+        "profile": "fixture", "site": "site-a.test", "reason": "please sign in",
+        "url": f"{a}/login", "kind": "live_view", "stage_id": "login"})
+    assert status == 200, payload
+
+    async def person() -> dict:
+        async with Viewer() as v:
+            await v.open_live_view(payload["url"])
+            await v.wait_for(f"document.getElementById('address').textContent === '{a}/login'", 20,
+                             "the login page's address")
+
+            async def go(url: str) -> None:          # the page's address box, typed and clicked
+                await v.eval("document.getElementById('go-url').value = ''")
+                await v.click_selector("#go-url")
+                await v.type_text(url)
+                await v.click_selector("#go-button")
+
+            await go(f"{b}/account")
+            refused = await v.wait_for("document.getElementById('refused').textContent", 20,
+                                       "the refusal to show")
+            await asyncio.sleep(1.0)      # time for a navigation that should not happen
+            frames = await v.frames()
+            await v.screenshot(ARTIFACTS / "console-live-view-refused.png")
+            assert (ARTIFACTS / "console-live-view-refused.png").stat().st_mtime >= started
+            stayed = await v.eval("document.getElementById('address').textContent")
+            # an allowed address from the same box opens (the box is not what refuses)
+            await go(f"{a}/")
+            await v.wait_for(f"document.getElementById('address').textContent === '{a}/'", 20,
+                             "the allowed address to open")
+            await v.wait_for(f"Number(document.getElementById('screen').dataset.frames || 0) > {frames}",
+                             45, "a frame of the allowed page")
+            await v.click_selector("#cancel")
+            await v.wait_for("!!document.getElementById('result')", 20, "the end of the live view")
+            return {"refused": refused, "stayed": stayed}
+
+    out = asyncio.run(person())
+    assert out["refused"] == f"Refused (outside this login's allowed sites): {b}/account", out
+    assert out["stayed"] == f"{a}/login", out
+    assert hits(port, "site-b.test") == 0            # the refused site was never reached
+    assert hits(port, "site-a.test") >= 2            # the login page, then the allowed address
+
+    # the run's proxy refuses the same site to the same browser: a stage of this run, through
+    # its own env, gets the guard's 403 and the site sees nothing
+    status, ans = d.call("POST", "/v1/runs/lv-n/stages", {"stage_id": "probe", "attempt": 1,
+                                                         "browser": browser(port)})
+    assert status == 200, ans
+    r = stage_agent_browser(ans["env"], "open", f"{b}/account")
+    if r.returncode == 0:                            # plain HTTP: the guard's 403 page shows
+        page = stage_agent_browser(ans["env"], "get", "text", "body").stdout
+        assert "site-b.test is not in this run's allow_domains" in page, page
+    assert hits(port, "site-b.test") == 0
+    decisions = [json.loads(l) for l in (d.home / "logs" / "decisions.log").read_text().splitlines() if l.strip()]
+    assert any(x["host"] == "site-b.test" and x["decision"] == "deny" and x["run"] == "lv-n"
+               for x in decisions), decisions[-5:]
+    assert d.call("POST", "/v1/runs/lv-n/stages/probe/end", {"outcome": "succeeded"})[0] == 200
+    assert d.call("POST", "/v1/runs/lv-n/end", {"outcome": "failed"})[0] == 200
 
 
 def test_cancel_fails_the_stage_and_the_link_and_its_socket_die(guard):
@@ -216,6 +325,8 @@ def test_profiles_login_without_a_display_uses_the_live_view(guard):
         assert url, "".join(lines) + proc.stderr.read() if proc.poll() is not None else "".join(lines)
         out = asyncio.run(scripted_login(url, "operator", "correct-horse"))
         assert "logged in" in out["result"]
+        assert site_json(port, "submits")["submits"] == [
+            {"host": f"site-a.test:{port}", "via": "click", "ok": True}]
         rest, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

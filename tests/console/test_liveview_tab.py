@@ -34,7 +34,17 @@ PAGE = ("<!doctype html><title>t</title><body style='margin:0'>"
     ({"t": "text", "text": "x" * 2001}, False),
     ({"t": "wheel", "x": 5, "y": 5, "dy": 300}, True),
     ({"t": "resize", "w": 10, "h": 99999}, True),                                # clamped
-    ({"t": "navigate", "url": "http://evil.test/"}, False),                      # no such message
+    ({"t": "navigate", "url": "http://evil.test/"}, True),      # asked; the tab's check decides
+    ({"t": "navigate", "url": "https://site-a.test:8443/login?x=1"}, True),
+    ({"t": "navigate", "url": "javascript:alert(1)"}, False),                     # never a script
+    ({"t": "navigate", "url": "file:///etc/passwd"}, False),
+    ({"t": "navigate", "url": "chrome://settings"}, False),
+    ({"t": "navigate", "url": "data:text/html,x"}, False),
+    ({"t": "navigate", "url": "http:///nohost"}, False),
+    ({"t": "navigate", "url": "http://a.test:99999/"}, False),
+    ({"t": "navigate", "url": "http://a.test/ x"}, False),
+    ({"t": "navigate", "url": "http://a.test/" + "x" * 2048}, False),
+    ({"t": "navigate", "url": 5}, False),
     ({"t": "cdp", "method": "Storage.getCookies"}, False),
     ({"method": "Runtime.evaluate"}, False),
 ])
@@ -44,7 +54,9 @@ def test_viewer_messages_are_validated(msg, ok):
     if call is not None:
         method, params = call
         assert method in ("Input.dispatchMouseEvent", "Input.dispatchKeyEvent", "Input.insertText",
-                          "Emulation.setDeviceMetricsOverride")
+                          "Emulation.setDeviceMetricsOverride", "Page.navigate")
+        if method == "Page.navigate":
+            assert params == {"url": msg["url"], "transitionType": "typed"}
         if method == "Input.dispatchMouseEvent":
             assert 0 <= params["x"] <= 1280 and 0 <= params["y"] <= 720
         if method == "Emulation.setDeviceMetricsOverride":
@@ -135,10 +147,21 @@ async def _real_tab(tmp_path: Path) -> None:
             if item and item[0] == "state":
                 states.append(item[1])
         assert states and set(states[-1]) == {"t", "url", "w", "h", "refused", "frames"}
-        # a link inside the allowed site works
+        # the address box: a site outside the allowed ones is refused the same way
+        assert await view.input({"t": "navigate", "url": f"http://127.0.0.2:{port}/typed"})
+        await until(lambda: asyncio.sleep(0, len(view.refused) == 2), "the refusal of the typed address")
+        assert view.refused[-1] == f"http://127.0.0.2:{port}/typed"
+        assert display_url(view.url) == base + "/"
+        assert await js("location.href") == base + "/"
+        # a link inside the allowed site works, and the tab is still streamed after the refusals
+        frames = view.frames
         for typ in ("mousePressed", "mouseReleased"):
             await view.input({"t": "mouse", "type": typ, "x": 30, "y": 150, "button": "left", "clickCount": 1})
         await until(lambda: asyncio.sleep(0, view.url == base + "/next"), "the allowed navigation")
+        await until(lambda: asyncio.sleep(0, view.frames > frames), "a frame of the next page")
+        # and so does a typed address inside it
+        assert await view.input({"t": "navigate", "url": base + "/"})
+        await until(lambda: asyncio.sleep(0, view.url == base + "/"), "the typed allowed address")
         # after close, input is dropped and the tab is gone
         await view.close()
         assert not await view.input({"t": "text", "text": "late"})

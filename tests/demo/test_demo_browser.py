@@ -47,6 +47,10 @@ def test_demo_two_runs_login_once_cookie_survives_no_secrets(tmp_path):
     # scripted person in a separate browser signs in through that page (never the stage's env)
     assert "[login] handoff: live_view for 127.0.0.1 at http://127.0.0.1:" in run1
     assert "[person] typed the user and the password into the login tab" in run1
+    # ...and clicked Sign in where the frame shows it: the site's own form says the one post
+    # it got was sent by a click on its button, not by Enter
+    assert "[person] clicked Sign in where the live view shows it (" in run1
+    assert "[site] sign-in form posts so far, sent by: click\n" in run1
     assert "[person] pressed Done; the page says: The guard's login check says: logged in" in run1
     assert "[login] live view ended: done" in run1
     assert "?t=" not in out                             # the one-time link is not printed

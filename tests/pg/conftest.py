@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import os
+import subprocess
+import sys
 import signal
 from pathlib import Path
 
@@ -62,6 +64,10 @@ class Guards:
             if d.proc is not None and d.proc.poll() is None:
                 with_suppress_kill(d.proc.pid, signal.SIGCONT)
                 d.stop()
+        for d in self.started:     # a killed guard is cleaned up as an operator would
+            if d.proc is not None and (d.proc.returncode or 0) < 0:
+                subprocess.run([sys.executable, "-m", "cli.main", "sweep", "--home", str(d.home)],
+                               cwd=ROOT, env=d.env, capture_output=True, timeout=120)
         for d in self.started:     # nothing a guard of this test started may outlive it
             rt = str(runtime_dir(d.home))
             for p in psutil.process_iter(["cmdline"]):

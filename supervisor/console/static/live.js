@@ -9,6 +9,8 @@
   const refused = document.getElementById("refused");
   const paste = document.getElementById("paste");
   const pasteText = document.getElementById("paste-text");
+  const go = document.getElementById("go");
+  const goUrl = document.getElementById("go-url");
   let size = { w: img.width, h: img.height };
   let frames = 0;
   let lastUrl = null;
@@ -103,6 +105,14 @@
     ev.preventDefault();
     if (pasteText.value) send({ t: "text", text: pasteText.value });
     pasteText.value = "";
+    keys.focus();
+  });
+  // The address box asks the login tab to open an address; the guard lets the tab go only to
+  // this login's allowed sites (a refusal shows under the address).
+  go.addEventListener("submit", function (ev) {
+    ev.preventDefault();
+    const url = goUrl.value.trim();
+    if (url) send({ t: "navigate", url: url });
     keys.focus();
   });
   let resizeTimer = null;
