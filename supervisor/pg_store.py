@@ -65,6 +65,12 @@ BLOB_CHUNK = 1 << 20            # bytes of sealed data per database row
 DEFAULT_TTL = 30.0              # seconds a guard's leases outlive its last heartbeat
 POOL_WAIT = 3.0                 # seconds to wait for a database connection before giving up
 FAIL_FAST = 2.0                 # seconds after a failed connection during which calls fail at once
+#: seconds one chain of reconnection attempts lasts (the pool backs off 1, 2, 4 s... within
+#: it); the next call starts a new chain, so a server that is back is found within seconds
+#: however long it was away (the pool's default, 5 minutes of doubling waits, could let a
+#: guard come back after its TTL and lose its leases)
+RECONNECT_WINDOW = 5.0
+OUTAGE_RETRY = 1.0              # seconds between heartbeats while the database is away
 ENV_TTL = "SFGUARD_LEASE_TTL"
 ENV_KEY = "SFGUARD_KEY"
 ENV_KEY_FILE = "SFGUARD_KEY_FILE"
@@ -268,9 +274,13 @@ class PgBackend:
         self.pending_lock = threading.Lock()
         self.pool = psycopg_pool.ConnectionPool(
             url, min_size=1, max_size=pool_size, open=False, timeout=POOL_WAIT,
+            reconnect_timeout=RECONNECT_WINDOW,
             check=psycopg_pool.ConnectionPool.check_connection,   # survives a server restart
             kwargs=_connect_args(read_only), name="sfguard")
         self._down_until = 0.0        # after a failure, fail fast for a moment (no pile-up)
+        #: a call found the database away; with a heartbeat, calls then fail at once until the
+        #: heartbeat (which probes every OUTAGE_RETRY seconds) gets through again
+        self.down = False
         try:
             self.pool.open(wait=True, timeout=connect_wait)
         except Exception as exc:
@@ -297,15 +307,20 @@ class PgBackend:
             self._thread.start()
 
     @contextlib.contextmanager
-    def conn(self) -> Iterator[Any]:
-        """A pooled connection in a transaction (commit on success, rollback on error)."""
+    def conn(self, probe: bool = False) -> Iterator[Any]:
+        """A pooled connection in a transaction (commit on success, rollback on error).
+        `probe`: the heartbeat's call, which tries the database even while it is known away."""
         import psycopg  # noqa: PLC0415
-        if time.monotonic() < self._down_until:
-            raise StoreUnavailable(f"the database {self.url_shown} is unreachable (just failed)")
+        if not probe and (time.monotonic() < self._down_until or
+                          (self.down and self._thread is not None)):
+            raise StoreUnavailable(f"the database {self.url_shown} is unreachable (the guard "
+                                   f"tries it again every {OUTAGE_RETRY:.0f} s)")
         try:
             with self.pool.connection() as conn:
                 yield conn
+            self.down = False
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            self.down = True
             self._down_until = time.monotonic() + FAIL_FAST
             raise StoreUnavailable(f"the database {self.url_shown} is unreachable "
                                    f"({type(exc).__name__})") from None
@@ -315,6 +330,7 @@ class PgBackend:
                                "nothing of it was written") from None
         except Exception as exc:
             if type(exc).__module__.startswith(("psycopg_pool",)):
+                self.down = True
                 self._down_until = time.monotonic() + FAIL_FAST
                 raise StoreUnavailable(f"no database connection to {self.url_shown} "
                                        f"({type(exc).__name__})") from None
@@ -329,18 +345,29 @@ class PgBackend:
         if conn is not None:
             conn.execute(sql, args)
             return
-        with self.conn() as c:
+        with self.conn(probe=True) as c:
             c.execute(sql, args)
 
     def _beat_loop(self) -> None:
+        """Beat every TTL/4; while the database is away (a call or a beat failed), every
+        OUTAGE_RETRY seconds, so what waited for it goes in as soon as it is back."""
         interval = max(0.05, self.ttl / 4)
-        while not self._stop.wait(interval):
+        last, failing = time.monotonic(), False
+        while not self._stop.wait(min(interval, OUTAGE_RETRY)):
+            if not self.down and not failing and time.monotonic() - last < interval:
+                continue
             try:
                 self.beat()
             except Exception as exc:  # the database is away: leases lapse after the TTL
-                log.warning("heartbeat to the shared store failed (%s); leases of this guard "
-                            "expire %.0f s after the last good one", type(exc).__name__, self.ttl)
+                if not failing:
+                    log.warning("heartbeat to the shared store failed (%s); leases of this "
+                                "guard expire %.0f s after the last good one; trying again "
+                                "every %.0f s", type(exc).__name__, self.ttl, OUTAGE_RETRY)
+                failing = True
                 continue
+            if failing:
+                log.info("the shared store answers again")
+            last, failing = time.monotonic(), False
             self.retry_pending()
 
     def defer(self, what: str, action: Callable[[], None]) -> None:
@@ -385,7 +412,7 @@ class PgBackend:
                 self.pool.close(timeout=5)
             return
         with contextlib.suppress(Exception):
-            self._down_until = 0.0
+            self._down_until, self.down = 0.0, False     # one more real try
             left = self.retry_pending()          # what waited for the database goes in first
             if left:
                 log.error("the shared store is still unreachable: %d deferred write(s) are "
