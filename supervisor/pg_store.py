@@ -269,6 +269,8 @@ class PgBackend:
         #: key -> (run, fencing token) for the profiles this guard holds
         self.tokens: dict[ProfileKey, tuple[str, int]] = {}
         self.tokens_lock = threading.Lock()
+        #: the audit sink that records the releases `close` makes (set by supervisor/stores.py)
+        self.audit: "PgAuditSink | None" = None
         #: writes that found the database away, retried in order by the heartbeat
         self.pending: list[tuple[str, Callable[[], None]]] = []
         self.pending_lock = threading.Lock()
@@ -281,6 +283,8 @@ class PgBackend:
         #: a call found the database away; with a heartbeat, calls then fail at once until the
         #: heartbeat (which probes every OUTAGE_RETRY seconds) gets through again
         self.down = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         try:
             self.pool.open(wait=True, timeout=connect_wait)
         except Exception as exc:
@@ -299,8 +303,6 @@ class PgBackend:
             with contextlib.suppress(Exception):
                 self.pool.close(timeout=1)
             raise
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         if heartbeat and not read_only:
             self._thread = threading.Thread(target=self._beat_loop, name="sfguard-heartbeat",
                                             daemon=True)
@@ -318,7 +320,7 @@ class PgBackend:
         try:
             with self.pool.connection() as conn:
                 yield conn
-            self.down = False
+            self.down, self._down_until = False, 0.0      # it answers: no more failing fast
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             self.down = True
             self._down_until = time.monotonic() + FAIL_FAST
@@ -368,7 +370,8 @@ class PgBackend:
             if failing:
                 log.info("the shared store answers again")
             last, failing = time.monotonic(), False
-            self.retry_pending()
+            if self.retry_pending():
+                failing = True            # some still wait: try them again in OUTAGE_RETRY
 
     def defer(self, what: str, action: Callable[[], None]) -> None:
         """Keep a write that found the database away; `retry_pending` runs it when it is back."""
@@ -419,8 +422,15 @@ class PgBackend:
                           "lost with this guard (the profiles keep their last stored state)", left)
         with contextlib.suppress(Exception):
             with self.conn() as c:
+                held = c.execute("SELECT scope, name, holder_run FROM sfguard_leases WHERE "
+                                 "holder_guard = %s ORDER BY scope, name FOR UPDATE",
+                                 (self.guard_id,)).fetchall()
                 c.execute("UPDATE sfguard_leases SET holder_run = NULL, holder_guard = NULL, "
                           "holder_since = NULL WHERE holder_guard = %s", (self.guard_id,))
+                if self.audit is not None:     # leftovers of a stopping guard, audited with it
+                    for scope, name, run in held:
+                        self.audit.append_event(c, "profile_released", scope=scope,
+                                                profile=name, run=run, outcome="abandoned")
                 c.execute("DELETE FROM sfguard_queue WHERE guard_id = %s", (self.guard_id,))
                 c.execute("DELETE FROM sfguard_guards WHERE guard_id = %s", (self.guard_id,))
         with contextlib.suppress(Exception):

@@ -86,6 +86,7 @@ def open_stores(home: Path, runtime: Path | None = None, flag: str | None = None
         backend.close()
         raise
     audit = pg_store.PgAuditSink(backend, keys)
+    backend.audit = audit
     return Stores("postgresql", f"PostgreSQL {backend.url_shown}", keys,
                   pg_store.PgProfileStore(backend, keys, home, runtime=runtime, audit=audit),
                   pg_store.PgProfileLease(backend, audit), audit, backend)

@@ -229,3 +229,14 @@ def test_changes_of_two_guards_interleaved_keep_one_valid_chain(pg_url, host, tm
     assert json.loads(out.stdout) == {"ok": True, "records": len(evs), "line": None,
                                       "problem": None,
                                       "message": f"audit log intact: {len(evs)} record(s)"}
+
+
+def test_a_stopping_guard_audits_the_leases_it_still_held(pg_url, host):
+    a, b = host("a"), host("b")
+    a.backend.audit = a.audit                 # as supervisor/stores.py wires it
+    a.store.create(P)
+    assert isinstance(a.lease.try_acquire(P, "r1"), Granted)
+    a.backend.close()
+    assert ("profile_released", {"scope": "local", "profile": "shop", "run": "r1",
+                                 "outcome": "abandoned"}) == events(pg_url)[-1]
+    assert b.lease.holder(P) is None and b.audit.verify().ok

@@ -23,7 +23,7 @@ from tests.daemon.test_runs import stage, wait_ready
 from tests.pg.conftest import ROOT, Guards
 from tests.pg.test_guards import cookies, end_run, log_in, new_run
 
-OUTAGE_TTL = 15.0       # seconds: longer than the outage, so the holder keeps its lease
+OUTAGE_TTL = 30.0       # seconds (the default): longer than the outage, the holder keeps its lease
 STATUS_BOUND = 4.0      # seconds a `status` answer may take while the database is away
 DOWN_FOR = 6.0          # seconds status is polled on both guards after the holder's run ended
 
@@ -132,3 +132,46 @@ def test_the_guards_answer_through_a_database_outage_and_lose_nothing(guards, se
           f"({len(took)} calls, median {sorted(took)[len(took) // 2]:.2f} s); the run's end "
           f"took {end_took:.2f} s; the waiting run was granted {grant_after:.1f} s after the "
           "database was back")
+
+
+def test_a_hanging_database_does_not_block_the_guard(guards, server):
+    """The database server is frozen (SIGSTOP of its processes, which this test started): its
+    connections accept and never answer, so store calls hang rather than fail. The guard's
+    event loop never waits on them: status answers within its bound, a stage without a
+    profile gets its browser, the holder's stage answers; once the server runs again
+    everything that waited completes."""
+    import psutil
+    g1 = guards.start("g1")
+    new_run(g1, "r1")
+    assert stage(g1, "r1", "s1")[0] == 200
+    postmaster = psutil.Process(server.pid())
+    frozen = [postmaster, *postmaster.children(recursive=True)]
+    for p in frozen:
+        p.suspend()
+    try:
+        took = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < DOWN_FOR:
+            st, t = timed_status(g1)
+            took.append(t)
+            assert st["guard"]["store_error"], st["guard"]
+        assert g1.call("GET", "/v1/runs/r1/stages/s1")[0] == 200
+        new_run(g1, "r2")
+        t1 = time.monotonic()
+        code, body = stage(g1, "r2", "s1", profile=None)
+        took_stage = time.monotonic() - t1
+        assert code == 200 and body["state"] == "ready", body
+        assert max(took) < STATUS_BOUND, took
+    finally:
+        for p in frozen:
+            p.resume()
+    deadline = time.monotonic() + 60
+    while timed_status(g1)[0]["guard"]["store_error"] is not None:
+        assert time.monotonic() < deadline, "the store did not answer again"
+        time.sleep(0.5)
+    st, _ = timed_status(g1)
+    assert [(l["profile"], l["holder_run"]) for l in st["leases"]] == [("acct", "r1")]
+    for run in ("r1", "r2"):
+        assert end_run(g1, run)["ok"] is True
+    print(f"\nfrozen database: status answered in at most {max(took):.2f} s ({len(took)} calls); "
+          f"a stage without a profile was ready in {took_stage:.2f} s")
