@@ -48,8 +48,9 @@ def _sink(args):
     import atexit
     from supervisor.home import resolve_home
     from supervisor.protocols import ProfileError
-    try:
-        stores = open_stores(resolve_home(args.home), None, args.store, heartbeat=False)
+    try:   # read-only: migrates nothing; a database without sfguard tables is exit 2
+        stores = open_stores(resolve_home(args.home), None, args.store, heartbeat=False,
+                             read_only=True)
     except ProfileError as exc:
         raise CliError(f"the store cannot be used: {exc}", 2) from None
     atexit.register(stores.close)

@@ -38,8 +38,12 @@ def _store_checks(args) -> list[tuple[str, str, str]]:
         from supervisor.keys import default_key_provider
         return [("ok", "store", "local home (profiles, leases and audit in the guard home)"),
                 ("ok", "key provider", default_key_provider(home).describe())]
-    try:
-        stores = open_stores(home, None, getattr(args, "store", None), heartbeat=False)
+    from supervisor.pg_store import NoSchema
+    try:   # read-only: doctor migrates and writes nothing
+        stores = open_stores(home, None, getattr(args, "store", None), heartbeat=False,
+                             read_only=True)
+    except NoSchema as exc:
+        return [("info", "store", f"{shown}: {exc}")]
     except (ProfileError, ValueError) as exc:
         return [("missing", "store", f"{shown}: {exc}")]
     try:

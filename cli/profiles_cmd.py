@@ -98,16 +98,23 @@ class _Ctx:
 
 
 class _SharedCtx:
-    """The shared (PostgreSQL) store: profiles, leases and audit from the database."""
+    """The shared (PostgreSQL) store: profiles, leases and audit from the database.
+    Read-only commands (list, show) open it read-only: nothing is migrated or written, and
+    `no_schema` holds the reason when no guard has started on the database yet."""
 
     def __init__(self, args, read_only: bool = False):
         import atexit
         from supervisor.home import resolve_home
+        from supervisor.pg_store import NoSchema
         from supervisor.stores import StoreError, open_stores
         self.read_only = False          # the database answers holders and queues directly
+        self.no_schema: str | None = None
         home = resolve_home(args.home)
         try:
-            stores = open_stores(home, None, args.store, heartbeat=False)
+            stores = open_stores(home, None, args.store, heartbeat=False, read_only=read_only)
+        except NoSchema as exc:
+            self.no_schema = str(exc)
+            return
         except (StoreError, ProfileError) as exc:
             raise CliError(f"the store cannot be used: {exc}", 2) from None
         atexit.register(stores.close)
@@ -147,7 +154,8 @@ def _describe(ctx: _Ctx, key: ProfileKey) -> dict:
          "last_used": _when(info.last_used), "size": info.size, "state": state,
          "leased_by": holder.run if holder else None,
          "leased_since": _when(holder.since) if holder else None,
-         "waiting": [q.run for q in ctx.lease.queue(key)] if tracked else []}
+         "waiting": [q.run for q in ctx.lease.queue(key)] if tracked else [],
+        "identity": info.identity}
     details = getattr(ctx.store, "details", None)     # the shared store keeps more
     if details is not None:
         extra = details(key)
@@ -164,8 +172,20 @@ def _line(d: dict) -> str:
             f"{d['size']:>10}  {state}")
 
 
+def _no_schema(ctx) -> str | None:
+    """Why a shared store has nothing yet (no guard has started on the database), or None."""
+    return getattr(ctx, "no_schema", None)
+
+
 def cmd_list(args) -> int:
     ctx = _ctx(args, read_only=True)
+    if _no_schema(ctx):
+        if args.json:
+            print(json.dumps({"profiles": [], "note": _no_schema(ctx)}, indent=2))
+        else:
+            print("no profiles")
+            print(f"sfguard profiles: {_no_schema(ctx)}", file=sys.stderr)
+        return 0
     rows = [_describe(ctx, info.key) for info in ctx.store.list(LOCAL_SCOPE)]
     if args.json:
         print(json.dumps({"profiles": rows, "key_provider": ctx.keys.describe()}, indent=2))
@@ -182,6 +202,8 @@ def cmd_list(args) -> int:
 def cmd_show(args) -> int:
     ctx = _ctx(args, read_only=True)
     key = _key(args.name)
+    if _no_schema(ctx):
+        raise CliError(f"no profile {key.name!r}: {_no_schema(ctx)}", 1)
     try:
         d = _describe(ctx, key)
     except ProfileNotFound as exc:
@@ -198,11 +220,11 @@ def cmd_show(args) -> int:
 def cmd_create(args) -> int:
     ctx = _ctx(args)
     key = _key(args.name)
+    from supervisor import store_ops
     try:
-        info = ctx.store.create(key)
+        info = store_ops.create_profile(ctx, key)
     except ProfileExists as exc:
         raise CliError(str(exc), 1) from None
-    ctx.audit.record("profile_created", scope=key.scope, profile=key.name)
     print(f"created profile {key.name} (sealed, {info.size} bytes; keys: {ctx.keys.describe()})")
     return 0
 
@@ -229,8 +251,9 @@ def cmd_clear(args) -> int:
     if not isinstance(got, Granted):
         ctx.lease.release(key, run)
         raise CliError(f"profile {key.name} is leased by run {got.holder_run}: wait for that run to end", 1)
+    from supervisor import store_ops
     try:
-        ctx.store.delete(key)
+        store_ops.delete_profile(ctx, key, by="cli")
     except ProfileBusy as exc:
         from cli.guardhint import with_home
         raise CliError(f"{exc} (a crashed run left it unsealed: `{with_home('sfguard sweep', args.home)}` "
@@ -239,7 +262,6 @@ def cmd_clear(args) -> int:
         raise CliError(str(exc), 1) from None
     finally:
         ctx.lease.release(key, run)
-    ctx.audit.record("profile_deleted", scope=key.scope, profile=key.name, by="cli")
     print(f"cleared profile {key.name}")
     return 0
 

@@ -34,7 +34,8 @@ def run(args) -> int:
     g, pol = body["guard"], body["policy"]
     print(f"guard   pid {g['pid']} since {g['since']}, home {g['home']}, keys: {g['key_provider']}")
     if g.get("store"):
-        print(f"store   {g['store']}")
+        print(f"store   {g['store']}" + (f"  UNREACHABLE ({g['store_error']}): leases and "
+                                         "queues unknown" if g.get("store_error") else ""))
     line = f"policy  {pol['file']} mode {pol['mode']}"
     if pol["state"] != "ok":
         line += f"  INVALID EDIT, last good policy kept: {pol['error']}"

@@ -62,7 +62,7 @@ STATUS_TEXT = {400: "bad input", 401: "no or a wrong bearer token (TCP listener 
                403: "refused by the site policy", 404: "no such run, stage or profile",
                405: "method not allowed on this route", 409: "conflicts with the current state",
                413: "body too large", 422: "the check could not decide", 500: "a bug: see the guard's log",
-               503: "the browser could not be started"}
+               503: "the browser could not be started, or the shared store is unreachable"}
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ ROUTES: tuple[Route, ...] = (
           m.LoginCheckRequest, ((200, m.LoginResultAnswer),),
           _RUN + ((400, ("no_pipeline", "invalid_pattern")), (403, ("login_check_not_allowed",)),
                   (409, ("run_ended", "profile_leased", "browser_failed")), (422, ("login_check_failed",)),
-                  (503, ("browser_failed",))),
+                  (503, ("browser_failed", "store_unreachable"))),
           "The guard opens login_check.url in the run's browser for the profile (leasing it if "
           "needed), reads the final address (and the selector) and matches the patterns. The "
           "runner puts this answer into the check stage's envelope; the guard keeps it for "
@@ -163,7 +163,7 @@ ROUTES: tuple[Route, ...] = (
           m.HandoffRequest, ((200, m.HandoffAnswer),),
           _RUN + ((400, ("no_pipeline",)), (404, ("stage_not_found",)),
                   (409, ("run_ended", "handoff_impossible", "profile_leased", "browser_failed")),
-                  (503, ("browser_failed",))),
+                  (503, ("browser_failed", "store_unreachable"))),
           "For a login stage's gate: reopens the run's browser on the profile headed (needs a "
           "display where the guard runs; 409 handoff_impossible names the cause) and answers the "
           "payload to show the person. End the login stage when the person confirms. With "
@@ -186,12 +186,15 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/status", "api_status", "Runs, leases, queues, anchors, proxies, policy", None,
           ((200, m.StatusAnswer),), (),
           "What `sfguard status` prints: every run, profile lease and queue, and the site policy's "
-          "state (an invalid edit keeps the last good policy)."),
+          "state (an invalid edit keeps the last good policy). Answers even when a shared store "
+          "does not: then `leases` is empty and `guard.store_error` says why."),
     Route("GET", "/v1/profiles", "api_list_profiles", "Profiles of this guard's scope", None,
-          ((200, m.ProfilesAnswer),), (), "Names, sizes, times and lease holders; never contents."),
+          ((200, m.ProfilesAnswer),), ((503, ("store_unreachable",)),),
+          "Names, sizes, times, workflow identities and lease holders; never contents. 503 "
+          "store_unreachable when a shared store's database does not answer."),
     Route("DELETE", "/v1/profiles/{name}", "api_delete_profile", "Delete a profile (not while leased)",
           None, ((200, m.Ok),), ((400, ("invalid_name",)), (404, ("profile_not_found",)),
-                                 (409, ("profile_leased",))),
+                                 (409, ("profile_leased",)), (503, ("store_unreachable",))),
           "Deletes the sealed profile and its login; refused while a run leases it."),
 )
 

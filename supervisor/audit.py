@@ -53,6 +53,7 @@ EVENTS = frozenset({
     "profile_created", "profile_leased", "profile_released", "profile_deleted", "scope_deleted",
     "login_checked", "handoff_opened", "handoff_confirmed", "policy_reloaded", "denials_aggregated",
     "handoff_viewed", "handoff_closed",
+    "profile_resealed",       # the shared store: a reseal, in the transaction that stores it
 })
 
 _TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)

@@ -44,6 +44,8 @@ from supervisor.lease import current_process, process_alive
 from supervisor.profiles import pipeline_profile_name
 from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, ProfileError,
                                   ProfileKey, StoreUnavailable, Waiting)
+from supervisor import store_ops
+from supervisor.store_ops import StoreCalls, StoreSlow
 from supervisor.stores import open_stores
 from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
 from supervisor import stage_exec, tools
@@ -58,6 +60,8 @@ LOGIN_CHECK_TIMEOUT = 30.0
 STAGE_ENV_KEYS = ("AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
                   "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS")
 WATCH_INTERVAL = 0.25
+#: `status` waits this long for the store's part (leases, queues); then answers without it
+STATUS_STORE_WAIT = 2.0
 #: a stage answer that may still change; long-poll re-checks it every LONG_POLL_STEP seconds
 WAITING_STATES = ("pending", "waiting", "relaunching")
 LONG_POLL_STEP = 0.1
@@ -234,6 +238,7 @@ class Stage:
     env_full: dict[str, str] | None = None    # with inherited vars; used to close the session
     env: dict[str, str] | None = None         # what the stage gets
     waiting: Waiting | None = None
+    store_wait: str | None = None             # why it waits when no holder is known (store away)
     outcome: str | None = None
     error: ApiError | None = None
     processes: list[ProcRecord] = field(default_factory=list)  # the stage session's daemon
@@ -247,6 +252,9 @@ class Stage:
             since = w.holder_since if w.holder_since is not None else w.queued_since
             return 202, {"state": "waiting", "holder_run": w.holder_run or "", "since": _now_iso(since),
                          "position": w.position, **_holder_where(w.holder_host, w.holder_guard)}
+        if self.state == "waiting" and self.store_wait is not None:
+            return 202, {"state": "waiting", "holder_run": "", "since": _now_iso(), "position": None,
+                         "reason": "store_unreachable", "message": self.store_wait}
         if self.state in ("pending", "waiting", "relaunching"):
             return 202, {"state": "waiting", "holder_run": "", "since": _now_iso(), "position": None}
         if self.state == "failed" and self.error is not None:
@@ -304,6 +312,8 @@ class Guard:
         self.stores = open_stores(self.home, self.runtime, store)
         self.keys, self.store = self.stores.keys, self.stores.store
         self.lease, self.audit = self.stores.lease, self.stores.audit
+        # seam calls run off the event loop (supervisor/store_ops.py)
+        self.calls = StoreCalls(getattr(self.stores.backend, "pool_size", 1))
         self.host = LocalBrowserHost()
         self.browser_tool = tools.find_browser()
         self.gate = CdpGate(on_refusal=self._on_refusal)
@@ -394,6 +404,7 @@ class Guard:
         await self.bridges.close_all()
         await self.gate.stop()
         self._flush_refusals()
+        self.calls.close()
         release_runtime(self)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -415,7 +426,8 @@ class Guard:
         before = self.policy_watch.error
         if self.policy_watch.check():
             digest = hashlib.sha256(self.policy_path.read_bytes()).hexdigest()
-            self.audit.record("policy_reloaded", mode=self.site_policy.mode, policy_sha256=digest)
+            self.calls.submit("the audit record of a policy reload", self.audit.record,
+                              "policy_reloaded", mode=self.site_policy.mode, policy_sha256=digest)
             log.info("site policy reloaded from %s", self.policy_path)
         elif self.policy_watch.error is not None and self.policy_watch.error is not before:
             log.error("site policy edit refused, the last good policy stays in force: %s",
@@ -479,8 +491,8 @@ class Guard:
     def _flush_refusals(self) -> None:
         if self._refusals:
             total = sum(self._refusals.values())
-            with contextlib.suppress(Exception):
-                self.audit.record("denials_aggregated", count=total, reason="cdp_gate")
+            self.calls.submit("the audit record of aggregated denials", self.audit.record,
+                              "denials_aggregated", count=total, reason="cdp_gate")
             self._refusals.clear()
 
     def _effective_headed(self, req: models.BrowserField) -> bool:
@@ -577,9 +589,13 @@ class Guard:
                       and s.browser_req.profile == profile]
             if profile is not None and not others:
                 key = self._profile_key(run, profile)
-                holder = self.lease.holder(key)
-                if holder is None or holder.run != run.run_id:
-                    self.lease.release(key, run.run_id)   # leaves the queue (never a held lease)
+
+                def leave_queue() -> None:
+                    holder = self.lease.holder(key)
+                    if holder is None or holder.run != run.run_id:
+                        self.lease.release(key, run.run_id)   # the queue only (never a held lease)
+                with contextlib.suppress(StoreUnavailable):  # away: its queue place lapses with
+                    await self.calls.run(leave_queue)        # this guard's, or goes at run end
         log.info("stage %s/%s left the queue", run_id, stage_id)
         for other in list(self.runs.values()):   # the places behind it move up now
             if other.state == "active":
@@ -597,7 +613,7 @@ class Guard:
         return 200, {"ok": not problems, "problems": problems}
 
     # -- API: status and profiles -------------------------------------------------------------
-    async def api_status(self) -> tuple[int, Any]:
+    def _lease_table(self) -> list[dict]:
         leases = []
         for info in self.store.list(self.scope):
             holder = self.lease.holder(info.key)
@@ -606,10 +622,19 @@ class Guard:
                            "since": _now_iso(holder.since) if holder else None,
                            "queue": [{"run": q.run, "since": _now_iso(q.since)} for q in queue],
                            **_holder_where(holder and holder.host, holder and holder.guard)})
+        return leases
+
+    async def api_status(self) -> tuple[int, Any]:
+        # the store's part is bounded: with the database away, status still answers at once
+        store_error = None
+        try:
+            leases = await self.calls.bounded(STATUS_STORE_WAIT, self._lease_table)
+        except (StoreUnavailable, StoreSlow) as exc:
+            leases, store_error = [], str(exc)
         return 200, {
             "guard": {"pid": os.getpid(), "since": _now_iso(self.started), "home": str(self.home),
                       "key_provider": self.keys.describe(), "scope": self.scope,
-                      "store": self.stores.shown},
+                      "store": self.stores.shown, "store_error": store_error},
             "policy": {"file": str(self.policy_path), "mode": self.site_policy.mode,
                        "state": "error" if self.policy_error else "ok", "error": self.policy_error},
             "runs": [r.public() for r in self.runs.values()],
@@ -618,26 +643,36 @@ class Guard:
         }
 
     async def api_list_profiles(self) -> tuple[int, Any]:
-        out = []
-        for info in self.store.list(self.scope):
-            holder = self.lease.holder(info.key)
-            out.append({"name": info.key.name, "scope": info.key.scope, "created": _now_iso(info.created),
-                        "last_used": _now_iso(info.last_used) if info.last_used else None,
-                        "size": info.size, "leased_by": holder.run if holder else None})
-        return 200, {"profiles": out}
+        def listing() -> list[dict]:
+            out = []
+            for info in self.store.list(self.scope):
+                holder = self.lease.holder(info.key)
+                out.append({"name": info.key.name, "scope": info.key.scope,
+                            "created": _now_iso(info.created),
+                            "last_used": _now_iso(info.last_used) if info.last_used else None,
+                            "size": info.size, "leased_by": holder.run if holder else None,
+                            "identity": info.identity})
+            return out
+        return 200, {"profiles": await self._store_call(listing)}
+
+    async def _store_call(self, fn, *args, **kw):
+        """A seam call off the event loop; the database away is a 503 the caller can retry."""
+        try:
+            return await self.calls.run(fn, *args, **kw)
+        except StoreUnavailable as exc:
+            raise ApiError(503, "store_unreachable", str(exc), None) from None
 
     async def api_delete_profile(self, name: str) -> tuple[int, Any]:
         try:
             key = ProfileKey(self.scope, name)
         except ProfileError as exc:
             raise ApiError(400, "invalid_name", str(exc), "name") from None
-        holder = self.lease.holder(key)
+        holder = await self._store_call(self.lease.holder, key)
         if holder is not None:
             raise ApiError(409, "profile_leased", f"profile {name!r} is leased by run {holder.run!r}", "name")
-        if not self.store.exists(key):
+        if not await self._store_call(self.store.exists, key):
             raise ApiError(404, "profile_not_found", f"no profile {name!r}", "name")
-        self.store.delete(key)
-        self.audit.record("profile_deleted", scope=key.scope, profile=key.name, by="api")
+        await self._store_call(store_ops.delete_profile, self.stores, key, by="api")
         return 200, {"ok": True}
 
     # -- API: login check, envelope verification, human handoff --------------------------------
@@ -652,12 +687,10 @@ class Guard:
     async def _leased_browser(self, run: Run, profile: str, headed: bool) -> Browser:
         key = self._profile_key(run, profile)
         async with run.lock:
-            result = self.lease.try_acquire(key, run.run_id)
+            result = await self._store_call(store_ops.grant, self.stores, key, run.run_id)
             if isinstance(result, Waiting):
                 raise ApiError(409, "profile_leased", f"profile {key.name!r} is leased by run "
                                f"{result.holder_run!r}; this run is queued", "profile")
-            if not result.reentrant:
-                self.audit.record("profile_leased", scope=key.scope, profile=key.name, run=run.run_id)
             try:
                 return await self._ensure_anchor(run, key, headed)
             except (AnchorError, GateError, ProfileError, RuntimeError, OSError) as exc:
@@ -693,13 +726,17 @@ class Guard:
             if browser.client in run.proxy.clients:
                 await run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
         run.login_results[body.profile] = result
-        self.audit.record("login_checked", scope=self.scope, profile=browser.key, run=run.run_id,
-                          host=decision.normalized_host, logged_in=result.logged_in,
-                          result="logged_in" if result.logged_in else "logged_out")
-        note = getattr(self.store, "record_login_check", None)   # shared store: a fenced state write
-        if note is not None:
-            with contextlib.suppress(ProfileError):   # a stale lease is refused and logged there
-                note(browser.profile, result.logged_in)
+
+        def record_check() -> None:
+            self.audit.record("login_checked", scope=self.scope, profile=browser.key,
+                              run=run.run_id, host=decision.normalized_host,
+                              logged_in=result.logged_in,
+                              result="logged_in" if result.logged_in else "logged_out")
+            note = getattr(self.store, "record_login_check", None)  # shared: a fenced state write
+            if note is not None:
+                with contextlib.suppress(ProfileError):  # a stale lease is refused and logged there
+                    note(browser.profile, result.logged_in)
+        await self._store_call(record_check)
         return 200, {"logged_in": result.logged_in, "url": result.url}
 
     async def api_login_verify(self, run_id: str, body: models.LoginVerifyRequest) -> tuple[int, Any]:
@@ -741,8 +778,8 @@ class Guard:
             except Exception as exc:
                 raise ApiError(503, "browser_failed", f"could not open the page in the browser "
                                f"({type(exc).__name__})", None) from None
-        self.audit.record("handoff_opened", scope=self.scope, profile=browser.key, run=run.run_id,
-                          host=body.site)
+        await self._store_call(self.audit.record, "handoff_opened", scope=self.scope,
+                               profile=browser.key, run=run.run_id, host=body.site)
         return 200, handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()
 
     async def api_handoff_state(self, run_id: str, wait: float = 0.0) -> tuple[int, Any]:
@@ -764,15 +801,16 @@ class Guard:
                 if req.profile is not None:
                     key = self._profile_key(run, req.profile)
                     try:
-                        result = self.lease.try_acquire(key, run.run_id)
-                    except StoreUnavailable:    # shared store away: no grant now, ask again
-                        stage.state = "waiting"
+                        result = await self.calls.run(store_ops.grant, self.stores, key, run.run_id)
+                    except StoreUnavailable as exc:   # shared store away: no grant now, ask again
+                        stage.state, stage.waiting = "waiting", None
+                        stage.store_wait = (f"{exc}; the guard asks again and grants the profile "
+                                            "when the database answers")
                         return
+                    stage.store_wait = None
                     if isinstance(result, Waiting):
                         stage.state, stage.waiting = "waiting", result
                         return
-                    if not result.reentrant:
-                        self.audit.record("profile_leased", scope=key.scope, profile=key.name, run=run.run_id)
                     browser = await self._ensure_anchor(run, key, stage.headed)
                 else:
                     browser = await self._throwaway(run, stage)
@@ -848,13 +886,17 @@ class Guard:
         if browser is not None and browser.anchor is not None:
             return browser
         proxy = await self._ensure_proxy(run)
-        if not self.store.exists(key):
-            self.store.create(key)
-            self.audit.record("profile_created", scope=key.scope, profile=key.name, run=run.run_id)
+        if not await self.calls.run(self.store.exists, key):
+            # a profile made for `@pipeline` keeps its workflow identity (PLAT-322): the same
+            # on every host, since it depends only on the normalised pipeline path
+            identity = (pipeline_profile_name(run.pipeline) if run.pipeline
+                        and key.name == pipeline_profile_name(run.pipeline) else None)
+            await self.calls.run(store_ops.create_profile, self.stores, key, identity,
+                                 run=run.run_id)
         name = await proxy.add_client([])
         browser = Browser(key.name, key, headed, name)
         run.browsers[key.name] = browser
-        profile_dir = self.store.open(key)
+        profile_dir = await self.calls.run(self.store.open, key)
         self._save_record(run)
         try:
             browser.anchor = await self._launch(run, browser, profile_dir)
@@ -863,7 +905,7 @@ class Guard:
             # profile stays as it was) so that the next request can open the profile again
             run.browsers.pop(key.name, None)
             with contextlib.suppress(Exception):
-                self.store.close(key, save=False)
+                await self.calls.run(self.store.close, key, save=False)
             with contextlib.suppress(Exception):
                 await proxy.remove_client(name)
             raise
@@ -954,12 +996,12 @@ class Guard:
             browser.anchor = None
         if browser.profile is not None:
             try:
-                self.store.close(browser.profile, save=True)
+                await self.calls.run(self.store.close, browser.profile, save=True)
             except Exception as exc:
                 problems.append(f"resealing profile {browser.profile.name} failed: {exc}; "
                                 "the previous sealed copy is kept")
                 with contextlib.suppress(Exception):
-                    self.store.close(browser.profile, save=False)
+                    await self.calls.run(self.store.close, browser.profile, save=False)
         if run.proxy is not None:
             with contextlib.suppress(RuntimeError):
                 await run.proxy.remove_client(browser.client)
@@ -979,19 +1021,9 @@ class Guard:
             run.problems += await self._close_browser(run, browser)
         if run.proxy is not None:
             await run.proxy.stop()
-        try:
-            released = self.lease.release_all(run.run_id)
-        except OSError as exc:
-            released = []
-            run.problems.append(f"releasing the run's leases failed: {exc}; "
-                                "the next start of the guard releases them")
-        for key in released:
-            try:
-                self.audit.record("profile_released", scope=key.scope, profile=key.name,
-                                  run=run.run_id, outcome=outcome)
-            except OSError as exc:
-                run.problems.append(f"the audit record of the release could not be written "
-                                    f"({exc}); the chain up to it is intact")
+        _released, problems = await self.calls.run(store_ops.release_run, self.stores,
+                                                   run.run_id, outcome)
+        run.problems += problems
         if run.workdir is not None:
             shutil.rmtree(run.workdir, ignore_errors=True)
         run.state = "ended"
@@ -1115,13 +1147,12 @@ def sweep(guard: Guard) -> dict:
         run_id = rec.get("run_id")
         report["runs"].append(run_id)
         try:
-            released = guard.lease.release_all(run_id)
+            released, problems = store_ops.release_run(guard.stores, run_id, "abandoned")
         except ValueError:
-            released = []  # a record without a valid run id holds no lease
-        for key in released:
-            guard.audit.record("profile_released", scope=key.scope, profile=key.name,
-                               run=run_id, outcome="abandoned")
-            report["leases"].append(key.name)
+            released, problems = [], []  # a record without a valid run id holds no lease
+        for problem in problems:
+            log.error("sweep of run %s: %s", run_id, problem)
+        report["leases"] += [key.name for key in released]
         path.unlink()
     # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)
     orphans = scan_orphans([str(guard.runtime)])
@@ -1136,7 +1167,8 @@ def sweep(guard: Guard) -> dict:
             with contextlib.suppress(Exception):
                 guard.store.close(key, save=False)
     for key, run_id in guard.lease.sweep_stale():
-        guard.audit.record("profile_released", scope=key.scope, profile=key.name, run=run_id,
-                           outcome="abandoned")
+        if not store_ops.audited(guard.lease):    # the shared store audits it as it drops it
+            guard.audit.record("profile_released", scope=key.scope, profile=key.name,
+                               run=run_id, outcome="abandoned")
         report["leases"].append(key.name)
     return report

@@ -63,6 +63,7 @@ class _FakeProfile:
     created: float
     key_id: bytes                       # the scope key it was "sealed" with
     last_used: float | None = None
+    identity: str | None = None
 
 
 class FakeProfileStore:
@@ -90,17 +91,21 @@ class FakeProfileStore:
 
     def _info(self, key: ProfileKey, prof: _FakeProfile) -> ProfileInfo:
         return ProfileInfo(key, prof.created, prof.last_used,
-                           sum(len(v) for v in prof.files.values()), key in self._open)
+                           sum(len(v) for v in prof.files.values()), key in self._open,
+                           prof.identity)
 
     def exists(self, key: ProfileKey) -> bool:
         self._check_scope(key.scope)
         return key in self._profiles
 
-    def create(self, key: ProfileKey) -> ProfileInfo:
+    def create(self, key: ProfileKey, identity: str | None = None) -> ProfileInfo:
         self._check_scope(key.scope)
+        if identity is not None:
+            validate_name(identity, "profile identity")
         if key in self._profiles:
             raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
-        self._profiles[key] = _FakeProfile({}, time.time(), self.keys.get_key(key.scope))
+        self._profiles[key] = _FakeProfile({}, time.time(), self.keys.get_key(key.scope),
+                                           identity=identity)
         return self.info(key)
 
     def info(self, key: ProfileKey) -> ProfileInfo:

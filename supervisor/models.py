@@ -131,6 +131,8 @@ ERROR_CODES = (
     "stage_not_waiting", "no_pipeline", "no_display", "browser_failed",
     # profiles
     "invalid_name", "profile_not_found", "profile_leased",
+    # a shared store (PostgreSQL) that does not answer
+    "store_unreachable",
     # login check, envelope verification, handoff
     "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
     "envelope_mismatch", "handoff_impossible", "handoff_not_found", "console_off",
@@ -208,6 +210,10 @@ class StageWaiting(Answer):
         "shared store only: the host of the guard whose run holds the profile"))
     holder_guard: str | None = Field(default=None, description=(
         "shared store only: the id of the guard (process) whose run holds the profile"))
+    reason: Literal["store_unreachable"] | None = Field(default=None, description=(
+        "shared store only: why no holder is named: the database is unreachable; the guard "
+        "asks again and grants the profile when it answers"))
+    message: str | None = Field(default=None, description="the reason in words")
 
 
 class StageEnded(Answer):
@@ -278,6 +284,9 @@ class GuardInfo(Answer):
     scope: str
     store: str | None = Field(default=None, description=(
         "where profiles, leases and audit live: 'local home' or 'PostgreSQL <url without password>'"))
+    store_error: str | None = Field(default=None, description=(
+        "why `leases` is empty this time: the store did not answer (the shared database is "
+        "unreachable or slower than 2 s); null when it answered"))
 
 
 class PolicyState(Answer):
@@ -321,6 +330,9 @@ class ProfileInfoAnswer(Answer):
     last_used: str | None
     size: int
     leased_by: str | None
+    identity: str | None = Field(default=None, description=(
+        "the workflow identity the profile was made for (`pipeline-<hash>` of a `@pipeline` "
+        "profile, the same on every host); null for a named profile"))
 
 
 class ProfilesAnswer(Answer):

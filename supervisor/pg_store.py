@@ -65,17 +65,39 @@ BLOB_CHUNK = 1 << 20            # bytes of sealed data per database row
 DEFAULT_TTL = 30.0              # seconds a guard's leases outlive its last heartbeat
 POOL_WAIT = 3.0                 # seconds to wait for a database connection before giving up
 FAIL_FAST = 2.0                 # seconds after a failed connection during which calls fail at once
+#: seconds one chain of reconnection attempts lasts (the pool backs off 1, 2, 4 s... within
+#: it); the next call starts a new chain, so a server that is back is found within seconds
+#: however long it was away (the pool's default, 5 minutes of doubling waits, could let a
+#: guard come back after its TTL and lose its leases)
+RECONNECT_WINDOW = 5.0
+OUTAGE_RETRY = 1.0              # seconds between heartbeats while the database is away
 ENV_TTL = "SFGUARD_LEASE_TTL"
 ENV_KEY = "SFGUARD_KEY"
 ENV_KEY_FILE = "SFGUARD_KEY_FILE"
 
-__all__ = ["StoreUnavailable", "SchemaTooNew", "StaleLease", "PgBackend", "PgKeyProvider",
+__all__ = ["StoreUnavailable", "SchemaTooNew", "SchemaTooOld", "NoSchema", "StoreRefused",
+           "StaleLease", "PgBackend", "PgKeyProvider",
            "PgProfileStore", "PgProfileLease", "PgAuditSink", "redact_url", "load_master_key",
            "MIGRATIONS"]
 
 
 class SchemaTooNew(ProfileError):
     """The database schema is newer than this sfguard knows: refuse to start."""
+
+
+class SchemaTooOld(ProfileError):
+    """A read-only command on a database an older sfguard migrated: `sfguard start` of this
+    version migrates it; read-only commands never do."""
+
+
+class NoSchema(ProfileError):
+    """A read-only command on a database no guard has started on yet (no sfguard tables)."""
+
+
+class StoreRefused(ProfileError):
+    """The database refused a statement (a constraint, a trigger, a permission): the whole
+    transaction was rolled back, so the state change and its audit record are both absent.
+    Only the SQLSTATE is shown (a server message may quote data)."""
 
 
 class StaleLease(ProfileError):
@@ -196,6 +218,26 @@ def migrate(conn, migrations: list[str] = MIGRATIONS) -> int:
         return len(migrations)
 
 
+def check_schema(conn, url_shown: str, migrations: list[str] = MIGRATIONS) -> int:
+    """The schema version for a read-only command, changing nothing: NoSchema on a database
+    without sfguard tables, SchemaTooNew / SchemaTooOld when it is not this sfguard's."""
+    if conn.execute("SELECT to_regclass('sfguard_schema_version')").fetchone()[0] is None:
+        raise NoSchema(f"the database {url_shown} has no sfguard schema: start a guard with "
+                       "--store on it first (`sfguard start` creates the tables)")
+    current = int(conn.execute("SELECT coalesce(max(version), 0) FROM "
+                               "sfguard_schema_version").fetchone()[0])
+    if current > len(migrations):
+        raise SchemaTooNew(
+            f"the database schema is version {current}, newer than this sfguard knows "
+            f"(up to {len(migrations)}): upgrade sfguard on this host; nothing was changed")
+    if current < len(migrations):
+        raise SchemaTooOld(
+            f"the database schema is version {current}, older than this sfguard "
+            f"({len(migrations)}): start a guard of this version (`sfguard start --store ...`) "
+            "to migrate it; read-only commands change nothing")
+    return current
+
+
 # --------------------------------------------------------------------------- backend
 
 class PgBackend:
@@ -207,13 +249,18 @@ class PgBackend:
     """
 
     def __init__(self, url: str, *, ttl: float | None = None, host: str | None = None,
-                 heartbeat: bool = True, pool_size: int = 4, connect_wait: float = 15.0):
+                 heartbeat: bool = True, pool_size: int = 4, connect_wait: float = 15.0,
+                 read_only: bool = False):
         import psycopg_pool  # noqa: PLC0415 - only guards on a shared store need it
         if ttl is None:
             ttl = _env_ttl()
         if not ttl > 0:
             raise ValueError("the lease TTL must be a positive number of seconds")
         self.url_shown = redact_url(url)
+        #: read-only commands (`profiles list|show`, `audit verify|show`, `doctor`): no
+        #: migration, no guard row, and every session is read-only on the server itself
+        self.read_only = read_only
+        self.pool_size = pool_size
         self.ttl = float(ttl)
         self.host = host or socket.gethostname()
         self.guard_id = f"g-{secrets.token_hex(6)}"
@@ -222,14 +269,22 @@ class PgBackend:
         #: key -> (run, fencing token) for the profiles this guard holds
         self.tokens: dict[ProfileKey, tuple[str, int]] = {}
         self.tokens_lock = threading.Lock()
+        #: the audit sink that records the releases `close` makes (set by supervisor/stores.py)
+        self.audit: "PgAuditSink | None" = None
         #: writes that found the database away, retried in order by the heartbeat
         self.pending: list[tuple[str, Callable[[], None]]] = []
         self.pending_lock = threading.Lock()
         self.pool = psycopg_pool.ConnectionPool(
             url, min_size=1, max_size=pool_size, open=False, timeout=POOL_WAIT,
+            reconnect_timeout=RECONNECT_WINDOW,
             check=psycopg_pool.ConnectionPool.check_connection,   # survives a server restart
-            kwargs={"connect_timeout": 3, "application_name": "sfguard"}, name="sfguard")
+            kwargs=_connect_args(read_only), name="sfguard")
         self._down_until = 0.0        # after a failure, fail fast for a moment (no pile-up)
+        #: a call found the database away; with a heartbeat, calls then fail at once until the
+        #: heartbeat (which probes every OUTAGE_RETRY seconds) gets through again
+        self.down = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         try:
             self.pool.open(wait=True, timeout=connect_wait)
         except Exception as exc:
@@ -240,34 +295,44 @@ class PgBackend:
         self.schema_version = 0
         try:
             with self.conn() as conn:
-                self.schema_version = migrate(conn)
-            self.beat()
+                self.schema_version = (check_schema(conn, self.url_shown) if read_only
+                                       else migrate(conn))
+            if not read_only:
+                self.beat()
         except BaseException:
             with contextlib.suppress(Exception):
                 self.pool.close(timeout=1)
             raise
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if heartbeat:
+        if heartbeat and not read_only:
             self._thread = threading.Thread(target=self._beat_loop, name="sfguard-heartbeat",
                                             daemon=True)
             self._thread.start()
 
     @contextlib.contextmanager
-    def conn(self) -> Iterator[Any]:
-        """A pooled connection in a transaction (commit on success, rollback on error)."""
+    def conn(self, probe: bool = False) -> Iterator[Any]:
+        """A pooled connection in a transaction (commit on success, rollback on error).
+        `probe`: the heartbeat's call, which tries the database even while it is known away."""
         import psycopg  # noqa: PLC0415
-        if time.monotonic() < self._down_until:
-            raise StoreUnavailable(f"the database {self.url_shown} is unreachable (just failed)")
+        if not probe and (time.monotonic() < self._down_until or
+                          (self.down and self._thread is not None)):
+            raise StoreUnavailable(f"the database {self.url_shown} is unreachable (the guard "
+                                   f"tries it again every {OUTAGE_RETRY:.0f} s)")
         try:
             with self.pool.connection() as conn:
                 yield conn
+            self.down, self._down_until = False, 0.0      # it answers: no more failing fast
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            self.down = True
             self._down_until = time.monotonic() + FAIL_FAST
             raise StoreUnavailable(f"the database {self.url_shown} is unreachable "
                                    f"({type(exc).__name__})") from None
+        except psycopg.DatabaseError as exc:
+            raise StoreRefused(f"the database {self.url_shown} refused the change "
+                               f"(SQLSTATE {exc.sqlstate or 'unknown'}, {type(exc).__name__}); "
+                               "nothing of it was written") from None
         except Exception as exc:
             if type(exc).__module__.startswith(("psycopg_pool",)):
+                self.down = True
                 self._down_until = time.monotonic() + FAIL_FAST
                 raise StoreUnavailable(f"no database connection to {self.url_shown} "
                                        f"({type(exc).__name__})") from None
@@ -282,19 +347,31 @@ class PgBackend:
         if conn is not None:
             conn.execute(sql, args)
             return
-        with self.conn() as c:
+        with self.conn(probe=True) as c:
             c.execute(sql, args)
 
     def _beat_loop(self) -> None:
+        """Beat every TTL/4; while the database is away (a call or a beat failed), every
+        OUTAGE_RETRY seconds, so what waited for it goes in as soon as it is back."""
         interval = max(0.05, self.ttl / 4)
-        while not self._stop.wait(interval):
+        last, failing = time.monotonic(), False
+        while not self._stop.wait(min(interval, OUTAGE_RETRY)):
+            if not self.down and not failing and time.monotonic() - last < interval:
+                continue
             try:
                 self.beat()
             except Exception as exc:  # the database is away: leases lapse after the TTL
-                log.warning("heartbeat to the shared store failed (%s); leases of this guard "
-                            "expire %.0f s after the last good one", type(exc).__name__, self.ttl)
+                if not failing:
+                    log.warning("heartbeat to the shared store failed (%s); leases of this "
+                                "guard expire %.0f s after the last good one; trying again "
+                                "every %.0f s", type(exc).__name__, self.ttl, OUTAGE_RETRY)
+                failing = True
                 continue
-            self.retry_pending()
+            if failing:
+                log.info("the shared store answers again")
+            last, failing = time.monotonic(), False
+            if self.retry_pending():
+                failing = True            # some still wait: try them again in OUTAGE_RETRY
 
     def defer(self, what: str, action: Callable[[], None]) -> None:
         """Keep a write that found the database away; `retry_pending` runs it when it is back."""
@@ -333,20 +410,42 @@ class PgBackend:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.read_only:
+            with contextlib.suppress(Exception):
+                self.pool.close(timeout=5)
+            return
         with contextlib.suppress(Exception):
-            self._down_until = 0.0
+            self._down_until, self.down = 0.0, False     # one more real try
             left = self.retry_pending()          # what waited for the database goes in first
             if left:
                 log.error("the shared store is still unreachable: %d deferred write(s) are "
                           "lost with this guard (the profiles keep their last stored state)", left)
         with contextlib.suppress(Exception):
             with self.conn() as c:
+                held = c.execute("SELECT scope, name, holder_run FROM sfguard_leases WHERE "
+                                 "holder_guard = %s ORDER BY scope, name FOR UPDATE",
+                                 (self.guard_id,)).fetchall()
                 c.execute("UPDATE sfguard_leases SET holder_run = NULL, holder_guard = NULL, "
                           "holder_since = NULL WHERE holder_guard = %s", (self.guard_id,))
+                if self.audit is not None:     # leftovers of a stopping guard, audited with it
+                    for scope, name, run in held:
+                        self.audit.append_event(c, "profile_released", scope=scope,
+                                                profile=name, run=run, outcome="abandoned")
                 c.execute("DELETE FROM sfguard_queue WHERE guard_id = %s", (self.guard_id,))
                 c.execute("DELETE FROM sfguard_guards WHERE guard_id = %s", (self.guard_id,))
         with contextlib.suppress(Exception):
             self.pool.close(timeout=5)
+
+
+def _connect_args(read_only: bool) -> dict:
+    """libpq options: bounded connects; on TCP, keepalives and a user timeout so a cut-off
+    server fails a call instead of hanging it; read-only sessions for read-only commands."""
+    args = {"connect_timeout": 3, "application_name": "sfguard", "keepalives": 1,
+            "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+            "tcp_user_timeout": 30000}
+    if read_only:
+        args["options"] = "-c default_transaction_read_only=on"
+    return args
 
 
 def _env_ttl() -> float:
@@ -419,9 +518,11 @@ class PgKeyProvider:
         self._audit = _derive(master, "audit chain")
         check = hmac.new(_derive(master, "check"), b"sfguard key check", hashlib.sha256).hexdigest()
         with backend.conn() as conn:
-            conn.execute("INSERT INTO sfguard_meta (id, key_check) VALUES (1, %s) "
-                         "ON CONFLICT (id) DO NOTHING", (check,))
-            stored = conn.execute("SELECT key_check FROM sfguard_meta WHERE id = 1").fetchone()[0]
+            if not backend.read_only:
+                conn.execute("INSERT INTO sfguard_meta (id, key_check) VALUES (1, %s) "
+                             "ON CONFLICT (id) DO NOTHING", (check,))
+            row = conn.execute("SELECT key_check FROM sfguard_meta WHERE id = 1").fetchone()
+        stored = check if row is None else row[0]     # read-only, before any guard started
         if not hmac.compare_digest(stored, check):
             raise KeyMissing(f"the {source} is not the key this database was set up with: every "
                              "guard host sharing the database must use the same key")
@@ -443,7 +544,7 @@ class PgKeyProvider:
 
     def _fetch_key(self, scope: str, create: bool) -> bytes:
         with self.backend.conn() as conn:
-            if create:
+            if create and not self.backend.read_only:
                 nonce = secrets.token_bytes(12)
                 fresh = nonce + self._wrap.encrypt(nonce, secrets.token_bytes(KEY_BYTES),
                                                    scope.encode())
@@ -477,13 +578,26 @@ class PgKeyProvider:
 # --------------------------------------------------------------------------- profiles
 
 class PgProfileStore:
-    """ProfileStore on PostgreSQL; sealed client-side, working copies under the local runtime."""
+    """ProfileStore on PostgreSQL; sealed client-side, working copies under the local runtime.
 
-    def __init__(self, backend: PgBackend, keys, home: Path, runtime: Path | None = None):
+    With an audit sink (`audits_changes`), a create (`profile_created`), a reseal
+    (`profile_resealed`) and a delete (`profile_deleted`) write their audit record in the
+    transaction of the change: both commit, or neither does. `note` adds the caller's fields
+    (the run, `by`)."""
+
+    def __init__(self, backend: PgBackend, keys, home: Path, runtime: Path | None = None,
+                 audit: "PgAuditSink | None" = None):
         self.backend = backend
         self.keys = keys
         self.home = Path(home)
         self._runtime = Path(runtime) if runtime is not None else None
+        self.audit = audit
+        self.audits_changes = audit is not None
+
+    def _audit(self, conn, event: str, key: ProfileKey, note: dict | None = None) -> None:
+        if self.audit is not None:
+            self.audit.append_event(conn, event, scope=key.scope, profile=key.name,
+                                    **(note or {}))
 
     # ----------------------------------------------------------------- local paths
     def _runtime_root(self) -> Path:
@@ -551,8 +665,12 @@ class PgProfileStore:
             return conn.execute("SELECT 1 FROM sfguard_profiles WHERE scope = %s AND name = %s",
                                 (key.scope, key.name)).fetchone() is not None
 
-    def create(self, key: ProfileKey, identity: str | None = None) -> ProfileInfo:
-        """Create an empty sealed profile; ProfileExists if the name is taken in that scope."""
+    def create(self, key: ProfileKey, identity: str | None = None, *,
+               note: dict | None = None) -> ProfileInfo:
+        """Create an empty sealed profile; ProfileExists if the name is taken in that scope.
+        `identity`: the workflow identity it was made for (`pipeline-<hash>`), kept with it."""
+        if identity is not None:
+            validate_name(identity, "profile identity")
         if self.exists(key):
             raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
         empty = self._scratch() / f".empty-{os.getpid()}-{time.monotonic_ns()}"
@@ -571,18 +689,19 @@ class PgProfileStore:
                     (key.scope, key.name, identity, now, now, size, blob_id))
                 if cur.rowcount == 0:
                     raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
+                self._audit(conn, "profile_created", key, note)
         finally:
             sealed.unlink(missing_ok=True)
         return self.info(key)
 
     def _info_from(self, key: ProfileKey, row) -> ProfileInfo:
         return ProfileInfo(key=key, created=float(row[0]), last_used=row[1], size=int(row[2]),
-                           unsealed=os.path.isdir(self._unsealed_dir(key)))
+                           unsealed=os.path.isdir(self._unsealed_dir(key)), identity=row[3])
 
     def info(self, key: ProfileKey) -> ProfileInfo:
         with self.backend.conn() as conn:
-            row = conn.execute("SELECT created, last_used, size FROM sfguard_profiles WHERE "
-                               "scope = %s AND name = %s", (key.scope, key.name)).fetchone()
+            row = conn.execute("SELECT created, last_used, size, identity FROM sfguard_profiles "
+                               "WHERE scope = %s AND name = %s", (key.scope, key.name)).fetchone()
         if row is None:
             raise ProfileNotFound(f"no profile {key.name!r} in scope {key.scope!r}")
         return self._info_from(key, row)
@@ -603,8 +722,9 @@ class PgProfileStore:
     def list(self, scope: str) -> list[ProfileInfo]:
         validate_name(scope, "scope")
         with self.backend.conn() as conn:
-            rows = conn.execute("SELECT name, created, last_used, size FROM sfguard_profiles "
-                                "WHERE scope = %s ORDER BY name", (scope,)).fetchall()
+            rows = conn.execute("SELECT name, created, last_used, size, identity FROM "
+                                "sfguard_profiles WHERE scope = %s ORDER BY name",
+                                (scope,)).fetchall()
         return [self._info_from(ProfileKey(scope, r[0]), r[1:]) for r in rows]
 
     def open(self, key: ProfileKey) -> Path:
@@ -678,6 +798,8 @@ class PgProfileStore:
                              "last_used = %s, written_generation = %s WHERE scope = %s AND "
                              "name = %s", (blob_id, size, now, now, token, key.scope, key.name))
                 conn.execute("DELETE FROM sfguard_blob_chunks WHERE blob_id = %s", (old[0],))
+                self._audit(conn, "profile_resealed", key,
+                            {"run": held[0], "outcome": "late" if final else "stored"})
         except StoreUnavailable:
             raise                                   # kept for the next retry
         except BaseException:
@@ -705,7 +827,7 @@ class PgProfileStore:
             shutil.rmtree(src, ignore_errors=True)
         return self.info(key)
 
-    def delete(self, key: ProfileKey) -> None:
+    def delete(self, key: ProfileKey, *, note: dict | None = None) -> None:
         """Delete the profile. ProfileBusy while it is open here or leased on any host."""
         if os.path.lexists(self._unsealed_dir(key)):
             raise ProfileBusy(f"profile {key.name!r} is open (leased): close it first")
@@ -722,6 +844,7 @@ class PgProfileStore:
             if row is None:
                 raise ProfileNotFound(f"no profile {key.name!r} in scope {key.scope!r}")
             conn.execute("DELETE FROM sfguard_blob_chunks WHERE blob_id = %s", (row[0],))
+            self._audit(conn, "profile_deleted", key, note)
 
     def delete_scope(self, scope: str) -> list[ProfileKey]:
         """Delete every profile of `scope` (rows, chunks, local working copies) and its key."""
@@ -769,11 +892,22 @@ _ALIVE = ("(g.expires_at >= clock_timestamp() OR "
 
 class PgProfileLease:
     """ProfileLease on PostgreSQL: one holder per profile across hosts, FIFO queue, TTL and
-    fencing tokens (see the module docstring)."""
+    fencing tokens (see the module docstring).
+
+    With an audit sink, every change of holder writes its audit record in the transaction
+    that makes it (`audits_changes`): a grant (`profile_leased`), a release
+    (`profile_released` with the run's outcome) and a holder dropped after its guard's TTL
+    (`profile_released`, outcome `expired`). A crash or a refused write between the two can
+    leave neither alone."""
 
     def __init__(self, backend: PgBackend, audit: "PgAuditSink | None" = None):
         self.backend = backend
-        self.audit = audit          # records the releases done late (after a database outage)
+        self.audit = audit
+        self.audits_changes = audit is not None
+
+    def _audit(self, conn, event: str, key: ProfileKey, **fields: Any) -> None:
+        if self.audit is not None:
+            self.audit.append_event(conn, event, scope=key.scope, profile=key.name, **fields)
 
     @contextlib.contextmanager
     def _locked(self, key: ProfileKey) -> Iterator[tuple[Any, list]]:
@@ -796,6 +930,7 @@ class PgProfileLease:
                 conn.execute("UPDATE sfguard_leases SET holder_run = NULL, holder_guard = NULL, "
                              "holder_since = NULL WHERE scope = %s AND name = %s",
                              (key.scope, key.name))
+                self._audit(conn, "profile_released", key, run=row[0], outcome="expired")
                 log.info("lease of %s held by run %s expired (its guard %s stopped beating)",
                          key, row[0], row[1])
             conn.execute(
@@ -813,11 +948,12 @@ class PgProfileLease:
             (key.scope, key.name)).fetchone()
 
     @staticmethod
-    def _queue_rows(conn, key: ProfileKey):
+    def _queue_rows(conn, key: ProfileKey, alive: bool = False):
         return conn.execute(
             "SELECT q.run, q.guard_id, q.since, q.seq, g.pid, g.started FROM sfguard_queue q "
             "LEFT JOIN sfguard_guards g ON g.guard_id = q.guard_id WHERE q.scope = %s AND "
-            "q.name = %s ORDER BY q.seq", (key.scope, key.name)).fetchall()
+            "q.name = %s" + (" AND " + _ALIVE if alive else "") + " ORDER BY q.seq",
+            (key.scope, key.name)).fetchall()
 
     def try_acquire(self, key: ProfileKey, run: str) -> Granted | Waiting:
         """Grant the profile to `run` of this guard (a new fencing token), or queue it FIFO
@@ -840,32 +976,38 @@ class PgProfileLease:
                     (run, me, key.scope, key.name)).fetchone()
                 conn.execute("DELETE FROM sfguard_queue WHERE scope = %s AND name = %s AND "
                              "run = %s AND guard_id = %s", (key.scope, key.name, run, me))
-                with self.backend.tokens_lock:
-                    self.backend.tokens[key] = (run, int(got[1]))
-                return Granted(key, run, float(got[0]))
-            mine = [i for i, q in enumerate(queue) if q[0] == run and q[1] == me]
-            if not mine:
-                q = conn.execute(
-                    "INSERT INTO sfguard_queue (scope, name, run, guard_id, since) VALUES "
-                    "(%s, %s, %s, %s, extract(epoch FROM clock_timestamp())) RETURNING since",
-                    (key.scope, key.name, run, me)).fetchone()
-                position, since = len(queue) + 1, float(q[0])
+                self._audit(conn, "profile_leased", key, run=run)
+                granted = Granted(key, run, float(got[0]))
             else:
-                position, since = mine[0] + 1, float(queue[mine[0]][2])
-            return Waiting(key, run, h[0], None if h[1] is None else float(h[1]), position, since,
-                           holder_host=h[3] if h[0] else None, holder_guard=h[2] if h[0] else None)
+                granted = None
+                mine = [i for i, q in enumerate(queue) if q[0] == run and q[1] == me]
+                if not mine:
+                    q = conn.execute(
+                        "INSERT INTO sfguard_queue (scope, name, run, guard_id, since) VALUES "
+                        "(%s, %s, %s, %s, extract(epoch FROM clock_timestamp())) RETURNING since",
+                        (key.scope, key.name, run, me)).fetchone()
+                    position, since = len(queue) + 1, float(q[0])
+                else:
+                    position, since = mine[0] + 1, float(queue[mine[0]][2])
+        if granted is not None:         # committed: only now is the token this guard's
+            with self.backend.tokens_lock:
+                self.backend.tokens[key] = (run, int(got[1]))
+            return granted
+        return Waiting(key, run, h[0], None if h[1] is None else float(h[1]), position, since,
+                       holder_host=h[3] if h[0] else None, holder_guard=h[2] if h[0] else None)
 
-    def release(self, key: ProfileKey, run: str) -> bool:
-        """Release this guard's `run` on `key` and drop it from the queue."""
+    def release(self, key: ProfileKey, run: str, outcome: str = "released") -> bool:
+        """Release this guard's `run` on `key` and drop it from the queue (a held lease's
+        release is audited with `outcome` in the same transaction)."""
         validate_run_id(run)
         try:
-            return self._release(key, run)
+            return self._release(key, run, outcome)
         except StoreUnavailable:
             self.backend.defer(f"release of profile {key} by run {run}",
-                               lambda: self._release(key, run))
+                               lambda: self._release(key, run, "released_late"))
             raise
 
-    def _release(self, key: ProfileKey, run: str) -> bool:
+    def _release(self, key: ProfileKey, run: str, outcome: str) -> bool:
         me = self.backend.guard_id
         with self.backend.conn() as conn:
             held = conn.execute(
@@ -875,23 +1017,26 @@ class PgProfileLease:
             queued = conn.execute("DELETE FROM sfguard_queue WHERE scope = %s AND name = %s AND "
                                   "run = %s AND guard_id = %s",
                                   (key.scope, key.name, run, me)).rowcount
+            if held:
+                self._audit(conn, "profile_released", key, run=run, outcome=outcome)
         with self.backend.tokens_lock:
             if self.backend.tokens.get(key, ("",))[0] == run:
                 del self.backend.tokens[key]
         return bool(held or queued)
 
-    def release_all(self, run: str) -> list[ProfileKey]:
+    def release_all(self, run: str, outcome: str = "released") -> list[ProfileKey]:
+        """Release every lease and queue place of this guard's `run`; each held lease's
+        `profile_released` record (with the run's `outcome`) commits with the release."""
         validate_run_id(run)
         try:
-            return self._release_all(run)
+            return self._release_all(run, outcome)
         except StoreUnavailable:
             self.backend.defer(f"release of run {run}'s leases",
-                               lambda: self._release_all(run, late=True))
+                               lambda: self._release_all(run, outcome, late=True))
             raise
 
-    def _release_all(self, run: str, late: bool = False) -> list[ProfileKey]:
-        """`late`: a deferred release; its audit records go in with it (the guard that
-        asked could not write them while the database was away)."""
+    def _release_all(self, run: str, outcome: str, late: bool = False) -> list[ProfileKey]:
+        """`late`: a deferred release (after a database outage), audited as `released_late`."""
         me = self.backend.guard_id
         with self.backend.conn() as conn:
             rows = conn.execute(
@@ -901,12 +1046,9 @@ class PgProfileLease:
             held = {ProfileKey(s, n) for s, n in rows}
             rows += conn.execute("DELETE FROM sfguard_queue WHERE run = %s AND guard_id = %s "
                                  "RETURNING scope, name", (run, me)).fetchall()
-            if late and self.audit is not None:
-                key_bytes = self.audit.keys.get_audit_key(create=True)
-                for key in sorted(held):
-                    PgAuditSink.append(conn, key_bytes, "profile_released", {
-                        "scope": key.scope, "profile": key.name, "run": run,
-                        "outcome": "released_late"})
+            for key in sorted(held):
+                self._audit(conn, "profile_released", key, run=run,
+                            outcome="released_late" if late else outcome)
         keys = sorted({ProfileKey(s, n) for s, n in rows})
         with self.backend.tokens_lock:
             for key in keys:
@@ -920,8 +1062,16 @@ class PgProfileLease:
                                 (key.scope, key.name)).fetchone() is not None
 
     def holder(self, key: ProfileKey) -> LeaseHolder | None:
-        with self._locked(key) as (conn, _):
-            h = self._holder_row(conn, key)
+        if self.backend.read_only:       # as it stands, expired holders left out; writes nothing
+            with self.backend.conn() as conn:
+                h = conn.execute(
+                    "SELECT l.holder_run, l.holder_since, l.holder_guard, g.host, g.pid, g.started "
+                    "FROM sfguard_leases l JOIN sfguard_guards g ON g.guard_id = l.holder_guard "
+                    "WHERE l.scope = %s AND l.name = %s AND " + _ALIVE,
+                    (key.scope, key.name)).fetchone()
+        else:
+            with self._locked(key) as (conn, _):
+                h = self._holder_row(conn, key)
         if h is None or h[0] is None:
             return None
         return LeaseHolder(key, h[0], float(h[1]), ProcessIdentity(int(h[4]), float(h[5])),
@@ -935,8 +1085,12 @@ class PgProfileLease:
         return 0 if row is None else int(row[0])
 
     def queue(self, key: ProfileKey) -> list[QueueEntry]:
-        with self._locked(key) as (conn, _):
-            rows = self._queue_rows(conn, key)
+        if self.backend.read_only:
+            with self.backend.conn() as conn:
+                rows = [r for r in self._queue_rows(conn, key, alive=True)]
+        else:
+            with self._locked(key) as (conn, _):
+                rows = self._queue_rows(conn, key)
         return [QueueEntry(r[0], float(r[2]), int(r[3]), ProcessIdentity(int(r[4]), float(r[5])))
                 for r in rows]
 
@@ -988,6 +1142,12 @@ class PgAuditSink:
                      (rec["seq"], rec["hash"], audit_mod.head_mac(key, rec["seq"], rec["hash"])))
         return rec
 
+    def append_event(self, conn, event: str, **fields: Any) -> dict[str, Any]:
+        """Validate and append a record inside the caller's transaction: the state change it
+        records and the record commit together or not at all."""
+        clean = audit_mod.clean_fields(event, fields)
+        return self.append(conn, self.keys.get_audit_key(create=True), event, clean)
+
     def _rows(self) -> Iterator[tuple[int, bytes]]:
         with self.backend.conn() as conn:
             yield from self._rows_in(conn)
@@ -1009,7 +1169,10 @@ class PgAuditSink:
         """Walk the whole chain in the database and compare its end with the head row."""
         key = self.keys.get_audit_key(create=False)
         with self.backend.conn() as conn:
-            conn.execute("SELECT 1 FROM sfguard_audit_head WHERE id = 1 FOR SHARE")
+            if self.backend.read_only:     # no row locks there: one snapshot for walk and head
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            else:
+                conn.execute("SELECT 1 FROM sfguard_audit_head WHERE id = 1 FOR SHARE")
             walked = audit_mod.walk_chain(self._rows_in(conn), key)
             if isinstance(walked, audit_mod.VerifyResult):
                 return walked

@@ -118,8 +118,12 @@ class LocalProfileStore:
         sealed = self._profile_dir(key) / SEALED_FILE
         return sealed.is_file() and not sealed.is_symlink()
 
-    def create(self, key: ProfileKey) -> ProfileInfo:
-        """Create an empty sealed profile; ProfileExists if the name is taken in that scope."""
+    def create(self, key: ProfileKey, identity: str | None = None) -> ProfileInfo:
+        """Create an empty sealed profile; ProfileExists if the name is taken in that scope.
+        `identity`: the workflow identity it was made for (`pipeline-<hash>`), kept in its
+        meta.json."""
+        if identity is not None:
+            validate_name(identity, "profile identity")
         if self.exists(key):
             raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
         private_dir(self.home / "profiles")
@@ -132,7 +136,10 @@ class LocalProfileStore:
         finally:
             shutil.rmtree(empty, ignore_errors=True)
             self._prune_runtime(self._runtime_root())
-        self._write_meta(key, {"created": time.time(), "last_used": None})
+        meta = {"created": time.time(), "last_used": None}
+        if identity is not None:
+            meta["identity"] = identity
+        self._write_meta(key, meta)
         return self.info(key)
 
     def info(self, key: ProfileKey) -> ProfileInfo:
@@ -141,7 +148,9 @@ class LocalProfileStore:
         st = sealed.stat()
         return ProfileInfo(key=key, created=float(meta.get("created") or st.st_mtime),
                            last_used=meta.get("last_used"), size=st.st_size,
-                           unsealed=os.path.isdir(self._unsealed_dir(key)))
+                           unsealed=os.path.isdir(self._unsealed_dir(key)),
+                           identity=meta.get("identity") if isinstance(meta.get("identity"), str)
+                           else None)
 
     def list(self, scope: str) -> list[ProfileInfo]:
         folder = self._scope_dir(scope)

@@ -91,6 +91,7 @@ class ProfileInfo:
     last_used: float | None        # unix time of the last reseal after a lease, None if never
     size: int                      # bytes of the sealed file
     unsealed: bool                 # an unsealed working copy exists (a lease has it open)
+    identity: str | None = None    # the workflow identity it was made for (`pipeline-<hash>`)
 
 
 # --------------------------------------------------------------------------- lease values
@@ -170,7 +171,7 @@ class ProfileStore(Protocol):
     (a crash mid-seal keeps the previous sealed copy) and removes the working folder.
     """
 
-    def create(self, key: ProfileKey) -> ProfileInfo: ...
+    def create(self, key: ProfileKey, identity: str | None = None) -> ProfileInfo: ...
     def exists(self, key: ProfileKey) -> bool: ...
     def info(self, key: ProfileKey) -> ProfileInfo: ...
     def list(self, scope: str) -> list[ProfileInfo]: ...

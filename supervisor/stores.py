@@ -61,8 +61,10 @@ def describe_store(flag: str | None = None) -> str:
 
 def open_stores(home: Path, runtime: Path | None = None, flag: str | None = None, *,
                 read_only: bool = False, heartbeat: bool = True) -> Stores:
-    """Build keys, store, lease and audit for the setting. `read_only` (local home only):
-    create nothing in the home (`audit verify|show`, `profiles list|show`)."""
+    """Build keys, store, lease and audit for the setting. `read_only` (`audit verify|show`,
+    `profiles list|show`, `doctor`): create nothing in the home; on a shared store, migrate
+    nothing, register no guard and open read-only sessions (pg_store.NoSchema on a database
+    no guard has started on, SchemaTooNew / SchemaTooOld on another version's schema)."""
     url = store_url(flag)
     if url is None:
         from supervisor.audit import LocalAuditSink  # noqa: PLC0415
@@ -77,13 +79,14 @@ def open_stores(home: Path, runtime: Path | None = None, flag: str | None = None
                       LocalProfileLease(home), LocalAuditSink(home, keys))
     from supervisor import pg_store  # noqa: PLC0415
     master, source = pg_store.load_master_key()
-    backend = pg_store.PgBackend(url, heartbeat=heartbeat)
+    backend = pg_store.PgBackend(url, heartbeat=heartbeat, read_only=read_only)
     try:
         keys = pg_store.PgKeyProvider(backend, master, source)
     except BaseException:
         backend.close()
         raise
     audit = pg_store.PgAuditSink(backend, keys)
+    backend.audit = audit
     return Stores("postgresql", f"PostgreSQL {backend.url_shown}", keys,
-                  pg_store.PgProfileStore(backend, keys, home, runtime=runtime),
+                  pg_store.PgProfileStore(backend, keys, home, runtime=runtime, audit=audit),
                   pg_store.PgProfileLease(backend, audit), audit, backend)

@@ -25,6 +25,12 @@ from tests.daemon.conftest import ROOT
 DOC = openapi_document()
 # documented (method, path template, status, code) that this file does not produce, and why
 ELSEWHERE = {
+    ("GET", "/v1/profiles", 503, "store_unreachable"): "tests/pg/test_outage.py (database stopped)",
+    ("DELETE", "/v1/profiles/{name}", 503, "store_unreachable"): "tests/pg/test_outage.py",
+    ("POST", "/v1/runs/{run_id}/login-check", 503, "store_unreachable"):
+        "a shared store whose database is away while the run is granted the profile (the grant "
+        "path of tests/pg/test_outage.py)",
+    ("POST", "/v1/runs/{run_id}/handoff", 503, "store_unreachable"): "as login-check",
     ("POST", "/v1/runs/{run_id}/stages", 409, "browser_failed"): "tests/browser_host (a broken browser)",
     ("POST", "/v1/runs/{run_id}/stages", 503, "browser_failed"): "tests/browser_host (a broken browser)",
     ("GET", "/v1/runs/{run_id}/stages/{stage_id}", 409, "browser_failed"): "tests/browser_host",

@@ -33,15 +33,16 @@ def key_file(tmp_path) -> Path:
 class Guards:
     """Start guards with their own homes on one store; end them (and what they started)."""
 
-    def __init__(self, tmp: Path, url: str, key_file: Path, cdp_url: str):
+    def __init__(self, tmp: Path, url: str, key_file: Path, cdp_url: str, ttl: float = TTL):
         self.tmp, self.url, self.key_file, self.cdp_url = tmp, url, key_file, cdp_url
+        self.ttl = ttl
         self.started: list[Daemon] = []
 
     def env(self, base: Path) -> dict[str, str]:
         env = {"PATH": os.environ["PATH"], "HOME": str(base), "LANG": "C.UTF-8",
                "SFGUARD_AGENT_BROWSER": str(FAKE_AB), "SFGUARD_BROWSER": str(FAKE_CHROMIUM),
                "PYTHONPATH": str(ROOT), "SFGUARD_STORE": self.url,
-               "SFGUARD_KEY_FILE": str(self.key_file), "SFGUARD_LEASE_TTL": str(TTL)}
+               "SFGUARD_KEY_FILE": str(self.key_file), "SFGUARD_LEASE_TTL": str(self.ttl)}
         if os.environ.get("XDG_RUNTIME_DIR"):
             env["XDG_RUNTIME_DIR"] = os.environ["XDG_RUNTIME_DIR"]
         return env

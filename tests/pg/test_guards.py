@@ -179,3 +179,31 @@ def test_a_paused_guard_cannot_overwrite_the_newer_login(guards):
         wait_ready(g1, "r3", "s1", timeout=30)       # raises unless it gets the profile
     assert cookies(g1).read_bytes() == b"sid=newer-state-of-guard-2"
     end_run(g1, "r3")
+
+
+def test_a_pipeline_profile_keeps_its_workflow_identity_on_every_host(guards, tmp_path):
+    """`@pipeline` of one pipeline path is one profile, made with its workflow identity; every
+    guard and every host's CLI shows that identity (a named profile has none)."""
+    from supervisor.profiles import pipeline_profile_name
+    pipeline = "/srv/pipelines/login-pipeline.yaml"
+    name = pipeline_profile_name(pipeline)
+    g1, g2 = guards.start("g1"), guards.start("g2")
+    assert g1.call("POST", "/v1/runs", {"run_id": "r1", "pipeline": pipeline})[0] == 201
+    assert stage(g1, "r1", "s1", profile="@pipeline")[0] == 200
+    assert stage(g1, "r1", "s2", profile="named")[0] == 200
+    end_run(g1, "r1")
+    assert g2.call("POST", "/v1/runs", {"run_id": "r2", "pipeline": pipeline})[0] == 201
+    assert stage(g2, "r2", "s1", profile="@pipeline")[0] == 200    # the same profile
+    end_run(g2, "r2")
+    listed = {p["name"]: p["identity"] for p in g2.call("GET", "/v1/profiles")[1]["profiles"]}
+    assert listed == {name: name, "named": None}
+    env = guards.env(guards.tmp)
+    out = subprocess.run([sys.executable, "-m", "cli.main", "profiles", "list", "--json", "--home",
+                          str(tmp_path / "another-host")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import json
+    assert {p["name"]: p["identity"] for p in json.loads(out.stdout)["profiles"]} == listed
+    shown = subprocess.run([sys.executable, "-m", "cli.main", "profiles", "show", name], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=60).stdout
+    assert f"identity:      {name}" in shown

@@ -30,9 +30,9 @@ class Host:
     def __init__(self, url, tmp, name, master, ttl=30.0):
         self.backend = PgBackend(url, ttl=ttl)
         self.keys = PgKeyProvider(self.backend, master, "test key")
-        self.store = PgProfileStore(self.backend, self.keys, tmp / name / "home",
-                                    runtime=tmp / name / "run")
         self.audit = PgAuditSink(self.backend, self.keys)
+        self.store = PgProfileStore(self.backend, self.keys, tmp / name / "home",
+                                    runtime=tmp / name / "run", audit=self.audit)
         self.lease = PgProfileLease(self.backend, self.audit)
 
 
@@ -262,9 +262,11 @@ def test_cli_profiles_audit_and_doctor_follow_the_store(pg_url, tmp_path, key_fi
     cleared = cli("profiles", "clear", "shop", "--yes", "--home", str(tmp_path / "h2"))
     assert cleared.returncode == 0, cleared.stderr
     verify = cli("audit", "verify", "--json")
-    assert json.loads(verify.stdout)["ok"] is True and json.loads(verify.stdout)["records"] == 2
-    shown = cli("audit", "show")
-    assert "profile_created" in shown.stdout and "profile_deleted" in shown.stdout
+    assert json.loads(verify.stdout)["ok"] is True and json.loads(verify.stdout)["records"] == 4
+    shown = cli("audit", "show", "--json")
+    # clear holds the lease while it deletes: each change audited in its own transaction
+    assert [json.loads(l)["event"] for l in shown.stdout.splitlines()] == [
+        "profile_created", "profile_leased", "profile_deleted", "profile_released"]
     doctor = cli("doctor")
     assert "store PostgreSQL postgresql://postgres@/" in doctor.stdout
     assert "key provider shared key file" in doctor.stdout

@@ -46,6 +46,25 @@ def test_create_open_save_reopen_round_trip(harness):
     harness.store.close(A, save=False)
 
 
+@pytest.mark.parametrize("identity", [None, "pipeline-0123456789abcdef"])
+def test_a_profile_keeps_the_workflow_identity_it_was_made_for(harness, identity):
+    made = harness.store.create(A, identity)
+    assert made.identity == identity
+    assert harness.store.info(A).identity == identity
+    assert [i.identity for i in harness.store.list(SCOPE_A)] == [identity]
+    hold(harness, A)
+    harness.store.open(A)
+    harness.store.close(A)                       # a reseal keeps it
+    assert harness.store.info(A).identity == identity
+
+
+@pytest.mark.parametrize("bad", ["../x", "Pipeline-X", "a/b", ""])
+def test_an_identity_that_is_not_a_plain_name_is_refused(harness, bad):
+    with pytest.raises(ProfileNameError):
+        harness.store.create(A, bad)
+    assert not harness.store.exists(A)
+
+
 def test_scope_a_cannot_open_scope_b_by_name(harness):
     harness.store.create(B)
     with pytest.raises(ProfileNotFound):
