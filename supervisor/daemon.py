@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import policy
-from supervisor import agent_browser, models, redaction
+from supervisor import agent_browser, browser_user, models, redaction
 from supervisor.api import ApiError
 from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
 from supervisor.cdp_gate import CdpGate, GateError
 from supervisor.console import handoff as live
-from supervisor.home import atomic_write, ensure_home, private_dir, runtime_dir
+from supervisor.home import atomic_write, ensure_home, private_dir, revoke_traverse, runtime_dir
 from supervisor.handoff import HandoffImpossible, LocalWindowHandoff
 from supervisor.login import LoginCheckError, LoginResult, check_login
 from supervisor.lease import current_process, process_alive
@@ -325,6 +325,9 @@ class Guard:
         self.stage_user = None
         self.api_gid: int | None = None
         self.sandbox_ok, self.sandbox_detail = False, "not checked yet"
+        # layer 2: under root, browsers run as this unprivileged user (supervisor/browser_user.py)
+        self.browser_user_name = browser_user.DEFAULT_BROWSER_USER
+        self.browser_user: browser_user.BrowserUser | None = None
         # the operator console (supervisor/console), set by `sfguard start` unless --no-console
         self.console = None
 
@@ -343,6 +346,7 @@ class Guard:
 
     async def start(self) -> dict:
         self.acquire_instance_lock()
+        browser_user.setup(self)   # before the sweep: it ends that user's orphans too
         report = sweep(self)
         # damaged state is reported, never silently reset
         audit = self.audit.verify()
@@ -385,6 +389,7 @@ class Guard:
         await self.gate.stop()
         self._flush_refusals()
         release_runtime(self)
+        revoke_traverse(self.runtime)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -827,6 +832,8 @@ class Guard:
         proxy = await self._ensure_proxy(run)
         if self.browser_tool.path is None:
             raise RuntimeError("no browser found (install Chromium or set SFGUARD_BROWSER)")
+        if self.browser_user is not None:   # downloads land here; the browser user writes them
+            browser_user.owned_subdir(run.workdir / "artifacts", self.browser_user)
         spec = AnchorSpec(session=f"sfa-{_short_id()}", socket_dir=self.socket_dir,
                           config_path=self.config_path, browser_path=self.browser_tool.path,
                           profile_dir=profile_dir, proxy_url=proxy.url_for(browser.client),
@@ -1114,7 +1121,8 @@ def sweep(guard: Guard) -> dict:
             report["leases"].append(key.name)
         path.unlink()
     # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)
-    orphans = scan_orphans([str(guard.runtime)])
+    user = getattr(guard, "browser_user", None)
+    orphans = scan_orphans([str(guard.runtime)], (user.uid,) if user is not None else ())
     report["orphans"] = len(terminate_recorded(orphans, timeout=5))
     for key in guard.store.unsealed():
         try:
