@@ -167,6 +167,7 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
         os.chmod(sock, 0o660)
     else:
         os.chmod(sock, 0o600)
+        os.chmod(guard.home, 0o700)   # no API group (any more): the home is the owner's only
     runners.append(app_runner)
     lines = [f"sfguard: API on unix:{sock}"]
     token_path: Path | None = None

@@ -46,7 +46,7 @@ from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, Profile
                                   ProfileKey, StoreUnavailable, Waiting)
 from supervisor.stores import open_stores
 from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
-from supervisor import stage_exec, tools
+from supervisor import sandbox, stage_exec, tools
 from supervisor.stage_bridge import BridgeHost
 
 log = logging.getLogger("sfguard.guard")
@@ -1121,7 +1121,9 @@ def sweep(guard: Guard) -> dict:
             report["leases"].append(key.name)
         path.unlink()
     # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)
-    user = getattr(guard, "browser_user", None)
+    # ... of the guard's user and of its browser user (`sfguard sweep` looks that one up)
+    user = guard.browser_user or (sandbox.lookup_user(guard.browser_user_name)
+                                  if os.geteuid() == 0 else None)
     orphans = scan_orphans([str(guard.runtime)], (user.uid,) if user is not None else ())
     report["orphans"] = len(terminate_recorded(orphans, timeout=5))
     for key in guard.store.unsealed():

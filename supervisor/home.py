@@ -5,9 +5,10 @@ Runtime: a short private folder for sockets and unsealed profiles (unix sockets 
 103-byte path limit), preferably on a non-persistent file system.
 
 Under a root guard the browsers run as a separate user (supervisor/browser_user.py), who must
-reach its profile inside the runtime folder: `grant_traverse` lets folders under the runtime
-folder be 0710 with that user's group (cross, never list or read), and `private_dir` keeps that
-mode there instead of resetting it to 0700. Nothing else is ever left 0710 by it.
+reach its profile inside the runtime folder: `grant_traverse` names the runtime folder whose
+folders `open_for_traverse` may make 0710 with that user's group (cross, never list or read).
+`private_dir` keeps a 0710 folder as it is (only its owner can have set it, on purpose) and
+makes anything else 0700.
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def resolve_home(flag: str | os.PathLike | None = None) -> Path:
 
 
 def private_dir(path: Path) -> Path:
-    """Create `path` (and parents) and make it 0700; refuse symlinks and foreign owners."""
+    """Create `path` (and parents) and make it 0700 (a 0710 one stays: cross-only for a group,
+    see above); refuse symlinks and foreign owners."""
     try:
         path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         st = os.lstat(path)
@@ -94,8 +96,12 @@ def private_dir(path: Path) -> Path:
     if st.st_uid != os.getuid():
         raise HomeError(f"{path} belongs to another user (uid {st.st_uid})")
     mode = stat.S_IMODE(st.st_mode)
-    if mode == TRAVERSE_MODE and st.st_gid == traverse_gid(path):
-        return path   # opened on purpose for the browser user: cross only
+    if mode == TRAVERSE_MODE:
+        # Cross-only for one group, set on purpose by this user (the browser user's group on
+        # the runtime folder, the API group on the home). Kept, also by another process of
+        # this user (e.g. `sfguard profiles create` beside a running guard): resetting it
+        # would cut a running browser off from its profile.
+        return path
     if mode != DIR_MODE:
         os.chmod(path, DIR_MODE)
     return path

@@ -195,3 +195,44 @@ def test_browsers_run_as_the_browser_user_sandboxed_and_cannot_read_the_guard(ro
     assert [p.pid for p in psutil.process_iter(["uids", "cmdline"])
             if p.info["uids"] and p.info["uids"].real == user.uid
             and str(rt) in " ".join(p.info["cmdline"] or [])] == []
+
+
+SLEEPER = "import sys, time\nprint('ready', flush=True)\ntime.sleep(120)\n"
+
+
+def spawn_as(user, *argv: str) -> subprocess.Popen:
+    proc = subprocess.Popen([PYTHON, "-c", SLEEPER, *argv], user=user.uid, group=user.gid,
+                            extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
+                            start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_sweep_ends_the_browser_users_orphans_of_this_guard_only(tmp_path):
+    """A browser of a dead guard runs as the browser user, with no record left: `sfguard
+    sweep` (what start does first) must find it by the runtime folder it names; the same
+    user's process naming another folder, and another user's process naming this one, stay."""
+    home = (tmp_path / "home").absolute()
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
+    d = Daemon(home, env, tmp_path / "daemon.log")
+    d.start("--no-console")
+    assert d.stop() == 0
+    user = lookup_user(DEFAULT_BROWSER_USER)
+    stage_user = lookup_user("sfguard-stage")
+    assert user is not None and stage_user is not None
+    rt = runtime_path(home)
+    orphan = spawn_as(user, "--fake-chromium", f"--user-data-dir={rt}/r-dead/tp-1")
+    other_folder = spawn_as(user, "--fake-chromium", f"--user-data-dir={rt}-other/tp-1")
+    other_user = spawn_as(stage_user, "--fake-chromium", f"--user-data-dir={rt}/r-dead/tp-2")
+    try:
+        res = subprocess.run([sys.executable, "-m", "cli.main", "sweep", "--home", str(home), "--json"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["orphans"] == 1
+        assert orphan.wait(timeout=10) is not None
+        assert other_folder.poll() is None and other_user.poll() is None
+    finally:
+        for p in (orphan, other_folder, other_user):
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
