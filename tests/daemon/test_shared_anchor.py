@@ -32,7 +32,8 @@ def timed(env, *args, bound=COMMAND_BOUND_S):
 
 def anchor_main(d) -> psutil.Process:
     (main,) = [p for p in browser_processes(d)
-               if "chrom" in p.name().lower() and not any(a.startswith("--type=") for a in p.cmdline())]
+               if "chrom" in p.name().lower() and "crashpad" not in p.name().lower()
+               and not any(a.startswith("--type=") for a in p.cmdline())]
     return main
 
 
