@@ -21,6 +21,7 @@ import pytest
 from supervisor.browser_user import DEFAULT_BROWSER_USER
 from supervisor.home import runtime_path
 from supervisor.sandbox import lookup_user
+from supervisor.stage_bridge import bridge_root_for
 from tests.daemon.conftest import ROOT, Daemon
 from tests.daemon.test_real_browser import request_stage
 
@@ -176,6 +177,8 @@ def test_browsers_run_as_the_browser_user_sandboxed_and_cannot_read_the_guard(ro
         ("audit", "read", str(d.home / "audit.log")),
         ("sealed profiles", "list", str(d.home / "profiles")),
         ("control socket", "connect", str(d.home / "guard.sock")),
+        ("leases", "list", str(d.home / "leases")),
+        ("stage bridges", "list", str(bridge_root_for(rt))),
         ("runtime listing", "list", str(rt)),
         ("session sockets", "list", str(rt / "ab")),
         ("pinned config", "read", str(rt / "ab-config.json")),
