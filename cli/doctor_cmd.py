@@ -88,6 +88,24 @@ def _sandbox_check() -> tuple[str, str, str]:
     return ("warning", "stage sandbox", "stage-exec will refuse: " + detail + note)
 
 
+def _browser_user_check() -> tuple[str, str, str]:
+    """Who the guard's browsers run as (layer 2 of stage containment)."""
+    import os
+    from supervisor import browser_user, sandbox
+    if os.geteuid() != 0:
+        return ("info", "browser user", "browsers run as this user, Chromium's sandbox on; a "
+                "root guard would run them as a separate unprivileged user (sfguard-browser), "
+                "so that a process of this user (a stage outside stage-exec) could not read "
+                "the unsealed profile, the browser's memory or its environment")
+    user = sandbox.lookup_user(browser_user.DEFAULT_BROWSER_USER)
+    if user is None:
+        return ("ok", "browser user:", f"{browser_user.DEFAULT_BROWSER_USER} missing: sfguard "
+                "start creates it (or --browser-user NAME); browsers run as it, Chromium's sandbox on")
+    if user.uid == 0 or user.gid == 0:
+        return ("missing", "browser user", f"{user.name} has uid or gid 0: sfguard start refuses it")
+    return ("ok", "browser user:", "browsers run " + browser_user.describe(user))
+
+
 def run(args) -> int:
     from cli.main import version
     checks: list[tuple[str, str, str]] = []   # (status, what, detail)
@@ -109,6 +127,7 @@ def run(args) -> int:
         checks.append(("info", "display", "no display (DISPLAY/WAYLAND_DISPLAY unset)" + note
                        + ": browsers run headless; a local login window is not possible"))
     checks.append(_sandbox_check())
+    checks.append(_browser_user_check())
     ok, text = _keyring_backend()
     checks.append(("ok" if ok else "info", "keyring", text))
     checks += _store_checks(args)

@@ -42,6 +42,10 @@ def register(sub) -> None:
     p.add_argument("--stage-user", metavar="USER", default=None,
                    help="when the guard runs as root: the unprivileged user `sfguard stage-exec` "
                         "runs stages as (default sfguard-stage, created when missing)")
+    p.add_argument("--browser-user", metavar="USER", default=None,
+                   help="when the guard runs as root: the unprivileged user every browser runs "
+                        "as, with Chromium's sandbox on (default sfguard-browser, created when "
+                        "missing); it must differ from the stage user")
     p.add_argument("--console", metavar="[HOST:]PORT", default="127.0.0.1:0",
                    help="the operator console's address (default: a free port on 127.0.0.1; "
                         "sign in with `sfguard console`)")
@@ -64,6 +68,7 @@ def _parse_resolve(values: list[str]) -> dict[str, str]:
 
 def run(args) -> int:
     from supervisor import redaction
+    from supervisor.browser_user import BrowserUserError
     from supervisor.daemon import Guard, GuardAlreadyRunning
     from supervisor.home import HomeError, resolve_home
     from supervisor.protocols import ProfileError
@@ -98,6 +103,8 @@ def run(args) -> int:
                            "cannot give the control socket to it", 2)
     if args.stage_user:
         guard.stage_user_name = args.stage_user
+    if args.browser_user:
+        guard.browser_user_name = args.browser_user
     console_at = None
     if not args.no_console:
         from supervisor.console.server import ConsoleError, parse_listen
@@ -109,6 +116,8 @@ def run(args) -> int:
         return asyncio.run(_serve(guard, args.tcp, token_file, console_at))
     except GuardAlreadyRunning as exc:
         raise CliError(str(exc), 3) from None
+    except BrowserUserError as exc:
+        raise CliError(f"--browser-user: {exc}", 2) from None
     except ProfileError as exc:  # e.g. a damaged lease file: named, left untouched
         raise CliError(str(exc), 2) from None
 
@@ -164,6 +173,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                          tcp_port: int | None, token_file: Path | None,
                          console_at: tuple[str, int] | None) -> int:
     from supervisor.api import build_app
+    from supervisor.browser_user import describe as describe_browser_user
 
     if sock.exists() or sock.is_symlink():
         sock.unlink()  # we hold the instance lock, so this socket is stale
@@ -183,6 +193,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
         os.chmod(sock, 0o660)
     else:
         os.chmod(sock, 0o600)
+        os.chmod(guard.home, 0o700)   # no API group (any more): the home is the owner's only
     lines = [f"sfguard: API on unix:{sock}"]
     token_path: Path | None = None
     if tcp_port is not None:
@@ -212,6 +223,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
     ab, br = guard.host_tool_report()
     lines += [f"sfguard: home {guard.home} (runtime {guard.runtime})",
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
+              f"sfguard: browsers run {describe_browser_user(guard.browser_user)}",
               f"sfguard: store {guard.stores.shown}",
               f"sfguard: keys {guard.keys.describe()}",
               f"sfguard: policy {guard.policy_path} (mode {guard.site_policy.mode})",

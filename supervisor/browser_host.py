@@ -15,6 +15,10 @@ close:   Browser.close over the pipe (graceful: cookies flushed) -> wait for the
          exit -> terminate_recorded() for anything still alive -> delete a throw-away profile.
 alive:   the process runs AND its pipe is open; the pipe closing means the browser is dead.
 
+With a browser user (a root guard, supervisor/browser_user.py) the browser runs as that user
+with Chromium's sandbox on: its profile is handed over to it, it gets a HOME of its own in the
+run's folder, and the folders above are opened for it to cross (never to list).
+
 Errors are AnchorError with messages free of secrets (no proxy credential).
 """
 from __future__ import annotations
@@ -25,7 +29,6 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +39,10 @@ import psutil
 from urllib.parse import unquote, urlsplit
 
 from supervisor import agent_browser as ab
+from supervisor import browser_user as bu
 from supervisor import chromium
 from supervisor.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
-from supervisor.home import private_dir
+from supervisor.home import HomeError, private_dir
 from supervisor.sweep import ProcRecord, terminate_recorded, wait_gone
 
 #: Bound for a browser to answer its pipe after start. Generous: the first start on a fresh
@@ -81,6 +85,7 @@ class Anchor:
     processes: list[ProcRecord]
     launch_seconds: float
     headed: bool = False
+    home_dir: Path | None = None     # the browser user's HOME for this browser (removed at close)
 
     def record(self, kind: str) -> ProcRecord | None:
         return next((p for p in self.processes if p.kind == kind), None)
@@ -149,8 +154,9 @@ def _is_main_browser(proc: psutil.Process, profile_dir: Path) -> bool:
     return want in cmd and not any(a.startswith("--type=") for a in cmd)
 
 
-def find_browser_process(profile_dir: Path) -> ProcRecord | None:
-    """The live Chrome main process of `profile_dir` (SingletonLock first, then a psutil scan)."""
+def find_browser_process(profile_dir: Path, uids: tuple[int | None, ...] = ()) -> ProcRecord | None:
+    """The live Chrome main process of `profile_dir` (SingletonLock first, then a psutil scan
+    of this user's processes and those of `uids`, e.g. the browser user)."""
     pid = singleton_lock_pid(profile_dir)
     if pid is not None:
         try:
@@ -159,10 +165,10 @@ def find_browser_process(profile_dir: Path) -> ProcRecord | None:
                 return ProcRecord(pid, proc.create_time(), "browser")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    uid = os.getuid()
+    owners = {os.getuid(), *(u for u in uids if u is not None)}
     for proc in psutil.process_iter(["pid", "uids"]):
         try:
-            if proc.info["uids"] and proc.info["uids"].real == uid and _is_main_browser(proc, profile_dir):
+            if proc.info["uids"] and proc.info["uids"].real in owners and _is_main_browser(proc, profile_dir):
                 return ProcRecord(proc.pid, proc.create_time(), "browser")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -198,12 +204,27 @@ agent-browser sessions attached to the CDP gate."""
 
     def __init__(self, agent_browser: str | os.PathLike | None = None, *,
                  launch_timeout: float = LAUNCH_TIMEOUT, command_timeout: float = COMMAND_TIMEOUT,
-                 no_sandbox: bool | None = None):
+                 no_sandbox: bool | None = None, user: bu.BrowserUser | None = None):
         self.binary = str(agent_browser) if agent_browser else None
         self.launch_timeout = launch_timeout
         self.command_timeout = command_timeout
-        # As root Chromium refuses to start with its sandbox unless told otherwise.
-        self.no_sandbox = (os.geteuid() == 0) if no_sandbox is None else no_sandbox
+        # `user`: the browser user (root only), the sandbox on. Without one, as root Chromium
+        # refuses to start with its sandbox unless told otherwise.
+        self.user = user
+        if user is not None:
+            if no_sandbox:
+                raise ValueError("a browser user runs its browsers with the sandbox on")
+            self.no_sandbox = False
+        else:
+            self.no_sandbox = (os.geteuid() == 0) if no_sandbox is None else no_sandbox
+
+    def use_user(self, user: bu.BrowserUser) -> None:
+        """From now on, browsers run as `user` with their sandbox on (a root guard's start)."""
+        self.user, self.no_sandbox = user, False
+
+    @property
+    def _uids(self) -> tuple[int | None, ...]:
+        return (self.user.uid,) if self.user is not None else ()
 
     def _bin(self) -> str:
         if self.binary is None:
@@ -229,21 +250,37 @@ agent-browser sessions attached to the CDP gate."""
         started = time.monotonic()
         socket_dir = private_dir(Path(spec.socket_dir))
         temp_profile = spec.profile_dir is None
-        if temp_profile:
-            root = private_dir(Path(spec.temp_root or socket_dir.parent))
-            profile_dir = Path(tempfile.mkdtemp(prefix=f"tp-{spec.session[:20]}-", dir=root))
-        else:
-            profile_dir = Path(spec.profile_dir)
-            if not profile_dir.is_absolute():
-                raise AnchorError("the profile dir must be an absolute path")
-            private_dir(profile_dir)
+        user = self.user
+        if not temp_profile and not Path(spec.profile_dir).is_absolute():
+            raise AnchorError("the profile dir must be an absolute path")
+        profile_dir: Path | None = None
+        try:
+            work = None
+            if temp_profile or user is not None:   # where a temp profile and a HOME go
+                work = private_dir(Path(spec.temp_root or socket_dir.parent))
+            if user is not None:
+                bu.open_path(work)   # the browser user crosses to its HOME and temp profile
+            if temp_profile:
+                profile_dir = bu.owned_dir(work, f"tp-{spec.session[:20]}-", user)
+            else:
+                profile_dir = Path(spec.profile_dir)
+                if user is not None:
+                    bu.open_path(profile_dir.parent)
+                    bu.hand_over(profile_dir, user)
+                else:
+                    private_dir(profile_dir)
+            home_dir = bu.owned_dir(work, bu.HOME_PREFIX, user) if user is not None else None
+        except (HomeError, OSError) as exc:
+            if temp_profile and profile_dir is not None:
+                self._drop_temp(profile_dir, temp_profile)
+            raise AnchorError(f"could not prepare the folders of anchor {spec.session}: {exc}") from None
         if not Path(spec.browser_path).is_absolute():
-            self._drop_temp(profile_dir, temp_profile)
+            self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError("the browser path must be an absolute path")
-        if find_browser_process(profile_dir) is not None:
+        if find_browser_process(profile_dir, self._uids) is not None:
             # The lease should prevent this; this is the safety net (a second Chromium on a
             # profile in use would hand its work to the first one and exit).
-            self._drop_temp(profile_dir, temp_profile)
+            self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError(f"the profile of session {spec.session} is already open in another browser")
         argv = chromium.chromium_args(browser_path=spec.browser_path, profile_dir=profile_dir,
                                       proxy_port=proxy_port, headed=spec.headed,
@@ -251,8 +288,10 @@ agent-browser sessions attached to the CDP gate."""
         proc = pipe = None
         records: list[ProcRecord] = []
         try:
-            proc, reader, writer = await chromium.spawn(argv, env=chromium.browser_env(profile_dir=profile_dir),
-                                                        cwd=str(profile_dir))
+            proc, reader, writer = await chromium.spawn(
+                argv, env=chromium.browser_env(profile_dir=profile_dir, home=home_dir),
+                cwd=str(profile_dir), user=user.uid if user else None,
+                group=user.gid if user else None)
             rec = ProcRecord.of(proc.pid, "browser")
             records = [rec] if rec else []
             pipe = CdpPipe(reader, writer)
@@ -266,17 +305,20 @@ agent-browser sessions attached to the CDP gate."""
             if proc is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(proc.wait(), 3)
-            await asyncio.to_thread(chromium.end_helpers, profile_dir)
-            self._drop_temp(profile_dir, temp_profile)
+            await asyncio.to_thread(chromium.end_helpers, profile_dir, 3.0, self._uids)
+            self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError(f"could not launch anchor {spec.session}: the browser {what}") from None
         return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
                       temp_profile=temp_profile, socket_dir=socket_dir, processes=records,
-                      launch_seconds=time.monotonic() - started, headed=spec.headed)
+                      launch_seconds=time.monotonic() - started, headed=spec.headed,
+                      home_dir=home_dir)
 
     @staticmethod
-    def _drop_temp(profile_dir: Path, temp_profile: bool) -> None:
+    def _drop_temp(profile_dir: Path, temp_profile: bool, home_dir: Path | None = None) -> None:
         if temp_profile:
             shutil.rmtree(profile_dir, ignore_errors=True)
+        if home_dir is not None:
+            shutil.rmtree(home_dir, ignore_errors=True)
 
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport:
         started = time.monotonic()
@@ -300,9 +342,8 @@ agent-browser sessions attached to the CDP gate."""
         with contextlib.suppress(Exception):
             await asyncio.wait_for(anchor.proc.wait(), 3)
         # the crash handler lives outside the group and may outlive the browser by a moment
-        helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir)
-        if anchor.temp_profile:
-            shutil.rmtree(anchor.profile_dir, ignore_errors=True)
+        helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir, 3.0, self._uids)
+        self._drop_temp(anchor.profile_dir, anchor.temp_profile, anchor.home_dir)
         return CloseReport(graceful=graceful and exited and not terminated,
                            terminated=terminated + helpers, removed_files=[],
                            seconds=time.monotonic() - started)

@@ -9,8 +9,9 @@ minus what only made sense for it (`--remote-debugging-port=0`, `--load-extensio
 `--enable-remote-extensions`, `--show-component-extension-options`), plus the guard's own:
 `--remote-debugging-pipe`, the run proxy with `<-loopback>` bypass (no credential on the
 command line: the guard answers the proxy's challenge over the pipe), WebRTC limited to
-proxied UDP, no QUIC. `--no-sandbox` only when asked for (running as root without a separate
-browser user).
+proxied UDP, no QUIC. `--no-sandbox` only when asked for (a browser started by root as
+root, outside the guard: the guard under root starts its browsers as the browser user,
+supervisor/browser_user.py, with the sandbox on).
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_p
 
 
 def browser_env(base: dict[str, str] | None = None, *,
-                profile_dir: str | os.PathLike | None = None) -> dict[str, str]:
+                profile_dir: str | os.PathLike | None = None,
+                home: str | os.PathLike | None = None) -> dict[str, str]:
     """A scrubbed environment: no proxy variables (Chromium would not use them with
     --proxy-server, but nothing inherited should matter), only plain session variables.
 
@@ -86,21 +88,30 @@ def browser_env(base: dict[str, str] | None = None, *,
     Chromium's crash handler takes as its `--database`): a dump holds the browser's memory,
     live cookies included, so it stays where the profile is sealed or deleted, never in
     ~/.config/chromium. The handler then also names the profile on its command line, which
-    is how `end_helpers` finds it (it double-forks out of the browser's process group)."""
+    is how `end_helpers` finds it (it double-forks out of the browser's process group).
+
+    With `home` (a browser user's own folder): HOME and TMPDIR are that folder, and nothing
+    that points into the guard user's own folders is passed (its runtime dir, caches, config,
+    X authority file): the browser writes only where its user may."""
     src = os.environ if base is None else base
     keep = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY", "WAYLAND_DISPLAY",
             "XAUTHORITY", "FONTCONFIG_PATH", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+    if home is not None:
+        keep = ("PATH", "LANG", "DISPLAY", "WAYLAND_DISPLAY", "FONTCONFIG_PATH")
     env = {k: src[k] for k in keep if src.get(k)}
+    if home is not None:
+        env["HOME"] = env["TMPDIR"] = os.fspath(home)
     if profile_dir is not None:
         env["BREAKPAD_DUMP_LOCATION"] = os.path.join(os.fspath(profile_dir), CRASH_DIR)
     return env
 
 
-def end_helpers(profile_dir: str | os.PathLike, timeout: float = 3.0) -> list[ProcRecord]:
+def end_helpers(profile_dir: str | os.PathLike, timeout: float = 3.0,
+                uids: tuple[int | None, ...] = ()) -> list[ProcRecord]:
     """End what a closed browser left running outside its process group: processes naming
-    its profile (the crash handler, which may outlive the browser). Blocking; returns the
-    records it had to signal."""
-    return terminate_recorded(scan_orphans([profile_dir]), timeout)
+    its profile (the crash handler, which may outlive the browser), of this user or of
+    `uids` (the browser user). Blocking; returns the records it had to signal."""
+    return terminate_recorded(scan_orphans([profile_dir], uids), timeout)
 
 
 async def spawn(argv: list[str], *, env: dict[str, str], cwd: str,

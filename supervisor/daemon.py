@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import policy
-from supervisor import agent_browser, models, redaction
+from supervisor import agent_browser, browser_user, models, redaction
 from supervisor.api import ApiError
 from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
 from supervisor.cdp_gate import CdpGate, GateError
 from supervisor.console import handoff as live
-from supervisor.home import atomic_write, ensure_home, private_dir, runtime_dir
+from supervisor.home import atomic_write, ensure_home, private_dir, revoke_traverse, runtime_dir
 from supervisor.handoff import HandoffImpossible, LocalWindowHandoff
 from supervisor.login import LoginCheckError, LoginResult, check_login
 from supervisor.lease import current_process, process_alive
@@ -48,7 +48,7 @@ from supervisor import store_ops
 from supervisor.store_ops import StoreCalls, StoreSlow
 from supervisor.stores import open_stores
 from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
-from supervisor import stage_exec, tools
+from supervisor import sandbox, stage_exec, tools
 from supervisor.stage_bridge import BridgeHost
 
 log = logging.getLogger("sfguard.guard")
@@ -335,6 +335,9 @@ class Guard:
         self.stage_user = None
         self.api_gid: int | None = None
         self.sandbox_ok, self.sandbox_detail = False, "not checked yet"
+        # layer 2: under root, browsers run as this unprivileged user (supervisor/browser_user.py)
+        self.browser_user_name = browser_user.DEFAULT_BROWSER_USER
+        self.browser_user: browser_user.BrowserUser | None = None
         # the operator console (supervisor/console), set by `sfguard start` unless --no-console
         self.console = None
 
@@ -363,6 +366,7 @@ class Guard:
             raise
 
     async def _start(self) -> dict:
+        browser_user.setup(self)   # before the sweep: it ends that user's orphans too
         report = sweep(self)
         # damaged state is reported, never silently reset
         audit = self.audit.verify()
@@ -406,6 +410,7 @@ class Guard:
         self._flush_refusals()
         self.calls.close()
         release_runtime(self)
+        revoke_traverse(self.runtime)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -875,6 +880,8 @@ class Guard:
         proxy = await self._ensure_proxy(run)
         if self.browser_tool.path is None:
             raise RuntimeError("no browser found (install Chromium or set SFGUARD_BROWSER)")
+        if self.browser_user is not None:   # downloads land here; the browser user writes them
+            browser_user.owned_subdir(run.workdir / "artifacts", self.browser_user)
         spec = AnchorSpec(session=f"sfa-{_short_id()}", socket_dir=self.socket_dir,
                           config_path=self.config_path, browser_path=self.browser_tool.path,
                           profile_dir=profile_dir, proxy_url=proxy.url_for(browser.client),
@@ -1155,7 +1162,10 @@ def sweep(guard: Guard) -> dict:
         report["leases"] += [key.name for key in released]
         path.unlink()
     # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)
-    orphans = scan_orphans([str(guard.runtime)])
+    # ... of the guard's user and of its browser user (`sfguard sweep` looks that one up)
+    user = guard.browser_user or (sandbox.lookup_user(guard.browser_user_name)
+                                  if os.geteuid() == 0 else None)
+    orphans = scan_orphans([str(guard.runtime)], (user.uid,) if user is not None else ())
     report["orphans"] = len(terminate_recorded(orphans, timeout=5))
     for key in guard.store.unsealed():
         try:

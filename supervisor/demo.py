@@ -44,6 +44,8 @@ import yaml
 
 import policy
 from supervisor import tools
+from supervisor.browser_user import DEFAULT_BROWSER_USER
+from supervisor.sandbox import lookup_user
 from supervisor.client import GuardClient, GuardUnavailable
 from supervisor.home import resolve_home, runtime_path
 from supervisor.sweep import scan_orphans, terminate_recorded
@@ -855,7 +857,10 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
                     "ended it (a bug to report)")
         # what no child list shows: an agent-browser daemon a stage command started carries
         # the guard's runtime folder only in its env; the sweep's own scan finds it
-        for left in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))]), 5):
+        # (under root the guard's browsers ran as the browser user: its processes count too)
+        buser = lookup_user(DEFAULT_BROWSER_USER) if os.geteuid() == 0 else None
+        for left in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))],
+                                                    (buser.uid,) if buser else ()), 5):
             say(f"sfguard demo: process {left.pid} ({left.kind}) of the guard's runtime "
                 "folder outlived the guard; ended it (a bug to report)")
         log_file = workdir / "guard.log"

@@ -3,6 +3,12 @@
 Home: `--home` flag, else `$SFGUARD_HOME`, else `~/.stageflow/guard`. Folders 0700, files 0600.
 Runtime: a short private folder for sockets and unsealed profiles (unix sockets have a
 103-byte path limit), preferably on a non-persistent file system.
+
+Under a root guard the browsers run as a separate user (supervisor/browser_user.py), who must
+reach its profile inside the runtime folder: `grant_traverse` names the runtime folder whose
+folders `open_for_traverse` may make 0710 with that user's group (cross, never list or read).
+`private_dir` keeps a 0710 folder as it is (only its owner can have set it, on purpose) and
+makes anything else 0700.
 """
 from __future__ import annotations
 
@@ -17,8 +23,54 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
+#: runtime roots whose folders may be 0710 with the browser user's group: {root: gid}
+_TRAVERSE: dict[str, int] = {}
+TRAVERSE_MODE = 0o710
+
+
 class HomeError(Exception):
     """The guard home or runtime folder cannot be used safely."""
+
+
+def grant_traverse(root: Path, gid: int) -> None:
+    """Folders at or under `root` may be TRAVERSE_MODE with group `gid` (the browser user's
+    own group): `private_dir` keeps that mode there. Set by the guard at start."""
+    _TRAVERSE[os.path.normpath(os.fspath(root))] = gid
+
+
+def revoke_traverse(root: Path) -> None:
+    _TRAVERSE.pop(os.path.normpath(os.fspath(root)), None)
+
+
+def traverse_root(path: Path) -> tuple[Path, int] | None:
+    """(granted root, group) covering `path` (a folder at or under that root), else None."""
+    p = os.path.normpath(os.fspath(path))
+    for root, gid in _TRAVERSE.items():
+        if p == root or p.startswith(root.rstrip("/") + "/"):
+            return Path(root), gid
+    return None
+
+
+def traverse_gid(path: Path) -> int | None:
+    """The group that may cross `path` (a folder at or under a granted root), else None."""
+    found = traverse_root(path)
+    return found[1] if found else None
+
+
+def open_for_traverse(path: Path) -> Path:
+    """Make the folder `path` (ours, at or under a granted root) crossable by the granted
+    group: group set, mode 0710. HomeError when no grant covers it."""
+    gid = traverse_gid(path)
+    if gid is None:
+        raise HomeError(f"{path} is outside the runtime folder")
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise HomeError(f"{path} is not a plain folder of this user")
+    if st.st_gid != gid:
+        os.chown(path, -1, gid, follow_symlinks=False)
+    if stat.S_IMODE(st.st_mode) != TRAVERSE_MODE:
+        os.chmod(path, TRAVERSE_MODE)
+    return path
 
 
 def resolve_home(flag: str | os.PathLike | None = None) -> Path:
@@ -28,7 +80,8 @@ def resolve_home(flag: str | os.PathLike | None = None) -> Path:
 
 
 def private_dir(path: Path) -> Path:
-    """Create `path` (and parents) and make it 0700; refuse symlinks and foreign owners."""
+    """Create `path` (and parents) and make it 0700 (a 0710 one stays: cross-only for a group,
+    see above); refuse symlinks and foreign owners."""
     try:
         path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         st = os.lstat(path)
@@ -42,7 +95,14 @@ def private_dir(path: Path) -> Path:
         raise HomeError(f"{path} is not a plain directory")
     if st.st_uid != os.getuid():
         raise HomeError(f"{path} belongs to another user (uid {st.st_uid})")
-    if stat.S_IMODE(st.st_mode) != DIR_MODE:
+    mode = stat.S_IMODE(st.st_mode)
+    if mode == TRAVERSE_MODE:
+        # Cross-only for one group, set on purpose by this user (the browser user's group on
+        # the runtime folder, the API group on the home). Kept, also by another process of
+        # this user (e.g. `sfguard profiles create` beside a running guard): resetting it
+        # would cut a running browser off from its profile.
+        return path
+    if mode != DIR_MODE:
         os.chmod(path, DIR_MODE)
     return path
 
@@ -79,12 +139,14 @@ def runtime_path(home: Path) -> Path:
 
     $XDG_RUNTIME_DIR (tmpfs, per user) when usable, else /dev/shm (tmpfs), else the system
     temp dir. The name is derived from the home so two homes never share one, and stays short
-    for socket paths.
+    for socket paths. Root skips $XDG_RUNTIME_DIR: root's (/run/user/0) is closed to other
+    users, and a root guard's browser user must reach its profile in this folder.
     """
     tag = hashlib.sha256(str(home).encode()).hexdigest()[:10]
     base = None
+    xdg = os.environ.get("XDG_RUNTIME_DIR") if os.geteuid() != 0 else None
     # memory-backed first, so an unsealed login never touches a disk
-    for candidate in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
+    for candidate in (xdg, "/dev/shm"):
         if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK):
             base = candidate
             break

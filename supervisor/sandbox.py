@@ -81,13 +81,19 @@ def lookup_user(name: str) -> StageUser | None:
 
 def ensure_stage_user(name: str = DEFAULT_STAGE_USER) -> StageUser:
     """The stage user, created as a system user without home or shell when missing (root only)."""
+    return ensure_system_user(name, "stage")
+
+
+def ensure_system_user(name: str, role: str) -> StageUser:
+    """An unprivileged system user (own group, no home, no shell), created when missing (root
+    only). `role` names it in errors ("stage", "browser"). SandboxError when it cannot be."""
     user = lookup_user(name)
     if user is not None:
         if user.uid == 0 or user.gid == 0:
-            raise SandboxError(f"stage user {name!r} has uid or gid 0; it must be unprivileged")
+            raise SandboxError(f"{role} user {name!r} has uid or gid 0; it must be unprivileged")
         return user
     if os.geteuid() != 0:
-        raise SandboxError(f"stage user {name!r} does not exist and only root can create it")
+        raise SandboxError(f"{role} user {name!r} does not exist and only root can create it")
     import subprocess
     useradd = _which("useradd") or "/usr/sbin/useradd"
     try:
@@ -95,10 +101,10 @@ def ensure_stage_user(name: str = DEFAULT_STAGE_USER) -> StageUser:
                               "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SandboxError(f"could not create the stage user {name!r}: {exc}") from None
+        raise SandboxError(f"could not create the {role} user {name!r}: {exc}") from None
     user = lookup_user(name)
     if user is None:
-        raise SandboxError(f"could not create the stage user {name!r}: "
+        raise SandboxError(f"could not create the {role} user {name!r}: "
                            f"{(out.stderr or out.stdout).strip()[:200]}")
     return user
 

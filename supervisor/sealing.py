@@ -22,11 +22,13 @@ copy: a crash at any point keeps the previous sealed copy intact.
 
 Left out of the seal: browser caches (they are large and hold no login) and Chromium's
 `Singleton*` lock files and sockets (they name a live process and must not be restored).
-Symlinks, sockets, fifos and devices are never sealed; on unseal, tar members with absolute
+Symlinks, sockets, fifos and devices are never sealed, and sealing never follows a link (it
+reads through folder descriptors: under a root guard the folder is the browser user's); on unseal, tar members with absolute
 paths, `..`, links, devices or fifos are refused.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -225,27 +227,54 @@ def _read_header(fh, scope: str, name: str) -> tuple[bytes, dict]:
 
 
 def _iter_sources(src: Path):
-    """(path, relative posix path, lstat) of the folders and regular files to seal, sorted."""
-    for root, dirs, files in os.walk(src, followlinks=False):
+    """(relative posix path, lstat, folder fd, name) of the folders and regular files to seal,
+    sorted, walked through folder descriptors (os.fwalk) without following any link.
+
+    Under a root guard the folder belongs to the browser user while root reads it: a link or
+    a folder swapped for one during the walk is never followed, so nothing outside the
+    profile can be sealed into it. The fd is valid until the next item is asked for."""
+    for root, dirs, files, dfd in os.fwalk(src, topdown=True, follow_symlinks=False):
         rel_root = os.path.relpath(root, src)
         rel_root = "" if rel_root == "." else rel_root.replace(os.sep, "/")
         keep_dirs = []
         for d in sorted(dirs):
             rel = f"{rel_root}/{d}" if rel_root else d
-            full = os.path.join(root, d)
-            if is_excluded(rel) or os.path.islink(full):
+            if is_excluded(rel):
+                continue
+            try:
+                st = os.lstat(d, dir_fd=dfd)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):   # a link to a folder is listed as one
                 continue
             keep_dirs.append(d)
-            yield full, rel, os.lstat(full)
+            yield rel, st, dfd, d
         dirs[:] = keep_dirs
         for f in sorted(files):
             rel = f"{rel_root}/{f}" if rel_root else f
-            full = os.path.join(root, f)
             if is_excluded(rel):
                 continue
-            st = os.lstat(full)
+            try:
+                st = os.lstat(f, dir_fd=dfd)
+            except FileNotFoundError:
+                continue
             if stat.S_ISREG(st.st_mode):   # never symlinks, sockets, fifos, devices
-                yield full, rel, st
+                yield rel, st, dfd, f
+
+
+def _open_regular(name: str, dfd: int):
+    """The regular file `name` in folder `dfd`, opened without following a link (None when it
+    is gone or is no longer a regular file)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):   # gone, a link, a socket
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb")
 
 
 def seal_dir(src: Path, dest: Path, scope_key: bytes, scope: str, name: str,
@@ -267,7 +296,7 @@ def seal_dir(src: Path, dest: Path, scope_key: bytes, scope: str, name: str,
                                  hashlib.sha256(header).digest(), chunk_size)
             with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT,
                               bufsize=1 << 20, copybufsize=1 << 20) as tf:
-                for full, rel, st in _iter_sources(src):
+                for rel, st, dfd, leaf in _iter_sources(src):
                     # Built by hand (no owner names, no pwd/grp lookups): only what unsealing needs.
                     info = tarfile.TarInfo(rel)
                     info.mtime = int(st.st_mtime)
@@ -276,7 +305,10 @@ def seal_dir(src: Path, dest: Path, scope_key: bytes, scope: str, name: str,
                         tf.addfile(info)
                     else:
                         info.mode = FILE_MODE
-                        with open(full, "rb") as fh:
+                        fh = _open_regular(leaf, dfd)
+                        if fh is None:
+                            continue
+                        with fh:
                             info.size = os.fstat(fh.fileno()).st_size
                             tf.addfile(info, fh)
             writer.finish()

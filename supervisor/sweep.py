@@ -146,9 +146,11 @@ def _mentions(marker_res: list[re.Pattern], values: Iterable[str]) -> bool:
     return any(r.search(v) for v in values for r in marker_res)
 
 
-def scan_orphans(marker_paths: Iterable[str | os.PathLike]) -> list[ProcRecord]:
-    """Browser, crash-handler, agent-browser and mitmproxy processes of this user whose command
-    line or environment mentions one of `marker_paths` (a path, or anything below it).
+def scan_orphans(marker_paths: Iterable[str | os.PathLike],
+                 uids: Iterable[int | None] = ()) -> list[ProcRecord]:
+    """Browser, crash-handler, agent-browser and mitmproxy processes of this user (and of the
+    users in `uids`: a root guard's browser user) whose command line or environment mentions
+    one of `marker_paths` (a path, or anything below it).
 
     Used by the start-up sweep (markers: the guard's runtime dir) and by tests. Only processes
     whose command line names one of those tools are considered, so the guard's own daemon
@@ -158,14 +160,15 @@ def scan_orphans(marker_paths: Iterable[str | os.PathLike]) -> list[ProcRecord]:
     if not markers:
         return []
     marker_res = [re.compile(re.escape(m) + r"(?=$|[/\s,;:=\"'])") for m in markers]
-    me, uid = os.getpid(), os.getuid()
+    me = os.getpid()
+    owners = {os.getuid(), *(u for u in uids if u is not None)}
     found: list[ProcRecord] = []
     for proc in psutil.process_iter(["pid", "cmdline", "uids", "create_time", "status"]):
         info = proc.info
         try:
             if info["pid"] == me or info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            if info["uids"] is None or info["uids"].real != uid:
+            if info["uids"] is None or info["uids"].real not in owners:
                 continue
             cmdline = info["cmdline"] or []
             head = " ".join(cmdline).lower()

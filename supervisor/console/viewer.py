@@ -7,7 +7,9 @@ the console on loopback. It never gets the stage's env or anything of the guard'
 one-time link. It drives the viewer page with real input events (`Input.*` on the viewer
 page), which the page's script forwards to the login tab. Like a person it knows the login
 tab only from its frames: it finds the Sign in button by its colour in the latest frame and
-clicks there (the fixture site gives the button a colour of its own).
+clicks there (the fixture site gives the button a colour of its own). Run by root, it runs as
+the browser user (supervisor/browser_user.py) with Chromium's sandbox on, like the guard's
+browsers.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from supervisor import browser_user as bu
 from supervisor import chromium, tools
 from supervisor.cdp_pipe import CdpCallError, CdpPipe, CdpSession
 from supervisor.sweep import ProcRecord, terminate_recorded
@@ -38,6 +41,8 @@ class Viewer:
         self.browser_path = browser_path or tools.find_browser().path
         self.width, self.height = width, height
         self.dir: Path | None = None
+        self.home: Path | None = None
+        self.user: bu.BrowserUser | None = None
         self.proc = None
         self.pipe: CdpPipe | None = None
         self.cdp: CdpSession | None = None
@@ -55,11 +60,23 @@ class Viewer:
     async def start(self) -> None:
         if not self.browser_path:
             raise ViewerError("no Chromium found for the viewer")
-        self.dir = Path(tempfile.mkdtemp(prefix="sfguard-viewer-"))
+        try:
+            self.user = bu.resolve()   # None unless root; then created when missing
+            tmp = Path(tempfile.gettempdir())
+            if self.user is not None:
+                bu.check_reachable(tmp / "x", self.user)
+            self.dir = bu.owned_dir(tmp, "sfguard-viewer-", self.user)
+            if self.user is not None:
+                self.home = bu.owned_dir(tmp, "sfguard-viewer-home-", self.user)
+        except (bu.BrowserUserError, OSError) as exc:
+            raise ViewerError(f"the viewer's browser cannot be prepared: {exc}") from None
         argv = chromium.chromium_args(browser_path=self.browser_path, profile_dir=self.dir,
-                                      proxy_port=None, headed=False, no_sandbox=os.geteuid() == 0)
-        self.proc, reader, writer = await chromium.spawn(argv, env=chromium.browser_env(profile_dir=self.dir),
-                                                         cwd=str(self.dir))
+                                      proxy_port=None, headed=False,
+                                      no_sandbox=os.geteuid() == 0 and self.user is None)
+        self.proc, reader, writer = await chromium.spawn(
+            argv, env=chromium.browser_env(profile_dir=self.dir, home=self.home),
+            cwd=str(self.dir), user=self.user.uid if self.user else None,
+            group=self.user.gid if self.user else None)
         self.pipe = CdpPipe(reader, writer)
         await self.pipe.start(timeout=60)
         self.cdp = await self.pipe.session("viewer")
@@ -94,8 +111,11 @@ class Viewer:
             except asyncio.TimeoutError:
                 await asyncio.to_thread(terminate_recorded, [rec] if rec else [], 3)
         if self.dir is not None:
-            await asyncio.to_thread(chromium.end_helpers, self.dir)
+            uids = (self.user.uid,) if self.user is not None else ()
+            await asyncio.to_thread(chromium.end_helpers, self.dir, 3.0, uids)
             shutil.rmtree(self.dir, ignore_errors=True)
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
 
     async def call(self, method: str, params: dict | None = None, timeout: float = 30) -> dict:
         return await self.cdp.call(method, params or {}, session=self.session, timeout=timeout)

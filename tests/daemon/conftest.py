@@ -2,19 +2,24 @@
 endpoint, talked to over its unix socket like a pipeline runner would."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from supervisor.browser_user import DEFAULT_BROWSER_USER
 from supervisor.client import GuardClient
+from supervisor.sandbox import ensure_system_user, lookup_user
 from supervisor.home import runtime_dir, runtime_path
 from supervisor.sweep import scan_orphans, terminate_recorded
 from tests.daemon.fake_cdp import FakeCdp  # noqa: E402
@@ -22,6 +27,43 @@ from tests.daemon.fake_cdp import FakeCdp  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_AB = ROOT / "tests" / "fake_agent_browser" / "agent-browser"
 FAKE_CHROMIUM = ROOT / "tests" / "fake_chromium" / "chromium"
+
+
+def fake_browser_for(base: Path) -> Path:
+    """The SFGUARD_BROWSER for a guard whose fake Chromium logs to `base`/fake-chromium.jsonl
+    and reads `base`/fake-chromium-control.json (base = the guard env's HOME, the home's parent).
+
+    Not root: the fake itself (the guard passes HOME through). Root: the guard runs its
+    browsers as the browser user with a HOME of their own, and `base` (in root's private
+    pytest folder) is out of that user's reach. So the fake gets a folder of the browser user
+    under /tmp and a wrapper that points it there, and those two names in `base` are links to
+    it: the tests read and write them as before."""
+    if os.geteuid() != 0:
+        return FAKE_CHROMIUM
+    log = base / "fake-chromium.jsonl"
+    if log.is_symlink():                       # a second guard in the same folder
+        return Path(os.readlink(log)).parent / "chromium"
+    user = ensure_system_user(DEFAULT_BROWSER_USER, "browser")
+    folder = Path(tempfile.mkdtemp(prefix="sfg-fc-"))
+    atexit.register(shutil.rmtree, folder, True)
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    wrapper = folder / "chromium"
+    wrapper.write_text(f"#!/bin/sh\nFAKE_CHROMIUM_HOME={shlex.quote(str(folder))} "
+                       f"exec {shlex.quote(python)} {shlex.quote(str(FAKE_CHROMIUM))} \"$@\"\n")
+    wrapper.chmod(0o755)
+    os.chown(folder, user.uid, user.gid)
+    for name in ("fake-chromium.jsonl", "fake-chromium-control.json"):
+        (base / name).symlink_to(folder / name)
+    return wrapper
+
+
+def browser_uids() -> tuple[int, ...]:
+    """The uid a root guard runs its browsers as (the default browser user), when it exists:
+    leftover scans must see that user's processes too."""
+    if os.geteuid() != 0:
+        return ()
+    user = lookup_user(DEFAULT_BROWSER_USER)
+    return (user.uid,) if user is not None else ()
 
 
 class Daemon:
@@ -80,7 +122,8 @@ class Daemon:
         # no process of it (a browser, an agent-browser daemon, a proxy: anything that names
         # its runtime folder in argv or env) may outlive it; bounded wait for ones exiting
         deadline = time.monotonic() + 10
-        while (orphans := scan_orphans([rt])) and time.monotonic() < deadline:
+        uids = browser_uids()
+        while (orphans := scan_orphans([rt], uids)) and time.monotonic() < deadline:
             time.sleep(0.2)
         terminate_recorded(orphans, 5)
         assert orphans == [], f"processes outlived the guard: {orphans}"
@@ -118,7 +161,7 @@ def fake_cdp():
 def daemon(tmp_path, fake_cdp):
     home = tmp_path / "home"
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
-           "SFGUARD_AGENT_BROWSER": str(FAKE_AB), "SFGUARD_BROWSER": str(FAKE_CHROMIUM),
+           "SFGUARD_AGENT_BROWSER": str(FAKE_AB), "SFGUARD_BROWSER": str(fake_browser_for(tmp_path)),
            "HTTP_PROXY": "http://leak.invalid:1", "AGENT_BROWSER_PROFILE": "/leak",
            "PYTHONPATH": str(ROOT)}
     if os.environ.get("XDG_RUNTIME_DIR"):

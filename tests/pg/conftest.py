@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from supervisor.home import runtime_dir
-from tests.daemon.conftest import FAKE_AB, FAKE_CHROMIUM, Daemon
+from tests.daemon.conftest import FAKE_AB, Daemon, fake_browser_for
 from tests.daemon.fake_cdp import FakeCdp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ class Guards:
 
     def env(self, base: Path) -> dict[str, str]:
         env = {"PATH": os.environ["PATH"], "HOME": str(base), "LANG": "C.UTF-8",
-               "SFGUARD_AGENT_BROWSER": str(FAKE_AB), "SFGUARD_BROWSER": str(FAKE_CHROMIUM),
+               "SFGUARD_AGENT_BROWSER": str(FAKE_AB), "SFGUARD_BROWSER": str(fake_browser_for(base)),
                "PYTHONPATH": str(ROOT), "SFGUARD_STORE": self.url,
                "SFGUARD_KEY_FILE": str(self.key_file), "SFGUARD_LEASE_TTL": str(self.ttl)}
         if os.environ.get("XDG_RUNTIME_DIR"):

@@ -23,7 +23,7 @@ import pytest
 
 from supervisor.home import runtime_dir, runtime_path
 from tests.conftest import free_port
-from tests.daemon.conftest import FAKE_AB, FAKE_CHROMIUM, ROOT, Daemon
+from tests.daemon.conftest import FAKE_AB, FAKE_CHROMIUM, ROOT, Daemon, fake_browser_for
 from tests.daemon.fake_cdp import FakeCdp
 
 SFGUARD = [sys.executable, "-m", "cli.main"]
@@ -218,7 +218,7 @@ def make_fake_guard(tmp_path, fake_cdp, site):
         home = (home or tmp_path / name).absolute()
         pol = write_policy(tmp_path / f"{name}-sites.yaml", site)
         d = FakeGuard(home, {**base_env(tmp_path), "SFGUARD_AGENT_BROWSER": str(FAKE_AB),
-                             "SFGUARD_BROWSER": str(FAKE_CHROMIUM)},
+                             "SFGUARD_BROWSER": str(fake_browser_for(tmp_path))},
                       tmp_path / f"{name}-daemon.log", fake_cdp, tmp_path / f"{name}-fake-ab.jsonl")
         d.start_args = ("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
                         "--resolve", "site-b.test=127.0.0.1")

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from supervisor.api import ROUTES, openapi_document
 from tests.conftest import free_port
 from tests.daemon.fake_cdp import FakeCdp
-from tests.reliability.conftest import FAKE_AB, FAKE_CHROMIUM, FakeGuard, base_env, guard_processes, kill_all
+from tests.daemon.conftest import fake_browser_for
+from tests.reliability.conftest import FAKE_AB, FakeGuard, base_env, guard_processes, kill_all
 
 pytestmark = pytest.mark.reliability
 EXAMPLES = int(os.environ.get("SFGUARD_FUZZ_EXAMPLES", "25"))
@@ -50,7 +51,7 @@ def api(tmp_path_factory):
     cdp.start()
     home = (root / "home").absolute()
     d = FakeGuard(home, {**base_env(root), "SFGUARD_AGENT_BROWSER": str(FAKE_AB),
-                         "SFGUARD_BROWSER": str(FAKE_CHROMIUM)},
+                         "SFGUARD_BROWSER": str(fake_browser_for(root))},
                   root / "daemon.log", cdp, root / "fake-ab.jsonl")
     port = free_port()
     d.start("--tcp", str(port))
