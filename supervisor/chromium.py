@@ -20,7 +20,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
+from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded, wait_gone
 
 #: The flags agent-browser 0.41.2 launched Chromium with, kept because they still serve.
 AGENT_BROWSER_FLAGS = (
@@ -107,11 +107,16 @@ def browser_env(base: dict[str, str] | None = None, *,
 
 
 def end_helpers(profile_dir: str | os.PathLike, timeout: float = 3.0,
-                uids: tuple[int | None, ...] = ()) -> list[ProcRecord]:
+                uids: tuple[int | None, ...] = (), grace: float = 5.0) -> list[ProcRecord]:
     """End what a closed browser left running outside its process group: processes naming
     its profile (the crash handler, which may outlive the browser), of this user or of
-    `uids` (the browser user). Blocking; returns the records it had to signal."""
-    return terminate_recorded(scan_orphans([profile_dir], uids), timeout)
+    `uids` (the browser user). The crash handler ends by itself once its browser is gone, so
+    it is given `grace` seconds first; only what is still alive then is signalled. Blocking;
+    returns the records it had to signal."""
+    left = scan_orphans([profile_dir], uids)
+    if left and not wait_gone(left, grace):
+        return terminate_recorded(left, timeout)
+    return []
 
 
 async def spawn(argv: list[str], *, env: dict[str, str], cwd: str,
