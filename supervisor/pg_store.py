@@ -50,7 +50,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from supervisor import audit as audit_mod
 from supervisor import sealing
-from supervisor.home import private_dir, runtime_dir
+from supervisor.home import private_dir, runtime_path
 from supervisor.keys import KEY_BYTES, KeyMissing
 from supervisor.lease import current_process
 from supervisor.protocols import (
@@ -600,11 +600,16 @@ class PgProfileStore:
                                     **(note or {}))
 
     # ----------------------------------------------------------------- local paths
+    def _runtime_path(self) -> Path:
+        """The runtime folder's path; creates nothing (reads must leave no folder behind)."""
+        return self._runtime if self._runtime is not None else runtime_path(self.home)
+
     def _runtime_root(self) -> Path:
-        return private_dir(self._runtime if self._runtime is not None else runtime_dir(self.home))
+        """The runtime folder, created (0700) for a write that needs it."""
+        return private_dir(self._runtime_path())
 
     def _unsealed_dir(self, key: ProfileKey) -> Path:
-        return self._runtime_root() / "profiles" / key.scope / key.name
+        return self._runtime_path() / "profiles" / key.scope / key.name
 
     def _scratch(self) -> Path:
         return private_dir(self._runtime_root() / "store-tmp")
@@ -854,7 +859,7 @@ class PgProfileStore:
                                 "RETURNING name, blob_id", (scope,)).fetchall()
             for _name, blob_id in rows:
                 conn.execute("DELETE FROM sfguard_blob_chunks WHERE blob_id = %s", (blob_id,))
-        shutil.rmtree(self._runtime_root() / "profiles" / scope, ignore_errors=True)
+        shutil.rmtree(self._runtime_path() / "profiles" / scope, ignore_errors=True)
         self.keys.delete_key(scope)
         return sorted(ProfileKey(scope, r[0]) for r in rows)
 
@@ -869,7 +874,7 @@ class PgProfileStore:
 
     def unsealed(self) -> list[ProfileKey]:
         """Profiles with a working copy on this host (after a crash: for the start-up sweep)."""
-        root = self._runtime_root() / "profiles"
+        root = self._runtime_path() / "profiles"
         out = []
         if root.is_dir():
             for scope in sorted(os.listdir(root)):

@@ -6,14 +6,15 @@ import base64
 import json
 import os
 import subprocess
-import sys
+import shutil
 import signal
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_dir, runtime_path
 from tests.daemon.conftest import FAKE_AB, Daemon, fake_browser_for
 from tests.daemon.fake_cdp import FakeCdp
 
@@ -70,7 +71,7 @@ class Guards:
                 subprocess.run([sys.executable, "-m", "cli.main", "sweep", "--home", str(d.home)],
                                cwd=ROOT, env=d.env, capture_output=True, timeout=120)
         for d in self.started:     # nothing a guard of this test started may outlive it
-            rt = str(runtime_dir(d.home))
+            rt = str(runtime_path(d.home))
             for p in psutil.process_iter(["cmdline"]):
                 try:
                     cmd = " ".join(p.info["cmdline"] or [])
@@ -78,6 +79,8 @@ class Guards:
                         p.kill()
                 except psutil.Error:
                     continue
+            # the fixture made this folder (for the fake's control file): it removes it
+            shutil.rmtree(rt, ignore_errors=True)
 
 
 def with_suppress_kill(pid: int, sig: int) -> None:
