@@ -611,6 +611,7 @@ class DemoRunner:
         for attempt in range(1, MAX_LOGIN_ATTEMPTS + 1):
             stage = self._request(run, st, attempt)
             self.say(f"[{st.id}] gate: {gate.get('message', 'confirm')}")
+            confirmed = "gate confirmed"
             try:
                 kind = "live_view" if handoff.get("kind") == "live_view" else "auto"
                 payload = run.handoff(st.browser.profile, str(handoff.get("site")),
@@ -618,36 +619,16 @@ class DemoRunner:
                 if payload["kind"] == "live_view":
                     if not self._live_view(run, st, payload, rep):
                         raise DemoError("the login was cancelled in the live view")
-                    self.say(f"[{st.id}] gate confirmed (Done in the live view)")
-                    result = run.login_check(st.browser.profile, spec,
-                                             on_retry=lambda m: self.say(f"[{st.id}] {m}"))
-                    self.say(f"[{st.id}] verify: guard login check says logged_in="
-                             f"{str(result['logged_in']).lower()} ({result['url']})")
-                    run.end_stage(st.id, "succeeded" if result["logged_in"] else "failed")
-                    if result["logged_in"]:
-                        return result
-                    if st.on_verify_fail != st.id:
-                        raise DemoError(f"the login was not confirmed by the guard ({result['url']})")
-                    self.say(f"[{st.id}] on_verify_fail: back to {st.id}")
-                    continue
-                self.say(f"[{st.id}] handoff: {payload['kind']} for {payload['site']} at {payload.get('url')}")
-                if self.interactive:
-                    self.say(f"[{st.id}] log in as user {self.user!r} in the browser window, then press "
-                             "Enter here (Ctrl-D aborts)")
-                    if sys.stdin.readline() == "":
-                        raise DemoError("aborted at the login gate")
-                    rep.login_by = "the operator, in the visible window"
+                    confirmed = "gate confirmed (Done in the live view)"
                 else:
-                    self.say(f"[{st.id}] no one at the terminal: the demo plays the operator in the window")
-                    self._play_operator(stage, spec["url"])
-                    rep.login_by = "the demo, in the visible window (no terminal)"
+                    self._window_handoff(st, stage, spec, payload, rep)
             except HandoffRefused as exc:
                 self.say(f"[{st.id}] handoff refused by the guard: {exc}")
                 self.say(f"[{st.id}] the demo plays the operator instead, headless, through this "
                          "stage's own agent-browser env (open the login page, fill, click)")
                 self._play_operator(stage, spec["url"])
                 rep.login_by = "the demo, headless (no display for a login window)"
-            self.say(f"[{st.id}] gate confirmed")
+            self.say(f"[{st.id}] {confirmed}")
             # verify: login_check -- the guard checks the login again after the confirm
             result = run.login_check(st.browser.profile, spec, on_retry=lambda m: self.say(f"[{st.id}] {m}"))
             self.say(f"[{st.id}] verify: guard login check says logged_in={str(result['logged_in']).lower()} "
@@ -659,6 +640,21 @@ class DemoRunner:
                 raise DemoError(f"the login was not confirmed by the guard ({result['url']})")
             self.say(f"[{st.id}] on_verify_fail: back to {st.id}")
         raise DemoError(f"no login after {MAX_LOGIN_ATTEMPTS} attempts")
+
+    def _window_handoff(self, st, stage: StageSide, spec: dict, payload: dict, rep: RunReport) -> None:
+        """A visible login window on the guard's screen: the operator logs in (or, with no one
+        at the terminal, the demo plays the operator in that window)."""
+        self.say(f"[{st.id}] handoff: {payload['kind']} for {payload['site']} at {payload.get('url')}")
+        if self.interactive:
+            self.say(f"[{st.id}] log in as user {self.user!r} in the browser window, then press "
+                     "Enter here (Ctrl-D aborts)")
+            if sys.stdin.readline() == "":
+                raise DemoError("aborted at the login gate")
+            rep.login_by = "the operator, in the visible window"
+        else:
+            self.say(f"[{st.id}] no one at the terminal: the demo plays the operator in the window")
+            self._play_operator(stage, spec["url"])
+            rep.login_by = "the demo, in the visible window (no terminal)"
 
     def _live_view(self, run: GuardRun, st, payload: dict, rep: RunReport) -> bool:
         """The guard has no screen: its console shows the login tab at a one-time link. With
