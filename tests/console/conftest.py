@@ -2,14 +2,13 @@
 display) with the fixture login site as site-a.test, and helpers to speak to the console."""
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
-from supervisor.home import runtime_dir
-from tests.daemon.conftest import Daemon
+from supervisor.home import runtime_path
+from tests.daemon.conftest import Daemon, start_real_guard
 from tests.demo.conftest import leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,15 +22,7 @@ def console_url(banner: str) -> str:
 
 
 def _start(tmp_path: Path, site: int) -> Daemon:
-    home = (tmp_path / "home").absolute()
-    pol = tmp_path / "sites.yaml"
-    pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
-                   "private_networks:\n  allow: [127.0.0.1/32]\n")
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
-           "PYTHONPATH": str(ROOT)}
-    d = Daemon(home, env, tmp_path / "daemon.log")
-    d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
-            "--resolve", "site-b.test=127.0.0.1")
+    d = start_real_guard(tmp_path, site, "site-a.test", "site-b.test")
     d.console = console_url(d.banner)
     d.site = site
     return d
@@ -39,7 +30,7 @@ def _start(tmp_path: Path, site: int) -> Daemon:
 
 def _stop(d: Daemon) -> None:
     d.stop()
-    assert leftovers(str(d.home), str(runtime_dir(d.home))) == []
+    assert leftovers(str(d.home), str(runtime_path(d.home))) == []
 
 
 @pytest.fixture

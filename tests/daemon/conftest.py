@@ -149,6 +149,22 @@ class Daemon:
         return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 
 
+def start_real_guard(tmp_path: Path, site: int, *hosts: str, **env_extra: str) -> Daemon:
+    """A real `sfguard start` (real Chromium and agent-browser) on a temp home, whose policy
+    lets the browser reach the fixture site on `site` under each of `hosts` (resolved to
+    127.0.0.1). No DISPLAY: headless only. The caller ends it with `finish()`."""
+    home = (tmp_path / "home").absolute()
+    pol = tmp_path / "sites.yaml"
+    pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
+                   "private_networks:\n  allow: [127.0.0.1/32]\n")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
+           "PYTHONPATH": str(ROOT), **env_extra}
+    d = Daemon(home, env, tmp_path / "daemon.log")
+    resolve = [a for h in hosts for a in ("--resolve", f"{h}=127.0.0.1")]
+    d.start("--policy", str(pol), *resolve)
+    return d
+
+
 @pytest.fixture
 def fake_cdp():
     f = FakeCdp()

@@ -22,7 +22,7 @@ from supervisor.browser_user import DEFAULT_BROWSER_USER
 from supervisor.home import runtime_path
 from supervisor.sandbox import lookup_user
 from supervisor.stage_bridge import bridge_root_for
-from tests.daemon.conftest import ROOT, Daemon
+from tests.daemon.conftest import ROOT, Daemon, start_real_guard
 from tests.daemon.test_real_browser import request_stage
 
 pytestmark = [pytest.mark.browser,
@@ -61,14 +61,7 @@ print(json.dumps(out))
 
 @pytest.fixture
 def root_daemon(tmp_path, site):
-    home = (tmp_path / "home").absolute()
-    pol = tmp_path / "sites.yaml"
-    pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
-                   "private_networks:\n  allow: [127.0.0.1/32]\n")
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
-           "PYTHONPATH": str(ROOT)}
-    d = Daemon(home, env, tmp_path / "daemon.log")
-    d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1")
+    d = start_real_guard(tmp_path, site, "site-a.test")
     yield d
     d.finish()
 

@@ -14,7 +14,7 @@ import threading
 import time
 
 from supervisor.client import GuardClient
-from supervisor.home import runtime_dir
+from supervisor.home import runtime_path
 from tests.daemon.test_runs import stage, wait_ready
 from tests.pg.conftest import ROOT, TTL
 
@@ -23,7 +23,7 @@ PROFILE = "acct"
 
 def cookies(d):
     """The cookie file in guard `d`'s working copy of the profile (what its browser sees)."""
-    return runtime_dir(d.home) / "profiles" / "local" / PROFILE / "Default" / "Cookies"
+    return runtime_path(d.home) / "profiles" / "local" / PROFILE / "Default" / "Cookies"
 
 
 def log_in(d, marker: bytes) -> None:
