@@ -37,7 +37,8 @@ from supervisor.api import ApiError
 from supervisor.browser_host import Anchor, AnchorError, AnchorSpec, LocalBrowserHost
 from supervisor.cdp_gate import CdpGate, GateError
 from supervisor.console import handoff as live
-from supervisor.home import atomic_write, ensure_home, private_dir, revoke_traverse, runtime_dir
+from supervisor.home import (atomic_write, ensure_home, private_dir, revoke_traverse, runtime_dir,
+                             runtime_path)
 from supervisor.handoff import HandoffImpossible, LocalWindowHandoff
 from supervisor.login import LoginCheckError, LoginResult, check_login
 from supervisor.lease import current_process, process_alive
@@ -303,7 +304,9 @@ class Guard:
                  resolve: dict[str, str] | None = None, scope: str = LOCAL_SCOPE,
                  store: str | None = None):
         self.home = ensure_home(home)
-        self.runtime = runtime_dir(self.home)
+        # named here, created by start (a guard that is refused before it starts, or only
+        # sweeps, leaves no empty folder in /dev/shm)
+        self.runtime = runtime_path(self.home)
         self.scope = scope
         self.policy_path = Path(policy_path or policy.default_policy_path()).absolute()
         self.policy_watch = policy.PolicyWatcher(self.policy_path)  # raises PolicyError if invalid
@@ -321,7 +324,7 @@ class Guard:
         self.runs_dir = private_dir(self.home / "runs")
         self.logs_dir = private_dir(self.home / "logs")
         self.config_path = self.runtime / "ab-config.json"
-        self.socket_dir = private_dir(self.runtime / "ab")
+        self.socket_dir = self.runtime / "ab"
         self._lock_fd: int | None = None
         self._watch: asyncio.Task | None = None
         self._refusals: dict[str, int] = {}
@@ -366,6 +369,8 @@ class Guard:
             raise
 
     async def _start(self) -> dict:
+        runtime_dir(self.home)
+        private_dir(self.socket_dir)
         browser_user.setup(self)   # before the sweep: it ends that user's orphans too
         report = sweep(self)
         # damaged state is reported, never silently reset

@@ -611,19 +611,46 @@ class PgProfileStore:
     def _unsealed_dir(self, key: ProfileKey) -> Path:
         return self._runtime_path() / "profiles" / key.scope / key.name
 
-    def _scratch(self) -> Path:
-        return private_dir(self._runtime_root() / "store-tmp")
+    def _scratch(self, prefix: str, *, folder: bool = False) -> Path:
+        """A new private temp file (or folder) in the runtime folder's `store-tmp`.
+
+        `_discard` removes `store-tmp` once empty, so another thread or process may remove it
+        between our creating it and using it: then it is created again (bounded)."""
+        for _ in range(5):
+            scratch = private_dir(self._runtime_root() / "store-tmp")
+            try:
+                if folder:
+                    return Path(tempfile.mkdtemp(dir=scratch, prefix=prefix))
+                fd, tmp = tempfile.mkstemp(dir=scratch, prefix=prefix, suffix=".tmp")
+                os.close(fd)
+                return Path(tmp)
+            except FileNotFoundError:
+                continue
+        raise StoreUnavailable("could not make a private temp file in the runtime folder")
+
+    def _discard(self, path: Path) -> None:
+        """Remove a scratch file or folder, then `store-tmp` when empty and, for a store used
+        without a guard (which owns and removes its runtime folder), the runtime folder when
+        empty: a CLI command leaves nothing in /dev/shm. A non-empty folder (another
+        operation's file, a deferred seal, a guard's sockets) makes rmdir fail: it is kept."""
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(path.parent)
+            if self._runtime is None:
+                os.rmdir(self._runtime_path())
 
     # ----------------------------------------------------------------- blobs
     def _seal_to_file(self, key: ProfileKey, src: Path) -> Path:
-        fd, tmp = tempfile.mkstemp(dir=self._scratch(), prefix=".seal-", suffix=".tmp")
-        os.close(fd)
+        tmp = self._scratch(".seal-")
         try:
-            sealing.seal_dir(src, Path(tmp), self.keys.get_key(key.scope), key.scope, key.name)
+            sealing.seal_dir(src, tmp, self.keys.get_key(key.scope), key.scope, key.name)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            self._discard(tmp)
             raise
-        return Path(tmp)
+        return tmp
 
     @staticmethod
     def _insert_blob(conn, path: Path) -> tuple[int, int]:
@@ -645,9 +672,9 @@ class PgProfileStore:
 
     def _fetch_to_file(self, key: ProfileKey) -> Path:
         """Stream the current sealed blob into a private temp file (chunk by chunk)."""
-        fd, tmp = tempfile.mkstemp(dir=self._scratch(), prefix=".fetch-", suffix=".tmp")
+        tmp = self._scratch(".fetch-")
         try:
-            with os.fdopen(fd, "wb") as out, self.backend.conn() as conn:
+            with open(tmp, "wb") as out, self.backend.conn() as conn:
                 row = conn.execute("SELECT blob_id FROM sfguard_profiles WHERE scope = %s AND "
                                    "name = %s", (key.scope, key.name)).fetchone()
                 if row is None:
@@ -660,9 +687,9 @@ class PgProfileStore:
                     for (data,) in cur:
                         out.write(data)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            self._discard(tmp)
             raise
-        return Path(tmp)
+        return tmp
 
     # ----------------------------------------------------------------- ProfileStore
     def exists(self, key: ProfileKey) -> bool:
@@ -678,12 +705,11 @@ class PgProfileStore:
             validate_name(identity, "profile identity")
         if self.exists(key):
             raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
-        empty = self._scratch() / f".empty-{os.getpid()}-{time.monotonic_ns()}"
-        empty.mkdir(mode=0o700)
+        empty = self._scratch(".empty-", folder=True)
         try:
             sealed = self._seal_to_file(key, empty)
         finally:
-            shutil.rmtree(empty, ignore_errors=True)
+            self._discard(empty)
         try:
             with self.backend.conn() as conn:
                 blob_id, size = self._insert_blob(conn, sealed)
@@ -696,7 +722,7 @@ class PgProfileStore:
                     raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
                 self._audit(conn, "profile_created", key, note)
         finally:
-            sealed.unlink(missing_ok=True)
+            self._discard(sealed)
         return self.info(key)
 
     def _info_from(self, key: ProfileKey, row) -> ProfileInfo:
@@ -744,7 +770,7 @@ class PgProfileStore:
             sealing.unseal_to(sealed, dest, self.keys.get_key(key.scope, create=False),
                               key.scope, key.name)
         finally:
-            sealed.unlink(missing_ok=True)
+            self._discard(sealed)
         return dest
 
     def _check_fence(self, conn, key: ProfileKey, what: str,
@@ -783,7 +809,7 @@ class PgProfileStore:
             raise StoreUnavailable(f"the database is unreachable: profile {key.name!r} is sealed "
                                    "on this host and stored when the database is back (if this "
                                    "guard's lease is still current then)") from None
-        sealed.unlink(missing_ok=True)
+        self._discard(sealed)
         return self.info(key)
 
     def _store_sealed(self, key: ProfileKey, sealed: Path, held: tuple[str, int] | None,
@@ -808,10 +834,10 @@ class PgProfileStore:
         except StoreUnavailable:
             raise                                   # kept for the next retry
         except BaseException:
-            sealed.unlink(missing_ok=True)
+            self._discard(sealed)
             raise
         if final:
-            sealed.unlink(missing_ok=True)
+            self._discard(sealed)
 
     def record_login_check(self, key: ProfileKey, logged_in: bool) -> None:
         """A state write: the last login check's time and result, fenced like a reseal."""
@@ -870,7 +896,7 @@ class PgProfileStore:
             sealing.verify_sealed(sealed, self.keys.get_key(key.scope, create=False),
                                   key.scope, key.name)
         finally:
-            sealed.unlink(missing_ok=True)
+            self._discard(sealed)
 
     def unsealed(self) -> list[ProfileKey]:
         """Profiles with a working copy on this host (after a crash: for the start-up sweep)."""

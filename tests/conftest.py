@@ -101,12 +101,16 @@ def pg_url(pg_server) -> str:
     return pg_server.create_db()
 
 
-# -- no bridge folder left behind (issue 16) -----------------------------------------------------
-# A guard's per-stage bridge folders (`/dev/shm/sfb-...`) must go with it on every exit path.
-# After each test, the bridge folders of homes inside that test's tmp_path must be gone; at the
-# end of the session, those of every home under the session's temporary folder (module-scoped
-# guards included). Matched by name (tests/shm_leftovers.py): other sessions' folders are never
+# -- no runtime or bridge folder left behind (issues 11, 16) ------------------------------------
+# A guard's runtime folder (`/dev/shm/sfg-...`) and its per-stage bridge folders
+# (`/dev/shm/sfb-...`) must go with it on every exit path, and a store used without a guard
+# leaves neither. After each test, the folders of homes inside that test's tmp_path must be gone;
+# at the end of the session, those of every home under the session's temporary folder
+# (module-scoped guards included). Matched by name (tests/shm_leftovers.py): other sessions' folders are never
 # counted, and nothing is removed.
+
+LEFTOVER_PREFIXES = ("sfb", "sfg")
+
 
 @pytest.fixture(autouse=True)
 def no_bridge_folder_left(request):
@@ -115,8 +119,8 @@ def no_bridge_folder_left(request):
     if tmp is None:
         return
     from tests.shm_leftovers import left_by
-    left = left_by(Path(tmp))
-    assert left == [], f"bridge folders left by this test's guards: {[str(p) for p in left]}"
+    left = left_by(Path(tmp), LEFTOVER_PREFIXES)
+    assert left == [], f"runtime or bridge folders left by this test: {[str(p) for p in left]}"
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -125,10 +129,10 @@ def pytest_sessionfinish(session, exitstatus):
     if base is None or exitstatus not in (0, 1):
         return
     from tests.shm_leftovers import left_by
-    left = left_by(Path(base))
+    left = left_by(Path(base), LEFTOVER_PREFIXES)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        msg = f"bridge folders left by this session's guards: {[str(p) for p in left]}"
+        msg = f"runtime or bridge folders left by this session: {[str(p) for p in left]}"
         if reporter is not None:
             reporter.write_line(msg, red=True)
         session.exitstatus = 1
