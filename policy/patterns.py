@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .errors import MalformedHost, PolicyError, PolicyIssue
-from .hosts import normalize_host_ex, parse_port, split_host_port_raw
+from .hosts import join_host_port, normalize_host_ex, parse_port, split_host_port_raw
 
 
 #: Shortest CIDR prefix accepted where a pattern allows (allow_domains, --allow, allow_always,
@@ -83,12 +83,7 @@ class Pattern:
 
 def pattern_text(kind: str, key: str, port: int | None) -> str:
     """The canonical spelling of a pattern."""
-    body = "*." + key if kind == "wild" else key
-    if port is None:
-        return body
-    if ":" in body:  # IPv6 literal or range
-        return f"[{body}]:{port}"
-    return f"{body}:{port}"
+    return join_host_port("*." + key if kind == "wild" else key, port)
 
 
 # ---------------------------------------------------------------------------------------------
