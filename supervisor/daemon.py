@@ -47,7 +47,7 @@ from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, Profile
 from supervisor import store_ops
 from supervisor.store_ops import StoreCalls, StoreSlow
 from supervisor.stores import open_stores
-from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
+from supervisor.sweep import ProcRecord, end_child, scan_orphans, terminate_recorded
 from supervisor import sandbox, stage_exec, tools
 from supervisor.stage_bridge import BridgeHost
 
@@ -198,15 +198,7 @@ class RunProxy:
             self._reader = None
         if proc is None:
             return
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 5)
-            except asyncio.TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await end_child(proc, 5)
 
 
 # --------------------------------------------------------------------------- state
