@@ -1,6 +1,6 @@
 """Decisions: may this host be reached, and why.
 
-Order (DESIGN.md 4.1), first answer wins:
+Order (docs/design.md 4.1), first answer wins:
 
 1. malformed host                      -> deny  malformed_host
 2. port not allowed                    -> deny  port_not_allowed

@@ -1,6 +1,6 @@
 """Host patterns and the rule index that matches hosts against them.
 
-Pattern forms (DESIGN.md 4.1), each with an optional ``:PORT`` suffix that restricts it to that
+Pattern forms (docs/design.md 4.1), each with an optional ``:PORT`` suffix that restricts it to that
 port (IPv6 with a port needs brackets: ``[::1]:8080``, ``[fd00::/8]:8080``):
 
 ==================  =========================================================================

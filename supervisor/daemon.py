@@ -56,7 +56,7 @@ log = logging.getLogger("sfguard.guard")
 PROXY_START_TIMEOUT = 20.0
 #: Bound of one login check (its own tab; never affects the anchor or other stages).
 LOGIN_CHECK_TIMEOUT = 30.0
-#: The whole stage env (DESIGN 4.3): nothing else reaches a stage.
+#: The whole stage env (docs/design.md 4.3): nothing else reaches a stage.
 STAGE_ENV_KEYS = ("AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
                   "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS")
 WATCH_INTERVAL = 0.25
@@ -931,7 +931,7 @@ class Guard:
         # the gate (measured on 0.41.2), which then counts as this stage's.
         full = agent_browser.stage_env(session=f"sfs-{_short_id()}", socket_dir=self.socket_dir,
                                        config_path=self.config_path, cdp_url=url)
-        # The stage gets exactly the DESIGN 4.3 variables; the guard closes the session later
+        # The stage gets exactly the docs/design.md 4.3 variables; the guard closes the session later
         # with the same ones (plus PATH/HOME...), so both sides carry an identical env.
         stage.env = {k: full[k] for k in STAGE_ENV_KEYS}
         stage.env_full = {k: v for k, v in full.items()
