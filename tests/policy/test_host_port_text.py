@@ -1,11 +1,11 @@
-"""HOST:PORT as sfguard writes it back to people: IPv6 bracketed, everywhere."""
+"""HOST:PORT as sfguard writes it back to people: IPv6 bracketed (the live view's URL is in
+tests/console/test_liveview_tab.py)."""
 from __future__ import annotations
 
 import pytest
 
 import policy
 from policy.patterns import parse_pattern
-from supervisor.console.liveview import display_url
 
 
 @pytest.mark.parametrize("text, canonical", [
@@ -31,12 +31,3 @@ def test_port_hint_is_a_pattern_that_parses(host, port, hint):
     suggested = d.explanation.split("a pattern such as ", 1)[1].split(" ", 1)[0]
     assert parse_pattern(suggested).port == port
 
-
-@pytest.mark.parametrize("url, shown", [
-    ("http://[::1]:8080/x?secret=1", "http://[::1]:8080/x"),
-    ("http://[::1]/", "http://[::1]/"),
-    ("https://a.example/c?q", "https://a.example/c"),
-    ("http://a.example:81", "http://a.example:81/"),
-])
-def test_live_view_url(url, shown):
-    assert display_url(url) == shown
