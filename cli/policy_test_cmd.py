@@ -160,9 +160,7 @@ def _read_log(path: str) -> casefile.DecisionLog:
 def _print_replay(res: casefile.Replay, before: str, after: str) -> None:
     counts = res.counts()
     for ch in res.changes:
-        port = f":{ch.port}" if ch.port is not None else ""
-        host = f"[{ch.host}]" if ":" in ch.host and port else ch.host
-        print(f"{ch.kind:<12} {host}{port}  x{ch.count}  {ch.before} -> {ch.after}")
+        print(f"{ch.kind:<12} {policy.join_host_port(ch.host, ch.port)}  x{ch.count}  {ch.before} -> {ch.after}")
     print(f"{res.total} request(s) replayed ({before} -> {after}): {counts['allow->deny']} allow->deny, "
           f"{counts['deny->allow']} deny->allow, {counts['reason']} reason changed, "
           f"{res.unchanged} unchanged, {res.kept} kept (refused at connect time)")

@@ -8,7 +8,7 @@ Pure code: no sockets, no processes, nothing of ours imported. The pieces:
 - `policy.engine`: decisions (`SitePolicy.decide`, `check_address`, `refuse`, `Decision`).
 - `policy.watch`: `PolicyWatcher`, the last good policy of a file that reviewers edit live.
 
-See docs/policy.md for the reviewer's guide and DESIGN.md 4.1 for the contract.
+See docs/policy.md for the reviewer's guide and docs/design.md 4.1 for the contract.
 """
 from .engine import DEFAULT_PORTS, Decision, SitePolicy, special_address
 from .errors import MalformedHost, PolicyError, PolicyIssue

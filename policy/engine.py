@@ -1,6 +1,6 @@
 """Decisions: may this host be reached, and why.
 
-Order (DESIGN.md 4.1), first answer wins:
+Order (docs/design.md 4.1), first answer wins:
 
 1. malformed host                      -> deny  malformed_host
 2. port not allowed                    -> deny  port_not_allowed
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .errors import MalformedHost
-from .hosts import normalize_host_ex, printable_host
+from .hosts import join_host_port, normalize_host_ex, printable_host
 from .patterns import Match, RuleSet, suffixes
 
 DEFAULT_PORTS = frozenset({80, 443})
@@ -229,7 +229,7 @@ class SitePolicy:
                 return self._finish(
                     host, port, normalized, False, "port_not_allowed", None,
                     (f"port {port} is not allowed for {normalized} (allowed ports: {ports}; "
-                     f"a pattern such as {normalized}:{port} allows one more)."), is_ip, None, parents)
+                     f"a pattern such as {join_host_port(normalized, port)} allows one more)."), is_ip, None, parents)
 
         blocked = self.block.match(normalized, is_ip, port, False, parents)
         if blocked is not None:

@@ -2,7 +2,7 @@
 
 The guard compares hosts as strings, so every spelling that a browser or resolver would treat as
 the same host must normalise to the same string, and every spelling that could mean different
-things to different parsers is refused. The rules (DESIGN.md 4.1):
+things to different parsers is refused. The rules (docs/design.md 4.1):
 
 - Lower case; one trailing dot removed (``example.com.`` -> ``example.com``; two -> malformed).
 - IDN to A-labels with UTS #46 mapping (non-transitional, as browsers do): ``BÜCHER.de`` ->

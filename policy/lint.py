@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from .engine import SitePolicy
 from .errors import PolicyIssue
+from .hosts import join_host_port
 from .patterns import Pattern, PatternError, parse_pattern
 from .schema import YMap, YSeq, _Composer, _FAST_PATTERN, load_policy, unpack
 
@@ -120,7 +121,7 @@ def _key(text: Any, allow_list: bool) -> tuple | None:
         return None
     if pattern.kind == "name" or pattern.kind == "wild":
         body = ("*." if pattern.kind == "wild" else "") + pattern.key
-        return ("fast", body if pattern.port is None else f"{body}:{pattern.port}")
+        return ("fast", join_host_port(body, pattern.port))
     return (pattern.kind, pattern.key, pattern.port)
 
 

@@ -1,6 +1,6 @@
 """Host patterns and the rule index that matches hosts against them.
 
-Pattern forms (DESIGN.md 4.1), each with an optional ``:PORT`` suffix that restricts it to that
+Pattern forms (docs/design.md 4.1), each with an optional ``:PORT`` suffix that restricts it to that
 port (IPv6 with a port needs brackets: ``[::1]:8080``, ``[fd00::/8]:8080``):
 
 ==================  =========================================================================
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .errors import MalformedHost, PolicyError, PolicyIssue
-from .hosts import normalize_host_ex, parse_port, split_host_port_raw
+from .hosts import join_host_port, normalize_host_ex, parse_port, split_host_port_raw
 
 
 #: Shortest CIDR prefix accepted where a pattern allows (allow_domains, --allow, allow_always,
@@ -83,12 +83,7 @@ class Pattern:
 
 def pattern_text(kind: str, key: str, port: int | None) -> str:
     """The canonical spelling of a pattern."""
-    body = "*." + key if kind == "wild" else key
-    if port is None:
-        return body
-    if ":" in body:  # IPv6 literal or range
-        return f"[{body}]:{port}"
-    return f"{body}:{port}"
+    return join_host_port("*." + key if kind == "wild" else key, port)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ file:line:col with the field and a hint:
    core schema (``yes``/``no``/``on``/``off`` stay text). Files over `MAX_POLICY_BYTES` are
    refused before parsing.
 2. The structure is validated by strict pydantic models (unknown keys are errors; no type
-   coercion: ``"443"`` is not a port). Error locations are mapped back to the marks of step 1.
+   coercion: ``"443"`` is not a port). Error locations are mapped back to the marks of step 1
+   by `policy.yamlpos`, which pipeline validation uses too.
 3. Every pattern is parsed by `policy.patterns.parse_pattern` (a fast path handles plain names,
    which is what makes a million-entry block list load in seconds) straight into the rule index.
 
@@ -33,11 +34,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .engine import DEFAULT_PORTS, SitePolicy
 from .errors import PolicyError, PolicyIssue
 from .patterns import PatternError, RuleSet, parse_pattern, psl_tables as _psl_tables
+from .yamlpos import loc_path, mark_place, validate_at, yaml_error_mark
 
 MAX_POLICY_BYTES = 64 * 1024 * 1024
 MAX_ISSUES = 200
@@ -220,7 +222,7 @@ _NOKEY = object()
 
 
 def _yaml_error(exc: yaml.MarkedYAMLError, source: str, text: str) -> PolicyError:
-    mark = exc.problem_mark or exc.context_mark
+    mark = yaml_error_mark(exc)
     problem = exc.problem or "syntax error"
     context = exc.context or ""
     hint = "check the indentation and the ':' after each key"
@@ -241,8 +243,7 @@ def _yaml_error(exc: yaml.MarkedYAMLError, source: str, text: str) -> PolicyErro
     if context and exc.context_mark is not None and exc.context_mark is not mark:
         context += f" (started at line {exc.context_mark.line + 1})"
     message = f"not valid YAML: {context + ': ' if context else ''}{problem}"
-    line = mark.line + 1 if mark else None
-    col = mark.column + 1 if mark else None
+    line, col = mark_place(mark)
     return PolicyError([PolicyIssue(source, line, col, "(yaml)", message, hint)])
 
 
@@ -297,36 +298,29 @@ _KEYS = {
 
 
 def _field_text(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
+    return loc_path(loc) or "(top level)"
 
 
-def _locate(root: Any, loc: tuple, at_key: bool) -> tuple[int | None, int | None]:
-    pos = getattr(root, "pos", (1 << _COL_BITS) | 1)
-    node = root
-    for i, part in enumerate(loc):
-        last = i == len(loc) - 1
-        if isinstance(node, YMap) and isinstance(part, str) and part in node:
-            pos = node.keypos[part] if (last and at_key) else node.valpos.get(part, node.keypos[part])
-            node = node[part]
-        elif isinstance(node, YSeq) and isinstance(part, int) and 0 <= part < len(node):
-            pos = node.itempos[part]
-            node = node[part]
-        else:
-            break
-    return unpack(pos)
+def _child(at: tuple[Any, int], part: str | int, want_key: bool) -> tuple[Any, int] | None:
+    """One step into the composed tree for `yamlpos`: (node, packed position) pairs."""
+    node = at[0]
+    if isinstance(node, YMap) and isinstance(part, str) and part in node:
+        pos = node.keypos[part] if want_key else node.valpos.get(part, node.keypos[part])
+        return node[part], pos
+    if isinstance(node, YSeq) and isinstance(part, int) and 0 <= part < len(node):
+        return node[part], node.itempos[part]
+    return None
 
 
-def _schema_issue(err: dict, root: Any, source: str) -> PolicyIssue:
+def _root(root: Any) -> tuple[Any, int]:
+    return root, getattr(root, "pos", (1 << _COL_BITS) | 1)
+
+
+def _schema_issue(err: dict, at: tuple[Any, int], source: str) -> PolicyIssue:
     loc = tuple(err["loc"])
     kind = err["type"]
     field = _field_text(loc)
-    line, col = _locate(root, loc, at_key=kind == "extra_forbidden")
+    line, col = unpack(at[1])
     msg, hint = err["msg"], None
     name = next((p for p in reversed(loc) if isinstance(p, str)), "")
     shape = tuple(p for p in loc[:-1] if isinstance(p, str))
@@ -540,11 +534,8 @@ def _parse(text: str, source: str) -> SitePolicy:
         raise PolicyError([PolicyIssue(source, 1, 1, "(file)", "the policy is empty",
                                        "start with version: 1 (see the shipped policy/sites.yaml)")])
     issues = list(composer.issues)
-    model: PolicyFile | None = None
-    try:
-        model = PolicyFile.model_validate(root)
-    except ValidationError as exc:
-        issues += [_schema_issue(err, root, source) for err in exc.errors(include_url=False)]
+    model, errors = validate_at(PolicyFile, root, _root(root), _child)
+    issues += [_schema_issue(err, at, source) for err, at, _ in errors]
 
     label = source.replace("\\", "/").rsplit("/", 1)[-1] or source
     build = _Builder(source, label)

@@ -4,6 +4,9 @@
 rate-limited). When the file changed, it is re-read: a valid file replaces the policy, an invalid
 or unreadable one leaves the last good policy in force and is reported through `error` (for
 `sfguard status`) until a later edit fixes it.
+
+This is the one implementation of policy watching: the daemon calls `check()` itself, and the
+proxy's `PolicyReloader` addon (proxy_addons/policy_watch.py) calls it from an asyncio task.
 """
 from __future__ import annotations
 
@@ -17,12 +20,13 @@ from .schema import default_policy_path, load_policy
 
 class PolicyWatcher:
     """The current policy of one file. Raises PolicyError at construction if the file is not
-    valid then: a guard must not start without a good policy."""
+    valid then: a guard must not start without a good policy. A caller that already loaded the
+    file passes that policy as `policy`; the file is then only stamped, not read again."""
 
-    def __init__(self, path: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike | None = None, policy: SitePolicy | None = None):
         self.path = Path(path) if path is not None else default_policy_path()
         self._stamp = self._stat()
-        self.policy: SitePolicy = load_policy(self.path)
+        self.policy: SitePolicy = policy if policy is not None else load_policy(self.path)
         self.error: PolicyError | None = None  # why the file on disk is not the policy in force
         self.generation = 1  # increases with every policy taken into use
 

@@ -77,7 +77,7 @@ class ConnectGuard:
             return site.refuse(
                 d, "host_header_mismatch",
                 f"The guard refused this request: its Host header ({shown}) does not name "
-                f"the host in the URL ({d.normalized_host}:{d.port}).")
+                f"the host in the URL ({policy.join_host_port(d.normalized_host, d.port)}).")
         return d
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:

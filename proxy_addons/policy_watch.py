@@ -1,9 +1,9 @@
-"""PolicyWatcher addon: keeps the site policy current without a restart.
+"""PolicyReloader addon: keeps the proxy's site policy current without a restart.
 
-Every `interval` seconds (default 0.25 s) an asyncio task compares the policy file's
-(inode, size, mtime_ns) with the last seen ones. On a change it reloads with
-`policy.load_policy`. A valid file replaces the policy at once; an invalid one keeps the last
-good policy, logs the error (with its line) to `sfguard.proxy.policy`, and records it in
+Every `interval` seconds (default 0.25 s) an asyncio task asks a `policy.PolicyWatcher` (the one
+implementation of policy watching: one `stat`, a reload on change, the last good policy kept) to
+check the file. A valid file replaces the policy at once; an invalid one keeps the last good
+policy, logs the error (with its line) to `sfguard.proxy.policy`, and records it in
 `PolicyStatus` so `sfguard status` can say "last good policy kept since ..., error ...".
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,22 +63,14 @@ class PolicyStatus:
                                             s.error_since or _now())
 
 
-def _file_key(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-class PolicyWatcher:
-    """mitmproxy addon: polls the policy file and reloads it on change."""
+class PolicyReloader:
+    """mitmproxy addon: polls the policy file through a `policy.PolicyWatcher`."""
 
     def __init__(self, status: PolicyStatus, path: Path, interval: float = 0.25) -> None:
         self.status = status
         self.path = Path(path)
         self.interval = interval
-        self._key = _file_key(self.path)
+        self.watcher = policy.PolicyWatcher(self.path, policy=status.policy)
         self._task: asyncio.Task | None = None
 
     def running(self) -> None:
@@ -93,27 +84,17 @@ class PolicyWatcher:
 
     def check_now(self) -> bool:
         """Reload if the file changed since the last check; True when a reload was attempted."""
-        key = _file_key(self.path)
-        if key == self._key:
-            return False
-        self._key = key
-        if key is None:
-            msg = f"{self.path}: file is missing or unreadable"
-            logger.error("policy reload failed, keeping the last good policy: %s", msg)
-            self.status.set_error(msg)
-            return True
-        try:
-            new = policy.load_policy(self.path)
-        except policy.PolicyError as exc:
-            logger.error("policy reload failed, keeping the last good policy:\n%s", exc)
-            self.status.set_error(str(exc))
-        except OSError as exc:
-            msg = f"{self.path}: {exc.strerror}"
-            logger.error("policy reload failed, keeping the last good policy: %s", msg)
-            self.status.set_error(msg)
-        else:
+        before = self.watcher.error
+        if self.watcher.check():
+            new = self.watcher.policy
             self.status.set_policy(new)
             logger.info("policy reloaded from %s (mode %s)", self.path, new.mode)
+            return True
+        err = self.watcher.error
+        if err is None or err is before:
+            return False
+        logger.error("policy reload failed, keeping the last good policy:\n%s", err)
+        self.status.set_error(str(err))
         return True
 
     async def _poll(self) -> None:

@@ -42,7 +42,7 @@ from .connect_guard import ConnectGuard
 from .connection_guard import ConnectionGuard
 from .decision_log import DecisionLog
 from .layer_guard import LayerGuard
-from .policy_watch import PolicySnapshot, PolicyStatus, PolicyWatcher
+from .policy_watch import PolicyReloader, PolicySnapshot, PolicyStatus
 from .state import GuardState, Resolver
 
 logger = logging.getLogger("sfguard.proxy")
@@ -137,7 +137,7 @@ class GuardProxy:
             ConnectionGuard(self.state),
             ConnectGuard(self.state),
             AddressGuard(self.state),
-            PolicyWatcher(self.policy_status, self.policy_path, self.config.policy_poll_interval),
+            PolicyReloader(self.policy_status, self.policy_path, self.config.policy_poll_interval),
         )
         opts.update(
             mode=["regular"],
@@ -164,7 +164,7 @@ class GuardProxy:
             await self._abort()
             detail = f": {errors[0]}" if errors else ""
             raise GuardStartError(
-                f"cannot listen on {self.config.listen_host}:{self.config.listen_port}{detail}")
+                f"cannot listen on {policy.join_host_port(self.config.listen_host, self.config.listen_port)}{detail}")
         self.address = (str(addrs[0][0]), int(addrs[0][1]))
         self._flush_task = asyncio.get_running_loop().create_task(self._flush_quiet())
         logger.info("guard proxy listening at %s:%d", *self.address)

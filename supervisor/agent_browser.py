@@ -23,13 +23,13 @@ import asyncio
 import json
 import os
 import re
-import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from supervisor.home import atomic_write
+from supervisor.sweep import end_child
 
 #: Plain variables a launch env may inherit from the guard's own environment.
 INHERITED_VARS = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY",
@@ -220,11 +220,7 @@ async def run(
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except asyncio.TimeoutError:
-        _kill_pid(proc.pid)
-        try:
-            await asyncio.wait_for(proc.wait(), 5)
-        except asyncio.TimeoutError:
-            pass
+        await end_child(proc, 0, group=True)  # the CLI and the process group it leads
         raise AgentBrowserError(f"agent-browser {_verb(args)} timed out after {timeout:g}s",
                                 command=_verb(args)) from None
     return Result(proc.returncode if proc.returncode is not None else -1,
@@ -263,15 +259,6 @@ def _verb(args: tuple[str, ...] | list[str]) -> str:
     if not words:
         return ""
     return " ".join(words[:2]) if words[0] in ("get", "stream", "tab") else words[0]
-
-
-def _kill_pid(pid: int) -> None:
-    """Kill the CLI process we started (and its own process group, which it leads)."""
-    for fn, target in ((os.killpg, pid), (os.kill, pid)):
-        try:
-            fn(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def default_binary() -> str:

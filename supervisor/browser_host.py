@@ -119,7 +119,7 @@ class CloseReport:
 
 @runtime_checkable
 class BrowserHost(Protocol):
-    """The seam for local or remote browsers (see DESIGN 6)."""
+    """The seam for local or remote browsers (see docs/design.md 6)."""
 
     async def launch_anchor(self, spec: AnchorSpec) -> Anchor: ...
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport: ...

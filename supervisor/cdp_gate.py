@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from policy import join_host_port
 from supervisor import cdp_policy as policy
 from supervisor.cdp_pipe import CdpCallError, CdpPipe, PipeClient, PipeClosed
 
@@ -149,7 +150,7 @@ class CdpGate:
                        tab_quota, set(own_target_ids or ()))
         self._stages[stage_key] = stage
         log.info("stage %s added (token %s, quota %d)", stage_key, stage.fp, tab_quota)
-        return f"ws://{self._host}:{self._port}/devtools/browser/{token}"
+        return f"ws://{join_host_port(self._host, self._port)}/devtools/browser/{token}"
 
     def stage_targets(self, stage_key: str) -> set[str]:
         """The stage's tabs (target ids) right now."""
@@ -247,7 +248,7 @@ class CdpGate:
 
     async def _handle_version(self, request: web.Request) -> web.Response:
         stage = self._admit(request)
-        url = f"ws://{self._host}:{self._port}/devtools/browser/{stage.token}"
+        url = f"ws://{join_host_port(self._host, self._port)}/devtools/browser/{stage.token}"
         return web.json_response({"Browser": "sfguard-cdp-gate", "Protocol-Version": "1.3",
                                   "webSocketDebuggerUrl": url})
 

@@ -14,7 +14,8 @@ the browser sends back. Order of checks in `check_command`:
      folder inside the stage's artifacts dir).
 
 How the allowlist was found: agent-browser 0.41.2 driven through the gate with
-`CdpGate(record_methods=True)` (see tests/cdp_gate/test_browser.py::test_methods_used) for the
+`CdpGate(record_methods=True)` (see tests/cdp_gate/test_cdp_gate_browser.py::test_agent_browser_commands_through_gate, which
+records the methods agent-browser sends and checks each is allowlisted) for the
 commands the stage skill teaches: open, snapshot, click, fill, type, press, wait, screenshot,
 get url/text/title, tab list/new/close, back, forward, reload, scroll, close. Methods it sent:
 

@@ -48,7 +48,7 @@ from supervisor.protocols import (LOCAL_SCOPE, Granted, ProcessIdentity, Profile
 from supervisor import store_ops
 from supervisor.store_ops import StoreCalls, StoreSlow
 from supervisor.stores import open_stores
-from supervisor.sweep import ProcRecord, scan_orphans, terminate_recorded
+from supervisor.sweep import ProcRecord, end_child, scan_orphans, terminate_recorded
 from supervisor import sandbox, stage_exec, tools
 from supervisor.stage_bridge import BridgeHost
 
@@ -57,7 +57,7 @@ log = logging.getLogger("sfguard.guard")
 PROXY_START_TIMEOUT = 20.0
 #: Bound of one login check (its own tab; never affects the anchor or other stages).
 LOGIN_CHECK_TIMEOUT = 30.0
-#: The whole stage env (DESIGN 4.3): nothing else reaches a stage.
+#: The whole stage env (docs/design.md 4.3): nothing else reaches a stage.
 STAGE_ENV_KEYS = ("AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
                   "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS")
 WATCH_INTERVAL = 0.25
@@ -199,15 +199,7 @@ class RunProxy:
             self._reader = None
         if proc is None:
             return
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 5)
-            except asyncio.TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await end_child(proc, 5)
 
 
 # --------------------------------------------------------------------------- state
@@ -944,7 +936,7 @@ class Guard:
         # the gate (measured on 0.41.2), which then counts as this stage's.
         full = agent_browser.stage_env(session=f"sfs-{_short_id()}", socket_dir=self.socket_dir,
                                        config_path=self.config_path, cdp_url=url)
-        # The stage gets exactly the DESIGN 4.3 variables; the guard closes the session later
+        # The stage gets exactly the docs/design.md 4.3 variables; the guard closes the session later
         # with the same ones (plus PATH/HOME...), so both sides carry an identical env.
         stage.env = {k: full[k] for k in STAGE_ENV_KEYS}
         stage.env_full = {k: v for k, v in full.items()

@@ -48,7 +48,7 @@ from supervisor.browser_user import DEFAULT_BROWSER_USER
 from supervisor.sandbox import lookup_user
 from supervisor.client import GuardClient, GuardUnavailable
 from supervisor.home import resolve_home, runtime_path
-from supervisor.sweep import scan_orphans, terminate_recorded
+from supervisor.sweep import end_popen, scan_orphans, terminate_recorded
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_PIPELINE = ROOT / "docs" / "examples" / "login-pipeline.yaml"
@@ -383,13 +383,7 @@ class Child:
             self._stderr.close()
 
     def _stop_main(self, timeout: float) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        end_popen(self.proc, timeout, kill_wait=10)
 
 
 def _child_env() -> dict[str, str]:

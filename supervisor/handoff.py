@@ -1,4 +1,4 @@
-"""Human handoff: how an operator gets to log in to a run's browser (DESIGN 4.5).
+"""Human handoff: how an operator gets to log in to a run's browser (docs/design.md 4.5).
 
 A human login stage stops at a confirm gate. The gate's payload tells the console (or the
 operator reading `sfguard`) what to do, as a `HandoffPayload`:

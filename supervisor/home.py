@@ -12,11 +12,13 @@ makes anything else 0700.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 DEFAULT_HOME = Path("~/.stageflow/guard")
 DIR_MODE = 0o700
@@ -175,15 +177,23 @@ def prune_empty(folder: Path, stop: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
-    """Write `data` to `path` so a crash leaves either the old or the new file, never half.
+    """Write `data` to `path` so a crash leaves either the old or the new file, never half."""
+    with atomic_file(path, mode) as fh:
+        fh.write(data)
 
-    temp file in the same folder (created with `mode`), write, fsync, rename, fsync folder.
-    """
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: int = FILE_MODE, buffering: int = -1) -> Iterator[BinaryIO]:
+    """The one atomic write: yields a binary file to fill; on a clean exit it is flushed,
+    fsynced and renamed over `path`, then the folder is fsynced. The temp file
+    `.<name>.<random>.tmp` sits in the same folder, created with `mode`; on any error it is
+    removed and `path` is left as it was."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+        with os.fdopen(fd, "wb", buffering=buffering) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -15,6 +15,9 @@ time). Every operation first drops entries whose process is gone (pid dead, or r
 process with another start time), and `sweep_stale()` does it for all profiles at start-up.
 So two guard processes on one home never lease one profile twice, and a crashed guard never
 leaves a lease behind.
+
+The algorithm itself (grant, queue, release, drop the dead) is `supervisor.lease_fifo`; this
+class keeps its state on disk.
 """
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ from typing import Callable, Iterator
 
 import psutil
 
+from supervisor import lease_fifo
 from supervisor.home import FILE_MODE, atomic_write, ensure_home, private_dir
+from supervisor.lease_fifo import LeaseState
 from supervisor.protocols import (
     Granted, LeaseHolder, ProcessIdentity, ProfileError, ProfileKey, QueueEntry, Waiting,
     validate_name, validate_run_id,
@@ -58,36 +63,6 @@ def process_alive(owner: ProcessIdentity) -> bool:
         return False
 
 
-def _owner_json(o: ProcessIdentity) -> dict:
-    return {"pid": o.pid, "pid_start_time": o.start_time}
-
-
-def _owner_from(d: dict) -> ProcessIdentity:
-    return ProcessIdentity(int(d["pid"]), float(d["pid_start_time"]))
-
-
-class _State:
-    """The parsed `.lease` file of one profile."""
-
-    def __init__(self, key: ProfileKey, data: dict | None):
-        data = data or {}
-        self.key = key
-        h = data.get("holder")
-        self.holder = (LeaseHolder(key, h["run"], float(h["since"]), _owner_from(h)) if h else None)
-        self.queue = [QueueEntry(q["run"], float(q["since"]), int(q["seq"]), _owner_from(q))
-                      for q in data.get("queue", [])]
-        self.next_seq = int(data.get("next_seq", 1))
-
-    def to_json(self) -> dict:
-        h = self.holder
-        return {
-            "holder": ({"run": h.run, "since": h.since, **_owner_json(h.owner)} if h else None),
-            "queue": [{"run": q.run, "since": q.since, "seq": q.seq, **_owner_json(q.owner)}
-                      for q in self.queue],
-            "next_seq": self.next_seq,
-        }
-
-
 def _damaged(path: Path, exc: Exception) -> str:
     return (f"lease file {path} is damaged ({type(exc).__name__}); it was left untouched: "
             "inspect it, then remove it only if no guard uses that profile")
@@ -113,7 +88,7 @@ class LocalProfileLease:
         return folder / f"{key.name}.lease", folder / f"{key.name}.lock"
 
     @contextlib.contextmanager
-    def _locked(self, key: ProfileKey, write: bool = True) -> Iterator[_State]:
+    def _locked(self, key: ProfileKey, write: bool = True) -> Iterator[LeaseState]:
         """Hold the profile's flock, yield its state, write it back (atomically) on success."""
         state_path, lock_path = self._paths(key)
         private_dir(self.root)
@@ -130,7 +105,7 @@ class LocalProfileLease:
             try:
                 if data is not None and not isinstance(data, dict):
                     raise TypeError("not a JSON object")
-                state = _State(key, data)
+                state = LeaseState.from_json(key, data)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise LeaseFileDamaged(_damaged(state_path, exc)) from None
             before = state.to_json()
@@ -140,22 +115,8 @@ class LocalProfileLease:
         finally:
             os.close(fd)              # closing the descriptor releases the flock
 
-    def _drop_dead(self, state: _State) -> list[str]:
-        released = []
-        # One liveness check per distinct owner: a long queue is usually one guard process,
-        # and a psutil look-up per entry made every call O(queue length) (load finding F9).
-        seen: dict[ProcessIdentity, bool] = {}
-
-        def alive(owner: ProcessIdentity) -> bool:
-            if owner not in seen:
-                seen[owner] = self._alive(owner)
-            return seen[owner]
-
-        if state.holder and not alive(state.holder.owner):
-            released.append(state.holder.run)
-            state.holder = None
-        state.queue = [q for q in state.queue if alive(q.owner)]
-        return released
+    def _drop_dead(self, state: LeaseState) -> list[str]:
+        return lease_fifo.drop_dead(state, self._alive)
 
     def _keys(self) -> list[ProfileKey]:
         out = []
@@ -179,32 +140,13 @@ class LocalProfileLease:
         now = time.time()
         with self._locked(key) as st:
             self._drop_dead(st)
-            if st.holder and st.holder.run == run:
-                return Granted(key, run, st.holder.since, reentrant=True)
-            if st.holder is None and (not st.queue or st.queue[0].run == run):
-                st.queue = [q for q in st.queue if q.run != run]
-                st.holder = LeaseHolder(key, run, now, self.owner)
-                return Granted(key, run, now)
-            runs = [q.run for q in st.queue]
-            if run not in runs:
-                st.queue.append(QueueEntry(run, now, st.next_seq, self.owner))
-                st.next_seq += 1
-                runs.append(run)
-            entry = st.queue[runs.index(run)]
-            return Waiting(key, run, st.holder.run if st.holder else None,
-                           st.holder.since if st.holder else None, runs.index(run) + 1, entry.since)
+            return lease_fifo.acquire(st, key, run, self.owner, now)
 
     def release(self, key: ProfileKey, run: str) -> bool:
         """Release `run`'s lease on `key` and drop it from the queue; True if it had either."""
         validate_run_id(run)
         with self._locked(key) as st:
-            changed = False
-            if st.holder and st.holder.run == run:
-                st.holder, changed = None, True
-            kept = [q for q in st.queue if q.run != run]
-            changed |= len(kept) != len(st.queue)
-            st.queue = kept
-            return changed
+            return lease_fifo.release(st, run)
 
     def release_all(self, run: str) -> list[ProfileKey]:
         """Run end (any outcome): release every lease and queue place of `run`."""

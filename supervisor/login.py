@@ -37,7 +37,7 @@ whatever the selector says. So the selector can only turn a "logged in" into a "
 which errs on the safe side (a human login is asked for, nothing runs without a login).
 
 `check_login` talks to the anchor over its DevTools pipe (guard-internal: whoever held it could
-bypass the proxy, DESIGN 2): this module never logs, and no error message it raises contains
+bypass the proxy, docs/design.md 2): this module never logs, and no error message it raises contains
 cookie values or the proxy credential.
 """
 from __future__ import annotations

@@ -48,9 +48,10 @@ from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel
 
 import policy
+from policy.yamlpos import loc_path, locate, mark_place, validate_at, yaml_error_mark
 from supervisor import tools
 from supervisor.handoff import HandoffPayload
 from supervisor.models import STAGE_ID, BrowserField, error_message
@@ -146,6 +147,19 @@ class _Doc:
     def close(self) -> None:
         self._loader.dispose()
 
+    def child(self, node: yaml.Node, part: str | int, want_key: bool) -> yaml.Node | None:
+        """One step along a pydantic error location (for `policy.yamlpos`); the last of
+        duplicate keys wins, as in the value pydantic saw."""
+        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            found = None
+            for key, k, v in self.items(node):
+                if key == part:
+                    found = k if want_key else v
+            return found
+        if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            return node.value[part]
+        return None
+
     def items(self, node: yaml.MappingNode) -> list[tuple[Any, yaml.Node, yaml.Node]]:
         """(key, key node, value node) of a mapping, merge keys (`<<`) applied."""
         self._loader.flatten_mapping(node)
@@ -160,9 +174,7 @@ class _Doc:
 
 
 def _mark(node: yaml.Node | None) -> tuple[int | None, int | None]:
-    if node is None:
-        return None, None
-    return node.start_mark.line + 1, node.start_mark.column + 1
+    return mark_place(node.start_mark if node is not None else None)
 
 
 def _kind(node: yaml.Node) -> str:
@@ -190,6 +202,22 @@ class _Validator:
               severity: str = "error") -> None:
         line, col = _mark(node)
         self.report.issues.append(Issue(doc.display, line, col, path, message, code, severity))
+
+    def yaml_issue(self, display: str, exc: yaml.MarkedYAMLError) -> None:
+        line, col = mark_place(yaml_error_mark(exc))
+        problem = "; ".join(str(p) for p in (exc.context, exc.problem) if p)
+        self.report.issues.append(Issue(display, line, col, "(yaml)", f"not valid YAML: {problem}", "yaml"))
+
+    def model_issues(self, doc: _Doc, model: type[BaseModel], value: Any, node: yaml.Node,
+                     path: str, code: str, skip: Callable[[dict], bool] = lambda err: False) -> Any:
+        """Validate `value` (read at `node`) with `model`; each error becomes an issue at the
+        place it points to. Returns the model, or None when the value is not valid."""
+        result, errors = validate_at(model, value, node, doc.child)
+        for err, enode, depth in errors:
+            if not skip(err):
+                self.issue(doc, enode, _error_path(path, tuple(err["loc"]), enode, depth),
+                           error_message(err, model), code)
+        return result
 
     def mapping(self, doc: _Doc, node: yaml.Node, path: str, known: tuple[str, ...],
                 what: str) -> dict[str, tuple[yaml.Node, yaml.Node]] | None:
@@ -225,11 +253,7 @@ class _Validator:
         try:
             doc = _Doc(self.report.file, text)
         except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
-            problem = "; ".join(str(p) for p in (exc.context, exc.problem) if p)
-            self.report.issues.append(Issue(self.report.file, line, col, "(yaml)",
-                                            f"not valid YAML: {problem}", "yaml"))
+            self.yaml_issue(self.report.file, exc)
             return self.report
         except yaml.YAMLError as exc:
             self.report.issues.append(Issue(self.report.file, None, None, "(yaml)",
@@ -402,11 +426,7 @@ class _Validator:
         except UnicodeDecodeError:
             self.issue(doc, node, path, f"stage file {rel!r} is not UTF-8 text", "stage_file")
         except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
-            problem = "; ".join(str(p) for p in (exc.context, exc.problem) if p)
-            self.report.issues.append(Issue(display, line, col, "(yaml)",
-                                            f"not valid YAML: {problem}", "yaml"))
+            self.yaml_issue(display, exc)
         return None
 
     # ---- browser field
@@ -422,16 +442,11 @@ class _Validator:
         # unknown keys are worded by the model's errors below, as the API words them
         self.report.issues[before:] = [i for i in self.report.issues[before:] if i.code != "unknown_key"]
         value = doc.value(node)
-        result: BrowserField | None = None
-        try:
-            result = BrowserField.model_validate(value)
-        except ValidationError as exc:
-            for err in exc.errors():
-                loc = tuple(err["loc"])
-                if loc[:1] == ("allow_domains",) and len(loc) == 2 and err["type"] == "value_error":
-                    continue  # every bad entry is reported below, each at its own line
-                enode, epath = _locate(doc, node, path, loc, at_key=err["type"] == "extra_forbidden")
-                self.issue(doc, enode, epath, error_message(err, BrowserField), "browser")
+        # a bad allow_domains entry is reported below, each at its own line
+        result: BrowserField | None = self.model_issues(
+            doc, BrowserField, value, node, path, "browser",
+            skip=lambda err: len(err["loc"]) == 2 and err["loc"][0] == "allow_domains"
+            and err["type"] == "value_error")
         if dup_or_unknown:
             result = None
         domains = value.get("allow_domains") if isinstance(value, dict) else None
@@ -527,13 +542,7 @@ class _Validator:
         for key, _k, v in doc.items(node):
             if key != "handoff":
                 continue
-            try:
-                HandoffPayload.model_validate(doc.value(v))
-            except ValidationError as exc:
-                for err in exc.errors():
-                    enode, epath = _locate(doc, v, f"{path}.handoff", tuple(err["loc"]),
-                                           at_key=err["type"] == "extra_forbidden")
-                    self.issue(doc, enode, epath, error_message(err, HandoffPayload), "handoff")
+            self.model_issues(doc, HandoffPayload, doc.value(v), v, f"{path}.handoff", "handoff")
 
     # ---- login topology
 
@@ -647,24 +656,18 @@ class _Validator:
 
 # --------------------------------------------------------------------------- helpers
 
-def _locate(doc: _Doc, node: yaml.Node, path: str, loc: tuple,
-            at_key: bool = False) -> tuple[yaml.Node, str]:
-    """The deepest node along `loc` (pydantic error location) and its dotted path; `at_key`:
-    the last part's key node (for an unknown key) rather than its value."""
-    for i, part in enumerate(loc):
-        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
-            found = None
-            for key, k, v in doc.items(node):
-                if key == part:
-                    found = k if at_key and i == len(loc) - 1 else v
-            if found is None:
-                return node, f"{path}.{part}"
-            node, path = found, f"{path}.{part}"
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node, path = node.value[part], f"{path}[{part}]"
-        else:
-            break
-    return node, path
+def _locate(doc: _Doc, node: yaml.Node, path: str, loc: tuple) -> tuple[yaml.Node, str]:
+    """The deepest node along `loc` (a pydantic error location) and its dotted path."""
+    found, depth = locate(node, loc, doc.child)
+    return found, _error_path(path, loc, found, depth)
+
+
+def _error_path(path: str, loc: tuple, node: yaml.Node, depth: int) -> str:
+    """The dotted path of a located error: as deep as the walk got, plus the key that a
+    mapping lacks (a missing field is named)."""
+    if depth < len(loc) and isinstance(node, yaml.MappingNode) and isinstance(loc[depth], str):
+        depth += 1
+    return loc_path(loc[:depth], path)
 
 
 def _suggest(name: str, stages: Iterable[str]) -> str:

@@ -8,7 +8,7 @@ Everything the daemon does with a profile goes through these four interfaces:
 - `AuditSink`: the append-only, hash-chained record of who did what.
 
 Local implementations live in `profiles.py`, `lease.py`, `keys.py` and `audit.py`; in-memory
-fakes (two scopes) in `fakes.py`. Later issues add `BrowserHost` and `Handoff` below.
+fakes (two scopes) in `supervisor/testing/`. Later issues add `BrowserHost` and `Handoff` below.
 
 A profile is addressed by a `ProfileKey` (scope + name). The scope is always set by the guard
 (locally the fixed value `LOCAL_SCOPE`), never by a request body or YAML; names are validated

@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from supervisor.home import DIR_MODE, FILE_MODE, fsync_dir
+from supervisor.home import DIR_MODE, FILE_MODE, atomic_file, fsync_dir
 from supervisor.protocols import ProfileError
 
 MAGIC = b"SFGSEAL\x01"
@@ -287,42 +287,29 @@ def seal_dir(src: Path, dest: Path, scope_key: bytes, scope: str, name: str,
     src, dest = Path(src), Path(dest)
     header, hdr = _header(scope, name, chunk_size)
     aes = _file_key(scope_key, bytes.fromhex(hdr["salt"]), scope, name)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb", buffering=1 << 20) as out:
-            out.write(header)
-            writer = _SealWriter(out, aes, bytes.fromhex(hdr["prefix"]),
-                                 hashlib.sha256(header).digest(), chunk_size)
-            with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT,
-                              bufsize=1 << 20, copybufsize=1 << 20) as tf:
-                for rel, st, dfd, leaf in _iter_sources(src):
-                    # Built by hand (no owner names, no pwd/grp lookups): only what unsealing needs.
-                    info = tarfile.TarInfo(rel)
-                    info.mtime = int(st.st_mtime)
-                    if stat.S_ISDIR(st.st_mode):
-                        info.type, info.mode = tarfile.DIRTYPE, DIR_MODE
-                        tf.addfile(info)
-                    else:
-                        info.mode = FILE_MODE
-                        fh = _open_regular(leaf, dfd)
-                        if fh is None:
-                            continue
-                        with fh:
-                            info.size = os.fstat(fh.fileno()).st_size
-                            tf.addfile(info, fh)
-            writer.finish()
-            out.flush()
-            os.fsync(out.fileno())
-            size = out.tell()
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(dest.parent)
+    with atomic_file(dest, FILE_MODE, buffering=1 << 20) as out:
+        out.write(header)
+        writer = _SealWriter(out, aes, bytes.fromhex(hdr["prefix"]),
+                             hashlib.sha256(header).digest(), chunk_size)
+        with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT,
+                          bufsize=1 << 20, copybufsize=1 << 20) as tf:
+            for rel, st, dfd, leaf in _iter_sources(src):
+                # Built by hand (no owner names, no pwd/grp lookups): only what unsealing needs.
+                info = tarfile.TarInfo(rel)
+                info.mtime = int(st.st_mtime)
+                if stat.S_ISDIR(st.st_mode):
+                    info.type, info.mode = tarfile.DIRTYPE, DIR_MODE
+                    tf.addfile(info)
+                else:
+                    info.mode = FILE_MODE
+                    fh = _open_regular(leaf, dfd)
+                    if fh is None:
+                        continue
+                    with fh:
+                        info.size = os.fstat(fh.fileno()).st_size
+                        tf.addfile(info, fh)
+        writer.finish()
+        size = out.tell()
     return size
 
 

@@ -6,12 +6,18 @@ the daemon can persist them and the start-up sweep can end what a dead guard lef
 
 `scan_orphans` finds browser / agent-browser / mitmproxy processes that mention one of the
 guard's runtime paths (in their command line or environment) even when no record survived.
+
+This module holds the one terminate-wait-kill of the project: `terminate_recorded` for recorded
+processes (by pid and start time), `end_child` for an asyncio child the caller started and still
+holds, `end_popen` for a `subprocess.Popen` child.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -185,3 +191,55 @@ def scan_orphans(marker_paths: Iterable[str | os.PathLike],
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def _signal_child(pid: int, sig: int, group: bool) -> None:
+    """Signal a child we started and hold (its pid cannot be reused while it is unreaped);
+    with `group`, also its own process group (a child started with start_new_session)."""
+    targets = ((os.killpg, pid), (os.kill, pid)) if group else ((os.kill, pid),)
+    for fn, target in targets:
+        try:
+            fn(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+async def end_child(proc: asyncio.subprocess.Process, timeout: float = 5.0, *,
+                    group: bool = False, kill_wait: float = 5.0) -> bool:
+    """End an asyncio child: SIGTERM, wait up to `timeout`, then SIGKILL and wait up to
+    `kill_wait`. `timeout` 0 sends SIGKILL at once. True when the child has exited."""
+    if proc.returncode is not None:
+        return True
+    if timeout > 0:
+        _signal_child(proc.pid, signal.SIGTERM, group)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            pass
+    _signal_child(proc.pid, signal.SIGKILL, group)
+    try:
+        await asyncio.wait_for(proc.wait(), kill_wait)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+def end_popen(proc: subprocess.Popen, timeout: float = 5.0, *, group: bool = False,
+              kill_wait: float = 5.0) -> bool:
+    """`end_child` for a `subprocess.Popen` child (same steps, blocking)."""
+    if proc.poll() is not None:
+        return True
+    if timeout > 0:
+        _signal_child(proc.pid, signal.SIGTERM, group)
+        try:
+            proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_child(proc.pid, signal.SIGKILL, group)
+    try:
+        proc.wait(kill_wait)
+    except subprocess.TimeoutExpired:
+        return False
+    return True

@@ -1,4 +1,4 @@
-"""The guard's side of a `live_view` login handoff (issue 16, DESIGN 4.5).
+"""The guard's side of a `live_view` login handoff (issue 16, docs/design.md 4.5).
 
     POST /v1/runs/RUN/handoff {"profile", "site", "reason", "url", "kind": "live_view"|"auto",
                                "stage_id"?}

@@ -31,6 +31,7 @@ import time
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
+from policy import join_host_port
 from supervisor.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
 
 log = logging.getLogger("sfguard.console.liveview")
@@ -59,10 +60,8 @@ def display_url(url: str) -> str:
     if p.scheme not in ("http", "https"):
         return url.split(":", 1)[0] + ":" if ":" in url else ""
     host = p.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{p.port}" if p.port else ""
-    return f"{p.scheme}://{host}{port}{p.path or '/'}"
+    hostport = join_host_port(f"[{host}]" if ":" in host else host, p.port or None)
+    return f"{p.scheme}://{hostport}{p.path or '/'}"
 
 
 class LiveView:

@@ -34,6 +34,7 @@ from typing import Any
 import jinja2
 from aiohttp import WSMsgType, web
 
+from policy import join_host_port
 from supervisor.console import handoff as live
 from supervisor.console.auth import LINK_TTL, ConsoleAuth, Session
 
@@ -111,8 +112,7 @@ class ConsoleServer:
         await site.start()
         sock = site._server.sockets[0]  # the bound port (0 = a free one)
         self.port = sock.getsockname()[1]
-        shown = f"[{self.host}]" if ":" in self.host else self.host
-        self.base_url = f"http://{shown}:{self.port}"
+        self.base_url = f"http://{join_host_port(self.host, self.port)}"
         return self.base_url
 
     async def stop(self) -> None:
@@ -164,8 +164,7 @@ class ConsoleServer:
         return app
 
     def _hosts(self) -> set[str]:
-        shown = f"[{self.host}]" if ":" in self.host else self.host
-        out = {f"{shown}:{self.port}"}
+        out = {join_host_port(self.host, self.port)}
         if self.host in ("127.0.0.1", "localhost"):
             out |= {f"127.0.0.1:{self.port}", f"localhost:{self.port}"}
         return out

@@ -67,6 +67,7 @@ def test_viewer_messages_are_validated(msg, ok):
     ("http://site-a.test:8080/login?next=/account&code=SECRET#x", "http://site-a.test:8080/login"),
     ("https://user:pw@example.com/a/b?q=1", "https://example.com/a/b"),
     ("http://[::1]:9/", "http://[::1]:9/"),
+    ("http://[::1]/x?q=1", "http://[::1]/x"),
     ("about:blank", "about:"),
 ])
 def test_the_address_shown_has_no_query_or_credentials(url, shown):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.fakes import FakeKeyProvider, FakeProfileLease, FakeProfileStore
+from supervisor.testing import FakeKeyProvider, FakeProfileLease, FakeProfileStore
 from supervisor.keys import FileKeyProvider
 from supervisor.lease import LocalProfileLease
 from supervisor.profiles import LocalProfileStore

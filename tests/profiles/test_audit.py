@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from supervisor.audit import AuditFieldError, LocalAuditSink
-from supervisor.fakes import FakeAuditSink
+from supervisor.testing import FakeAuditSink
 from supervisor.keys import FileKeyProvider
 from tests.profiles.conftest import ROOT, sfguard
 

@@ -7,7 +7,7 @@ import stat
 import keyring.backend
 import pytest
 
-from supervisor.fakes import FakeKeyProvider
+from supervisor.testing import FakeKeyProvider
 from supervisor.keys import FileKeyProvider, KeyMissing, KeyringKeyProvider, default_key_provider
 
 

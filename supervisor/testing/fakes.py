@@ -1,10 +1,12 @@
-"""In-memory fakes of the profile seams, for contract suites and daemon tests.
+"""In-memory fakes of the profile seams, for contract suites and daemon tests (test support:
+nothing in the product imports `supervisor.testing`).
 
 - `FakeKeyProvider`: keys in a dict.
 - `FakeProfileStore`: two (or more) fixed scopes; sealed profiles are dicts of
   {relative path: bytes} kept in memory; `open` materialises a private temp folder.
-- `FakeProfileLease`: the lease state machine in memory; several "processes" share one
-  `FakeLeaseState` through `for_process(owner)`, and `kill(owner)` marks one dead.
+- `FakeProfileLease`: the lease algorithm of `supervisor.lease_fifo` (the one the local lease
+  runs) over states kept in a dict; several "processes" share one `FakeLeaseState` through
+  `for_process(owner)`, and `kill(owner)` marks one dead.
 - `FakeAuditSink`: records in a list, same event/field validation and hash chain as the
   local sink.
 
@@ -22,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.audit import EVENTS, FIELDS, GENESIS, AuditFieldError, record_hash
+from supervisor import lease_fifo
+from supervisor.audit import GENESIS, chain_record, clean_fields
 from supervisor.keys import KeyMissing
+from supervisor.lease_fifo import LeaseState
 from supervisor.protocols import (
     Granted, LeaseHolder, ProcessIdentity, ProfileBusy, ProfileExists, ProfileInfo, ProfileKey,
     ProfileNameError, ProfileNotFound, QueueEntry, Waiting, validate_name, validate_run_id,
@@ -176,15 +180,14 @@ class FakeProfileStore:
 @dataclass
 class FakeLeaseState:
     """Shared by every FakeProfileLease view ("process") of one fake guard home."""
-    holders: dict[ProfileKey, LeaseHolder] = field(default_factory=dict)
-    queues: dict[ProfileKey, list[QueueEntry]] = field(default_factory=dict)
+    leases: dict[ProfileKey, LeaseState] = field(default_factory=dict)
     dead: set[ProcessIdentity] = field(default_factory=set)
-    next_seq: int = 1
     next_pid: int = 1000
 
 
 class FakeProfileLease:
-    """ProfileLease in memory. `for_process()` gives another "process" sharing the state."""
+    """ProfileLease in memory over the same algorithm as the local one (`lease_fifo`); the
+    state of each profile sits in a dict. `for_process()` gives another "process" sharing it."""
 
     def __init__(self, state: FakeLeaseState | None = None, owner: ProcessIdentity | None = None):
         self.state = state or FakeLeaseState()
@@ -200,64 +203,36 @@ class FakeProfileLease:
         """Mark a "process" (default: this view's) as dead."""
         self.state.dead.add(owner or self.owner)
 
-    def _drop_dead(self, key: ProfileKey) -> list[str]:
-        out = []
-        h = self.state.holders.get(key)
-        if h and h.owner in self.state.dead:
-            out.append(h.run)
-            del self.state.holders[key]
-        q = self.state.queues.get(key, [])
-        self.state.queues[key] = [e for e in q if e.owner not in self.state.dead]
-        return out
+    def _live(self, key: ProfileKey) -> LeaseState:
+        st = self.state.leases.setdefault(key, LeaseState())
+        lease_fifo.drop_dead(st, lambda o: o not in self.state.dead)
+        return st
 
     def try_acquire(self, key: ProfileKey, run: str) -> Granted | Waiting:
         validate_run_id(run)
-        now = time.time()
-        self._drop_dead(key)
-        h = self.state.holders.get(key)
-        q = self.state.queues.setdefault(key, [])
-        if h and h.run == run:
-            return Granted(key, run, h.since, reentrant=True)
-        if h is None and (not q or q[0].run == run):
-            self.state.queues[key] = [e for e in q if e.run != run]
-            self.state.holders[key] = LeaseHolder(key, run, now, self.owner)
-            return Granted(key, run, now)
-        runs = [e.run for e in q]
-        if run not in runs:
-            q.append(QueueEntry(run, now, self.state.next_seq, self.owner))
-            self.state.next_seq += 1
-            runs.append(run)
-        i = runs.index(run)
-        return Waiting(key, run, h.run if h else None, h.since if h else None, i + 1, q[i].since)
+        return lease_fifo.acquire(self._live(key), key, run, self.owner, time.time())
 
     def release(self, key: ProfileKey, run: str) -> bool:
         validate_run_id(run)
-        changed = False
-        h = self.state.holders.get(key)
-        if h and h.run == run:
-            del self.state.holders[key]
-            changed = True
-        q = self.state.queues.get(key, [])
-        kept = [e for e in q if e.run != run]
-        changed |= len(kept) != len(q)
-        self.state.queues[key] = kept
-        return changed
+        return lease_fifo.release(self.state.leases.setdefault(key, LeaseState()), run)
 
     def release_all(self, run: str) -> list[ProfileKey]:
-        keys = set(self.state.holders) | set(self.state.queues)
-        return [k for k in sorted(keys) if self.release(k, run)]
+        validate_run_id(run)
+        return [k for k in sorted(self.state.leases) if self.release(k, run)]
+
+    def has_state(self, key: ProfileKey) -> bool:
+        return key in self.state.leases
 
     def holder(self, key: ProfileKey) -> LeaseHolder | None:
-        self._drop_dead(key)
-        return self.state.holders.get(key)
+        return self._live(key).holder
 
     def queue(self, key: ProfileKey) -> list[QueueEntry]:
-        self._drop_dead(key)
-        return list(self.state.queues.get(key, []))
+        return list(self._live(key).queue)
 
     def sweep_stale(self) -> list[tuple[ProfileKey, str]]:
-        keys = set(self.state.holders) | set(self.state.queues)
-        return [(k, run) for k in sorted(keys) for run in self._drop_dead(k)]
+        dead = self.state.dead
+        return [(k, run) for k in sorted(self.state.leases)
+                for run in lease_fifo.drop_dead(self.state.leases[k], lambda o: o not in dead)]
 
 
 class FakeAuditSink:
@@ -265,20 +240,12 @@ class FakeAuditSink:
 
     def __init__(self):
         self.entries: list[dict[str, Any]] = []
+        self.key = secrets.token_bytes(32)
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
-        if event not in EVENTS:
-            raise AuditFieldError(f"unknown audit event {ascii(event)[:60]}")
-        clean = {}
-        for name, value in fields.items():
-            check = FIELDS.get(name)
-            if check is None:
-                raise AuditFieldError(f"field {ascii(name)[:40]} is not allowed in audit records")
-            clean[name] = check(value)
+        clean = clean_fields(event, fields)
         prev = self.entries[-1] if self.entries else {"seq": 0, "hash": GENESIS}
-        rec = {"seq": prev["seq"] + 1, "ts": time.time(), "event": event, "fields": clean,
-               "prev": prev["hash"]}
-        rec["hash"] = record_hash(rec)
+        rec = chain_record(self.key, prev["seq"], prev["hash"], event, clean)
         self.entries.append(rec)
         return rec
 
