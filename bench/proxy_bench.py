@@ -12,7 +12,9 @@ Everything runs on 127.0.0.1 in this one command, and the baseline is measured i
 Every proxy is measured once per round, in turn, for `--rounds` rounds (interleaved, so a
 noisy spell of the machine hits all of them); ratios against bare mitmdump are taken per round
 and printed as median [min-max]. Targets: CPU/tunnel <= 0.5x (issue 14), set-up p50 <= 0.7x,
-throughput >= 0.8x, RSS < 120 MB. `guard-run` is the process the daemon really runs per run.
+throughput >= 0.8x, RSS < 120 MB. `guard-run` is the process the daemon really runs per run
+(`python -m supervisor.proxy_child`, the one proxy entry point: `sfguard proxy` calls the same
+`serve()`), so this measures what the daemon runs.
 """
 from __future__ import annotations
 
@@ -205,28 +207,10 @@ def _bench_policy(tmp: Path, upstream_port: int) -> Path:
     return policy
 
 
-def start_guard(upstream_port: int, tmp: Path) -> Target:
-    """`sfguard proxy` (python -m cli.main proxy), the stand-alone guard proxy."""
-    policy = _bench_policy(tmp, upstream_port)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "proxy",
-         "--allow", HOST, "--policy", str(policy),
-         "--resolve", f"{HOST}=127.0.0.1", "--client", f"bench:{TOKEN}",
-         "--listen", f"127.0.0.1:{port}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    line = proc.stdout.readline()
-    if not line.startswith("ready "):
-        proc.kill()
-        raise RuntimeError(f"guard did not start: {line!r}")
-    auth = "Basic " + base64.b64encode(f"bench:{TOKEN}".encode()).decode()
-    return Target("guard", proc, port, auth, HOST)
-
-
 def start_guard_run(upstream_port: int, tmp: Path) -> Target:
-    """The per-run proxy exactly as the daemon starts it: `python -m supervisor.proxy_child`,
-    its client set over stdin, decisions appended to a log file."""
+    """The guard proxy exactly as the daemon starts it for a run: `python -m
+    supervisor.proxy_child` (the one proxy entry point; `sfguard proxy` runs the same
+    `serve()`), its client set over stdin, decisions appended to a log file."""
     policy = _bench_policy(tmp, upstream_port)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
@@ -331,7 +315,6 @@ def main() -> int:
     starters = [("direct", lambda: Target("direct", None, None, None, "")),
                 ("mitmdump", lambda: start_mitmdump(tmp)),
                 ("squid", lambda: start_squid(tmp)),
-                ("guard", lambda: start_guard(upstream_port, tmp)),
                 ("guard-run", lambda: start_guard_run(upstream_port, tmp))]
     try:
         for _ in range(max(1, args.rounds)):
@@ -381,17 +364,17 @@ def main() -> int:
             vals = sorted(r[name][key] / r["mitmdump"][key] for r in rounds
                           if name in r and "mitmdump" in r)
             return f"{statistics.median(vals):.2f}x [{vals[0]:.2f}-{vals[-1]:.2f}]"
-        for name in ("squid", "guard", "guard-run"):
+        for name in ("squid", "guard-run"):
             if name not in names:
                 continue
             print(f"  {name:9} CPU/tunnel {ratio(name, 'cpu')} (<= 0.5)   "
                   f"setup p50 {ratio(name, 'p50')} (<= 0.7)   "
                   f"throughput {ratio(name, 'mbps')} (>= 0.8)   tunnels/s {ratio(name, 'rate')}")
-    for name in ("guard", "guard-run"):
+    for name in ("guard-run",):
         if name in names:
             print(f"  {name} RSS under load {med(name, 'peak'):.1f} MB (target < 120)")
-    print("guard = `sfguard proxy`; guard-run = `python -m supervisor.proxy_child`, the per-run "
-          "proxy the daemon starts (clients over stdin, decision log on disk)")
+    print("guard-run = `python -m supervisor.proxy_child`, the proxy process the daemon starts per "
+          "run (clients over stdin, decision log on disk); `sfguard proxy` runs the same serve()")
     for note in notes:
         print(f"note: {note}")
     return 0

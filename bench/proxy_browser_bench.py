@@ -1,22 +1,31 @@
-"""Real-browser page load through the guard proxy vs no proxy (Chromium via agent-browser).
+"""Real-browser page load through the guard vs direct, on the guard's own launch path.
 
-    .venv/bin/python bench/proxy_browser_bench.py [--loads 10]
+    .venv/bin/python bench/proxy_browser_bench.py [--loads 10] [--rounds 3]
+    ./dev bench proxy_browser_bench [...]
 
-A page with 30 subresources (10 scripts/images from each of 3 loopback origins; no-store, so
-every load fetches everything) is loaded `--loads` times per setup, after one warm-up load.
-Reported: median and p90 of the navigation's loadEventEnd (ms), and the ratio guard / direct.
-Without a proxy the origins are 127.0.0.1 on three ports; through the guard they are
-site-1.test .. site-3.test (resolved with --resolve to 127.0.0.1 and allowed).
+Both browsers are started the way the daemon starts an anchor: `LocalBrowserHost.launch_anchor`
+(Chromium with `--remote-debugging-pipe`, a throw-away profile). The guarded one gets the run
+proxy the daemon would start for a run (`supervisor.daemon.RunProxy`: `python -m
+supervisor.proxy_child`, its client over stdin, decisions to a log file) and answers the proxy's
+credential challenge through the pipe (CDP Fetch), exactly as a run's anchor does. The direct
+one is the same launch without a proxy (`allow_direct`, for tests and this benchmark only).
+
+A page with 30 subresources (5 scripts and 5 images from each of 3 origins; no-store, so every
+load fetches everything) is loaded in a tab of each browser over the pipe (Page.navigate, then
+the navigation's loadEventEnd). Direct, the origins are 127.0.0.1 on three ports; through the
+guard they are site-1.test .. site-3.test, which the run proxy resolves to 127.0.0.1. Each round
+loads `--loads` times in each browser, in turn (after one warm-up load per browser); the ratio
+guard / direct of the medians is taken per round and printed as median [min-max].
+Target (issue 14): <= 1.15x.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,10 +36,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor import agent_browser, tools  # noqa: E402
+from supervisor import tools  # noqa: E402
+from supervisor.browser_host import AnchorSpec, LocalBrowserHost  # noqa: E402
+from supervisor.cdp_pipe import FETCH_ENABLE  # noqa: E402
+from supervisor.daemon import RunProxy  # noqa: E402
 
-TOKEN = "bench-browser-token-0123456789"
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")
+LOAD_TIMEOUT = 30.0
+NAMES = ("direct", "direct-fetch", "guard")
 
 
 def serve(page_fn) -> tuple[ThreadingHTTPServer, int]:
@@ -72,61 +85,127 @@ def page(origins: list[str]) -> str:
     return "".join(parts)
 
 
-def run_loads(env: dict, url: str, loads: int) -> list[float]:
-    ab = tools.find_agent_browser().path
 
-    def run(*args):
-        return subprocess.run([ab, *args], env=env, capture_output=True, text=True, timeout=60)
 
-    times: list[float] = []
-    warmed = False
-    try:
-        for i in range(3 * loads + 3):  # bounded: a load lost to a tab switch is repeated
-            if len(times) >= loads:
+class Tab:
+    """One tab of an anchor, driven over the anchor's pipe (as the guard's login check does)."""
+
+    def __init__(self, anchor) -> None:
+        self.anchor = anchor
+
+    async def open(self) -> "Tab":
+        self.cdp = await self.anchor.pipe.session("bench")
+        created = await self.cdp.call("Target.createTarget", {"url": "about:blank", "newWindow": True})
+        self.target = created["targetId"]
+        attached = await self.cdp.call("Target.attachToTarget", {"targetId": self.target, "flatten": True})
+        self.session = attached["sessionId"]
+        await self.cdp.call("Page.enable", session=self.session)
+        await self.cdp.call("Runtime.runIfWaitingForDebugger", session=self.session)
+        return self
+
+    async def _eval(self, expression: str):
+        res = await self.cdp.call("Runtime.evaluate", {"expression": expression, "returnByValue": True},
+                                  session=self.session)
+        return (res.get("result") or {}).get("value")
+
+    async def load(self, url: str) -> float:
+        """Navigate; return the navigation's loadEventEnd (ms) once all 15 scripts ran."""
+        while not self.cdp.events.empty():
+            self.cdp.events.get_nowait()
+        nav = await self.cdp.call("Page.navigate", {"url": url}, session=self.session)
+        if nav.get("errorText"):
+            raise RuntimeError(f"{url}: {nav['errorText']}")
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"{url}: no load event within {LOAD_TIMEOUT:.0f} s")
+            ev = await asyncio.wait_for(self.cdp.events.get(), left)
+            if ev.get("sessionId") == self.session and ev.get("method") == "Page.loadEventFired":
                 break
-            r = run("open", f"{url}?load={i}")
-            if r.returncode != 0:
-                raise RuntimeError(f"open failed: {r.stderr.strip()[:200]}")
-            js = ("(() => { const n = performance.getEntriesByType('navigation')[0];"
-                  " return n.loadEventEnd > 0 ? n.loadEventEnd : -1; })()")
-            value = -1.0
-            for _ in range(50):
-                out = run("eval", js).stdout.strip()
-                try:
-                    value = float(out)
-                except ValueError:
-                    value = -1.0
-                if value > 0:
-                    break
-                time.sleep(0.1)
-            count = run("eval", "window.__n").stdout.strip()
-            if count != "15":
-                # Chromium may open its own start tab and agent-browser follows it: go back.
-                m = re.search(r"\[(t?\d+)\][^\n]*" + re.escape(url.split("//", 1)[1].split("/")[0]),
-                              run("tab", "list").stdout)
-                if m:
-                    run("tab", m.group(1))
-                    continue
-            if count != "15":
-                raise RuntimeError(f"page incomplete: {count} of 15 scripts ran")
-            if warmed:  # the first complete load is a warm-up
-                times.append(value)
-            warmed = True
-    finally:
-        run("close")
-    return times
+        js = ("(() => { const n = performance.getEntriesByType('navigation')[0];"
+              " return n && n.loadEventEnd > 0 ? n.loadEventEnd : -1; })()")
+        for _ in range(50):
+            value = await self._eval(js)
+            if isinstance(value, (int, float)) and value > 0:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise RuntimeError(f"{url}: no loadEventEnd")
+        count = await self._eval("window.__n")
+        if count != 15:
+            raise RuntimeError(f"{url}: page incomplete: {count} of 15 scripts ran")
+        return float(value)
 
+    async def close(self) -> None:
+        await self.cdp.call("Target.closeTarget", {"targetId": self.target})
+        await self.cdp.close()
+
+
+async def bench(args, tmp: Path, ports: list[int], direct_origins, named_origins, origin_state):
+    browser = tools.find_browser().path
+    (tmp / "cfg.json").write_text("{}")
+    host = LocalBrowserHost()
+    policy = tmp / "sites.yaml"
+    policy.write_text("version: 1\nmode: enforce\nports: [80, 443, "
+                      + ", ".join(map(str, ports)) + "]\nallow_always: []\nblock: []\n"
+                      'private_networks:\n  allow: ["127.0.0.1/32"]\n')
+    proxy = RunProxy("bench-run", policy, tmp / "decisions.log",
+                     {f"site-{i + 1}.test": "127.0.0.1" for i in range(3)})
+    anchors = []
+    tabs: dict[str, Tab] = {}
+    try:
+        await proxy.start()
+        client = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
+        for name, proxy_url in (("direct", None), ("direct-fetch", None),
+                                ("guard", proxy.url_for(client))):
+            anchor = await host.launch_anchor(AnchorSpec(
+                session=f"bb-{name}-{os.getpid()}", socket_dir=tmp / "s", config_path=tmp / "cfg.json",
+                browser_path=browser, proxy_url=proxy_url, allow_direct=proxy_url is None,
+                temp_root=tmp / "w"))
+            anchors.append(anchor)
+            if name == "direct-fetch":
+                # What the pipe turns on for a proxied anchor, without a proxy: the cost of
+                # the Fetch domain alone.
+                await anchor.pipe.call("Fetch.enable", FETCH_ENABLE)
+            tabs[name] = await Tab(anchor).open()
+        urls = {"direct": direct_origins[0] + "/", "direct-fetch": direct_origins[0] + "/",
+                "guard": named_origins[0] + "/"}
+        times: dict[str, list[list[float]]] = {name: [] for name in NAMES}
+        seq = 0
+        for name in NAMES:  # warm-up: caches, connections, the proxy's credential
+            origin_state["names"] = name == "guard"
+            seq += 1
+            await tabs[name].load(f"{urls[name]}?load={seq}")
+        for _ in range(max(1, args.rounds)):
+            for name in NAMES:
+                origin_state["names"] = name == "guard"
+                got = []
+                for _ in range(args.loads):
+                    seq += 1
+                    got.append(await tabs[name].load(f"{urls[name]}?load={seq}"))
+                times[name].append(got)
+        return times
+    finally:
+        for tab in tabs.values():
+            try:
+                await asyncio.wait_for(tab.close(), 10)
+            except Exception:
+                pass
+        for anchor in anchors:
+            await host.close_anchor(anchor)
+        await proxy.stop()
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--loads", type=int, default=10)
+    ap.add_argument("--loads", type=int, default=10, help="loads per browser per round")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    if not (tools.find_agent_browser().found and tools.find_browser().found):
-        print("agent-browser or Chromium missing: skipped")
+    if not tools.find_browser().found:
+        print("Chromium missing: skipped")
         return 0
 
     tmp = Path(tempfile.mkdtemp(prefix="sfgbb-", dir="/tmp"))
-    (tmp / "cfg.json").write_text("{}")
     servers = []
     direct_origins: list[str] = []
     named_origins: list[str] = []
@@ -138,40 +217,9 @@ def main() -> int:
         ports.append(port)
         direct_origins.append(f"http://127.0.0.1:{port}")
         named_origins.append(f"http://site-{i + 1}.test:{port}")
-
-    base_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
-                "AGENT_BROWSER_EXECUTABLE_PATH": tools.find_browser().path,
-                "AGENT_BROWSER_ARGS": agent_browser.chrome_args(as_root=os.geteuid() == 0),
-                "AGENT_BROWSER_SOCKET_DIR": str(tmp), "AGENT_BROWSER_CONFIG": str(tmp / "cfg.json")}
-    guard = None
     try:
-        env = dict(base_env, AGENT_BROWSER_SESSION=f"sfgbb-direct-{os.getpid()}")
-        direct = run_loads(env, direct_origins[0] + "/", args.loads)
-
-        policy = tmp / "sites.yaml"
-        policy.write_text("version: 1\nmode: enforce\nports: [80, 443, "
-                          + ", ".join(map(str, ports)) + "]\nallow_always: []\nblock: []\n"
-                          'private_networks:\n  allow: ["127.0.0.1/32"]\n')
-        cmd = [sys.executable, "-m", "cli.proxy_cmd", "--policy", str(policy),
-               "--allow", ",".join(f"site-{i + 1}.test" for i in range(3)),
-               "--client", f"bench:{TOKEN}"]
-        for i in range(3):
-            cmd += ["--resolve", f"site-{i + 1}.test=127.0.0.1"]
-        guard = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                 text=True)
-        ready = guard.stdout.readline().split()
-        if len(ready) != 2 or ready[0] != "ready":
-            raise RuntimeError("guard did not start")
-        port = ready[1].rsplit(":", 1)[1]
-        origin_state["names"] = True
-        env = dict(base_env, AGENT_BROWSER_SESSION=f"sfgbb-guard-{os.getpid()}",
-                   AGENT_BROWSER_PROXY=f"http://bench:{TOKEN}@127.0.0.1:{port}",
-                   AGENT_BROWSER_PROXY_BYPASS=agent_browser.PROXY_BYPASS)
-        guarded = run_loads(env, named_origins[0] + "/", args.loads)
+        times = asyncio.run(bench(args, tmp, ports, direct_origins, named_origins, origin_state))
     finally:
-        if guard is not None:
-            guard.terminate()
-            guard.wait(10)
         for srv in servers:
             srv.shutdown()
             srv.server_close()
@@ -181,12 +229,22 @@ def main() -> int:
         xs = sorted(xs)
         return xs[min(len(xs) - 1, int(len(xs) * 0.9))]
 
-    print(f"\npage with 30 subresources from 3 loopback origins, {args.loads} loads each "
-          "(loadEventEnd, ms)\n")
-    print(f"{'':8}{'median':>10}{'p90':>10}")
-    print(f"{'direct':8}{statistics.median(direct):10.1f}{p90(direct):10.1f}")
-    print(f"{'guard':8}{statistics.median(guarded):10.1f}{p90(guarded):10.1f}")
-    print(f"\nguard / direct median: {statistics.median(guarded) / statistics.median(direct):.2f}x")
+    every = {name: [x for r in rounds for x in r] for name, rounds in times.items()}
+    print(f"\npage with 30 subresources from 3 loopback origins; {len(times['direct'])} round(s) of "
+          f"{args.loads} loads per browser (loadEventEnd, ms; guard's own launch path)\n")
+    print(f"{'':14}{'median':>10}{'p90':>10}{'min':>10}{'max':>10}")
+    for name, xs in every.items():
+        print(f"{name:14}{statistics.median(xs):10.1f}{p90(xs):10.1f}{min(xs):10.1f}{max(xs):10.1f}")
+    print()
+    for name in ("direct-fetch", "guard"):
+        ratios = sorted(statistics.median(g) / statistics.median(d)
+                        for d, g in zip(times["direct"], times[name]))
+        target = " (target <= 1.15)" if name == "guard" else ""
+        print(f"{name} / direct, median per round: {statistics.median(ratios):.2f}x "
+              f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]{target}; rounds: "
+              + ", ".join(f"{r:.2f}" for r in ratios))
+    print("direct-fetch = no proxy, with the Fetch interception a guarded anchor has "
+          "(the share of the gap that is Fetch)")
     return 0
 
 

@@ -12,18 +12,16 @@ docs/proxy.md) so that no token is visible in argv.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import logging
 import os
-import signal
 import sys
 
 import policy
 from cli.main import CliError
 from proxy_addons import clients as clients_mod
-from proxy_addons.server import GuardConfig, GuardProxy, GuardStartError
-from supervisor import redaction
+from proxy_addons.server import GuardConfig, GuardStartError
+from supervisor import proxy_child
 
 logger = logging.getLogger("sfguard.proxy.cli")
 
@@ -125,19 +123,6 @@ def _build_clients(args, allow: list[str]) -> tuple[list[clients_mod.Client], st
     return [clients_mod.make_client(name, token, allow, run=args.run)], f"{name}:{token}"
 
 
-def _install_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging.WARNING)
-    logging.getLogger("sfguard").setLevel(logging.INFO)
-    # mitmproxy logs every connection at INFO; keep its warnings and errors only.
-    logging.getLogger("mitmproxy").setLevel(logging.WARNING)
-    # Every record of every logger (ours and mitmproxy's) is masked before a handler sees it.
-    redaction.install()
-
-
 def run(args) -> int:
     allow = _split_patterns(args.allow)
     host, port = _parse_listen(args.listen)
@@ -157,48 +142,20 @@ def run(args) -> int:
         config.check()
     except GuardStartError as exc:
         raise CliError(str(exc)) from None
-    _install_logging()
-    for client in clients:
-        redaction.register_secret(client.token)
-    return asyncio.run(_serve(config, clients, generated))
-
-
-async def _serve(config: GuardConfig, clients, generated: str | None) -> int:
+    proxy_child.install_logging()
     try:
-        proxy = GuardProxy(config, clients)
-    except policy.PolicyError as exc:
-        raise CliError(str(exc).replace("\n", "; ")) from None
-    except OSError as exc:
-        raise CliError(f"{exc.filename or ''}: {exc.strerror}") from None
-    try:
-        await proxy.start()
-    except GuardStartError as exc:
+        return proxy_child.serve(config, clients, credential=generated)
+    except proxy_child.ProxyProcessError as exc:
         raise CliError(str(exc)) from None
-    except OSError as exc:  # e.g. the decision log file cannot be opened
-        raise CliError(f"{exc.filename or 'decision log'}: {exc.strerror}") from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"ready {proxy.url}", flush=True)
-    if generated is not None:
-        # The one place a secret is printed: the operator's own stdout.
-        h, p = proxy.address
-        shown = f"[{h}]" if ":" in h else h
-        print(f"http://{generated}@{shown}:{p}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await proxy.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m cli.proxy_cmd ARGS`: the same command without loading every other command.
 
     `sfguard proxy` builds the parser of every sfguard command (and imports their modules);
-    the daemon starts per-run proxies with this entry point instead, which keeps each proxy
-    process small. Arguments, output and exit codes are identical.
+    this entry point parses only the proxy's flags, which keeps the process small. Arguments,
+    output and exit codes are identical. Either way the proxy itself runs in
+    `supervisor.proxy_child.serve`, the function the daemon's per-run proxies run.
     """
     parser = argparse.ArgumentParser(prog="sfguard")
     sub = parser.add_subparsers(dest="command")

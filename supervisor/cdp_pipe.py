@@ -37,6 +37,11 @@ log = logging.getLogger("sfguard.cdp_pipe")
 
 #: Largest message accepted from the browser (a full-page screenshot stays far below).
 MAX_MESSAGE = 256 * 1024 * 1024
+#: Browser-wide proxy authentication. Chromium hands a challenge to Fetch only for requests
+#: its patterns intercept (measured: with a pattern matching no URL the proxy's 407 ends the
+#: request with ERR_INVALID_AUTH_CREDENTIALS), so every request pauses at its start and is let
+#: go at once (_answer_fetch); challenges get the credential.
+FETCH_ENABLE = {"handleAuthRequests": True, "patterns": [{"urlPattern": "*"}]}
 _REPLY_ID_RE = re.compile(r'^\{"id":(\d+)([,}])')
 _TARGET_LIST_EVENTS = frozenset({"Target.targetCreated", "Target.targetInfoChanged",
                                  "Target.targetDestroyed", "Target.targetCrashed"})
@@ -167,10 +172,7 @@ class CdpPipe:
         version = await self.call("Browser.getVersion", timeout=timeout)
         await self.call("Target.setDiscoverTargets", {"discover": True}, timeout=timeout)
         if proxy_auth is not None:
-            # Chromium refuses handleAuthRequests without patterns: every request pauses at
-            # its start and is let go at once (_answer_fetch); challenges get the credential.
-            await self.call("Fetch.enable", {"handleAuthRequests": True,
-                                             "patterns": [{"urlPattern": "*"}]}, timeout=timeout)
+            await self.call("Fetch.enable", FETCH_ENABLE, timeout=timeout)
         return version
 
     async def close(self) -> None:

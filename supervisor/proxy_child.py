@@ -1,7 +1,17 @@
-"""The per-run guard proxy process the daemon starts: `python -m supervisor.proxy_child`.
+"""The guard proxy process: the one entry point of every guard proxy process.
 
-The same guard proxy as `sfguard proxy` (proxy_addons.server.GuardProxy), but its clients come
-from the daemon over stdin, so no token is ever in argv or in a file:
+Two ways in, one process:
+
+- the daemon starts one per run: `python -m supervisor.proxy_child --policy FILE
+  --decision-log FILE [--listen-port N] [--run ID] [--resolve HOST=IP ...]`, and gives it its
+  clients over stdin, so no token is ever in argv or in a file;
+- `sfguard proxy` (cli/proxy_cmd.py) parses the operator's flags, builds a `GuardConfig` and
+  its clients, and calls `serve()` here: the same function, the same loop, the same logging.
+
+So the benchmark (`./dev bench proxy_bench`, which starts `python -m supervisor.proxy_child`
+exactly as the daemon does) measures the process the daemon runs.
+
+Control protocol (with `control=True`, the daemon's way):
 
   daemon -> child   one JSON object per line: {"id": N, "clients": [{"name", "token", "allow", "run"}]}
                     (the complete client set; it replaces the previous one atomically)
@@ -18,14 +28,19 @@ import json
 import logging
 import signal
 import sys
+from typing import Iterable
 
 import policy
-from proxy_addons.clients import ClientRegistry, make_client
-from proxy_addons.server import GuardConfig, GuardProxy
+from proxy_addons.clients import Client, ClientRegistry, make_client
+from proxy_addons.server import GuardConfig, GuardProxy, GuardStartError
 from supervisor import redaction
 
 log = logging.getLogger("sfguard.proxy.child")
 MAX_LINE = 4 * 1024 * 1024
+
+
+class ProxyProcessError(RuntimeError):
+    """The proxy could not start; the message is one line, without secrets."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,12 +53,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def install_logging() -> None:
+    """Logging of every guard proxy process: to stderr; the guard's own lines from INFO,
+    mitmproxy's from WARNING (it logs every connection at INFO); every record masked."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("sfguard").setLevel(logging.INFO)
+    logging.getLogger("mitmproxy").setLevel(logging.WARNING)
+    # Every record of every logger (ours and mitmproxy's) is masked before a handler sees it.
+    redaction.install()
+
+
 async def _control(registry: ClientRegistry, stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=MAX_LINE)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while True:
-        line = await reader.readline()
+        try:
+            line = await reader.readline()
+        except ValueError:  # a line over MAX_LINE: the daemon would never send one
+            line = b""
         if not line:
             stop.set()  # the daemon is gone
             return
@@ -62,36 +94,73 @@ async def _control(registry: ClientRegistry, stop: asyncio.Event) -> None:
         sys.stdout.flush()
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    resolve: dict[str, list[str]] = {}
-    for item in args.resolve:
-        host, _, ip = item.partition("=")
-        resolve.setdefault(policy.normalize_host(host), []).append(ip)
-    config = GuardConfig(listen_port=args.listen_port, policy_path=args.policy, resolve=resolve,
-                         decision_log=args.decision_log, run=args.run)
-    registry = ClientRegistry()
-    proxy = GuardProxy(config, registry)
-    await proxy.start()
+async def _serve(config: GuardConfig, clients: Iterable[Client], control: bool,
+                 credential: str | None) -> int:
+    registry = ClientRegistry(clients)
+    try:
+        proxy = GuardProxy(config, registry)
+    except policy.PolicyError as exc:
+        raise ProxyProcessError(str(exc).replace("\n", "; ")) from None
+    except OSError as exc:
+        raise ProxyProcessError(f"{exc.filename or ''}: {exc.strerror}") from None
+    try:
+        await proxy.start()
+    except GuardStartError as exc:
+        raise ProxyProcessError(str(exc)) from None
+    except OSError as exc:  # e.g. the decision log file cannot be opened
+        raise ProxyProcessError(f"{exc.filename or 'decision log'}: {exc.strerror}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     sys.stdout.write(f"ready {proxy.url}\n")
+    if credential is not None:
+        # The one place a secret is printed: the operator's own stdout (`sfguard proxy`
+        # without any client made one).
+        h, p = proxy.address
+        shown = f"[{h}]" if ":" in h else h
+        sys.stdout.write(f"http://{credential}@{shown}:{p}\n")
     sys.stdout.flush()
-    control = loop.create_task(_control(registry, stop))
+    control_task = loop.create_task(_control(registry, stop)) if control else None
     try:
         await stop.wait()
     finally:
-        control.cancel()
+        if control_task is not None:
+            control_task.cancel()
         await proxy.stop()
     return 0
 
 
+def serve(config: GuardConfig, clients: Iterable[Client] = (), *, control: bool = False,
+          credential: str | None = None) -> int:
+    """Run one guard proxy in this process until SIGINT/SIGTERM (or, with `control`, until
+    stdin closes). Prints `ready http://HOST:PORT` once it accepts connections, then
+    `http://NAME:TOKEN@HOST:PORT` when `credential` ("NAME:TOKEN") is given. Call
+    `install_logging()` first. Raises ProxyProcessError when it cannot start."""
+    config.check()
+    for client in clients:
+        redaction.register_secret(client.token)
+    return asyncio.run(_serve(config, list(clients), control, credential))
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    redaction.install()
-    return asyncio.run(main_async(parse_args(sys.argv[1:] if argv is None else argv)))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    install_logging()
+    resolve: dict[str, list[str]] = {}
+    try:
+        for item in args.resolve:
+            host, _, ip = item.partition("=")
+            try:
+                name = policy.normalize_host(host)
+            except policy.MalformedHost as exc:
+                raise ProxyProcessError(f"--resolve {item!r}: {exc.reason}") from None
+            resolve.setdefault(name, []).append(ip)
+        config = GuardConfig(listen_port=args.listen_port, policy_path=args.policy,
+                             resolve=resolve, decision_log=args.decision_log, run=args.run)
+        return serve(config, control=True)
+    except (ProxyProcessError, GuardStartError, policy.PolicyError) as exc:
+        print(f"sfguard-run-proxy: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
