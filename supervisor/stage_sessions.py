@@ -77,6 +77,7 @@ class StageSessions:
         self.socket_dir, self.config_path = socket_dir, config_path
         self.stage_keys = stage_keys   # the AGENT_BROWSER_* variables a stage gets
         self._spares: dict[str, asyncio.Task] = {}       # anchor session -> task -> StartedSession | None
+        self._ending: set[asyncio.Task] = set()
 
     async def start(self, gate_key: str, anchor: Anchor, *, artifacts_dir: Path | None,
                     tab_quota: int) -> StartedSession:
@@ -133,9 +134,11 @@ class StageSessions:
             return None
         try:
             started = await asyncio.wait_for(asyncio.shield(task), TAKE_WAIT)
-        except (asyncio.TimeoutError, TimeoutError):
-            self._spares[anchor.session] = task   # still starting: drop() ends it later
-            await self.drop(anchor)
+        except asyncio.CancelledError:   # the request was cancelled: nobody gets this spare
+            self._end_when_done(task)
+            raise
+        except Exception:   # too slow, or failed in an unforeseen way: the stage starts its own
+            self._end_when_done(task)
             return None
         if started is None:
             return None
@@ -150,6 +153,17 @@ class StageSessions:
             return None
         started.gate_key = gate_key
         return started
+
+    def _end_when_done(self, task: asyncio.Task) -> None:
+        """A spare taken out of the table but given to no stage: ended once it has started."""
+        async def end() -> None:
+            with contextlib.suppress(BaseException):
+                started = await task
+                if started is not None:
+                    await self.end(started)
+        ending = asyncio.get_running_loop().create_task(end())
+        self._ending.add(ending)   # the loop keeps only weak references to tasks
+        ending.add_done_callback(self._ending.discard)
 
     async def drop(self, anchor: Anchor) -> None:
         """End the anchor's spare, if any (waits for one that is still starting)."""
