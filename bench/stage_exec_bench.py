@@ -5,12 +5,13 @@
 Measured in one run, on this machine, against a baseline from the same run:
   baseline   bare `true` started by a subprocess (what a runner pays without stage-exec)
   python     the venv's Python starting and exiting (`python -c pass`): the floor of any Python CLI
+  python -IS the same in isolated mode without site (`python -I -S -c pass`): the fast entry's floor
   bwrap      `bwrap <the sandbox's namespaces and mounts> true` alone (no bridges, no guard)
   prefix     the API's `exec_prefix` + `true` for a ready throw-away stage of a real guard: the fast
              entry (`python -I -S cli/stage_exec_cmd.py ...`; API call + sandbox + two socat
              bridges up + the command): what a runner pays
   console    the same through the `sfguard stage-exec` console script (site-packages start-up)
-Target: p50(stage-exec) - p50(baseline) < 50 ms.
+Target: p50(stage-exec) - p50(baseline) < 50 ms. Figures: p50, p90 and [min-max] over the samples.
 """
 from __future__ import annotations
 
@@ -83,13 +84,15 @@ def main() -> int:
             user = sandbox.ensure_stage_user()
             bw_kw.update(user=user.uid, group=user.gid, extra_groups=[])
         py = [sys.executable, "-c", "pass"]
+        py_is = [sys.executable, "-I", "-S", "-c", "pass"]
         for _ in range(3):  # warm caches
             timed(["/bin/true"], **kw), timed(py, **kw), timed(bw, **bw_kw), timed(prefix + ["true"], **kw)
-            timed(console + ["true"], **kw)
-        base, pyt, bwrap, se, cons = [], [], [], [], []
+            timed(console + ["true"], **kw), timed(py_is, **kw)
+        base, pyt, pyis, bwrap, se, cons = [], [], [], [], [], []
         for _ in range(args.samples):  # interleaved, so load drifts hit all alike
             base.append(timed(["/bin/true"], **kw))
             pyt.append(timed(py, **kw))
+            pyis.append(timed(py_is, **kw))
             bwrap.append(timed(bw, **bw_kw))
             se.append(timed(prefix + ["true"], **kw))
             cons.append(timed(console + ["true"], **kw))
@@ -103,13 +106,15 @@ def main() -> int:
             guard.wait(10)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(ws, ignore_errors=True)
-    b50, y50, w50, s50, c50 = (statistics.median(v) * 1000 for v in (base, pyt, bwrap, se, cons))
+    b50 = statistics.median(base) * 1000
     print(f"samples {args.samples}, cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, as {'root (stage dropped to sfguard-stage)' if os.geteuid() == 0 else 'user'}")
-    print(f"baseline   true           p50 {b50:7.1f} ms  p90 {p(base, 90) * 1000:7.1f} ms")
-    print(f"python     -c pass        p50 {y50:7.1f} ms  p90 {p(pyt, 90) * 1000:7.1f} ms  ({y50 / b50:5.1f}x baseline)")
-    print(f"bwrap      sandbox + true p50 {w50:7.1f} ms  p90 {p(bwrap, 90) * 1000:7.1f} ms  ({w50 / b50:5.1f}x baseline)")
-    print(f"prefix     exec_prefix true p50 {s50:7.1f} ms  p90 {p(se, 90) * 1000:7.1f} ms  ({s50 / b50:5.1f}x baseline)")
-    print(f"console    sfguard ... true p50 {c50:7.1f} ms  p90 {p(cons, 90) * 1000:7.1f} ms  ({c50 / b50:5.1f}x baseline)")
+    for name, v in (("baseline   true", base), ("python     -c pass", pyt), ("python -IS -c pass", pyis),
+                    ("bwrap      sandbox + true", bwrap), ("prefix     exec_prefix true", se),
+                    ("console    sfguard ... true", cons)):
+        m = statistics.median(v) * 1000
+        print(f"{name:28} p50 {m:7.1f} ms  p90 {p(v, 90) * 1000:7.1f} ms  "
+              f"[{min(v) * 1000:.1f}-{max(v) * 1000:.1f}]  ({m / b50:5.1f}x baseline)")
+    s50 = statistics.median(se) * 1000
     overhead = s50 - b50
     print(f"stage-exec start-up overhead, exec_prefix (p50 minus baseline p50): {overhead:.1f} ms "
           f"(target < 50 ms: {'met' if overhead < 50 else 'NOT met'})")

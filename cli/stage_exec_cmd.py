@@ -43,13 +43,53 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+class _JsonContext:
+    """What the C JSON scanner reads from its decoder (json.JSONDecoder's defaults; NaN and
+    Infinity refused)."""
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int = float, int
+
+    @staticmethod
+    def parse_constant(name: str):
+        raise ValueError(f"not JSON: {name}")
+
+
+def _loads(data: bytes):
+    """json.loads, without importing json: its module-level regexes import re and enum, which
+    (with socket's enums) were half of this entry's Python start-up. The C scanner is the one
+    json itself uses; json.loads is the fallback where it is missing."""
+    text = data.decode("utf-8").strip()
+    try:
+        from _json import make_scanner
+    except ImportError:
+        import json
+        return json.loads(text)
+    try:
+        value, end = make_scanner(_JsonContext())(text, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if end != len(text):
+        raise ValueError("not JSON: trailing data")
+    return value
+
+
+def _unix_socket():
+    """A unix stream socket; `_socket` is the C module `socket` wraps (it adds enums that cost
+    a stage-exec start ~10 ms of imports)."""
+    try:
+        import _socket
+    except ImportError:
+        import socket as _socket
+    return _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+
+
 def _ask_guard(home: str, run_id: str, stage_id: str) -> dict:
     """GET the exec answer over the control socket. A few lines of HTTP/1.0 instead of
-    http.client: stage-exec's start-up time is paid by every confined stage."""
-    import json
-    import socket
+    http.client, and no json or socket module (see _loads): stage-exec's start-up time is
+    paid by every confined stage."""
     path = os.path.join(home, "guard.sock")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s = _unix_socket()
     s.settimeout(30)
     try:
         s.connect(path)
@@ -73,7 +113,7 @@ def _ask_guard(home: str, run_id: str, stage_id: str) -> dict:
     head, _, body = raw.partition(b"\r\n\r\n")
     try:
         status = int(head.split(b" ", 2)[1])
-        answer = json.loads(body)
+        answer = _loads(body)
     except (IndexError, ValueError):
         raise CliError("the guard's answer was not understood") from None
     if status != 200:

@@ -152,6 +152,24 @@ class CdpGate:
         log.info("stage %s added (token %s, quota %d)", stage_key, stage.fp, tab_quota)
         return f"ws://{join_host_port(self._host, self._port)}/devtools/browser/{token}"
 
+    def rekey(self, old_key: str, new_key: str, tab_quota: int | None = None) -> None:
+        """Give a registration (token, tabs, open connections) to another key: a session the
+        guard started ahead under a placeholder key becomes one stage's. The token does not
+        change; `old_key` is unknown afterwards. `tab_quota` replaces the quota when given."""
+        if not new_key or new_key in self._stages:
+            raise GateError(f"stage {new_key!r} is empty or already registered")
+        if tab_quota is not None and (not isinstance(tab_quota, int) or tab_quota < 1):
+            raise GateError("tab_quota must be a positive integer")
+        stage = self._stage(old_key)
+        del self._stages[old_key]
+        stage.key = new_key
+        if tab_quota is not None:
+            stage.tab_quota = tab_quota
+            for relay in stage.relays:
+                relay.ctx.tab_quota = tab_quota
+        self._stages[new_key] = stage
+        log.info("stage %s takes over %s (token %s)", new_key, old_key, stage.fp)
+
     def stage_targets(self, stage_key: str) -> set[str]:
         """The stage's tabs (target ids) right now."""
         return set(self._stage(stage_key).targets)

@@ -51,6 +51,7 @@ from supervisor.stores import open_stores
 from supervisor.sweep import ProcRecord, end_child, scan_orphans, terminate_recorded
 from supervisor import sandbox, stage_exec, tools
 from supervisor.stage_bridge import BridgeHost
+from supervisor.stage_sessions import StageSessions
 
 log = logging.getLogger("sfguard.guard")
 
@@ -317,6 +318,9 @@ class Guard:
         self.logs_dir = private_dir(self.home / "logs")
         self.config_path = self.runtime / "ab-config.json"
         self.socket_dir = self.runtime / "ab"
+        # stage sessions, and one started ahead per shared anchor (supervisor/stage_sessions.py)
+        self.sessions = StageSessions(self.gate, self.host, self.socket_dir, self.config_path,
+                                      STAGE_ENV_KEYS)
         self._lock_fd: int | None = None
         self._watch: asyncio.Task | None = None
         self._refusals: dict[str, int] = {}
@@ -396,6 +400,7 @@ class Guard:
         for run in list(self.runs.values()):
             if run.state == "active":
                 await self._end_run(run, "abandoned")
+        await self.sessions.drop_all()
         if self._spare_task is not None:
             with contextlib.suppress(Exception):
                 await self._spare_task
@@ -473,6 +478,12 @@ class Guard:
                     paths.append(str(b.anchor.profile_dir))
             if b.profile is not None:
                 unsealed.append(b.profile.name)
+        spare_sessions: list[str] = []
+        for b in run.browsers.values():
+            if b.anchor is not None:   # a session started ahead for the anchor's next stage
+                spare_procs, spare_sessions_b = self.sessions.spare_records(b.anchor)
+                procs += [p.to_json() for p in spare_procs]
+                spare_sessions += spare_sessions_b
         for st in run.stages.values():
             if st.state == "ready":
                 procs += [p.to_json() for p in st.processes]
@@ -480,7 +491,8 @@ class Guard:
             procs.append(run.proxy.record.to_json())
         rec = {"run_id": run.run_id, "daemon": {"pid": os.getpid(), "start_time": current_process().start_time},
                "scope": self.scope, "processes": procs, "paths": paths, "profiles": sorted(set(unsealed)),
-               "sessions": [s.env["AGENT_BROWSER_SESSION"] for s in run.stages.values() if s.env and s.state == "ready"]}
+               "sessions": [s.env["AGENT_BROWSER_SESSION"] for s in run.stages.values()
+                            if s.env and s.state == "ready"] + spare_sessions}
         atomic_write(self.runs_dir / f"{run.run_id}.json", json.dumps(rec).encode())
 
     def _on_refusal(self, stage_key: str, method: str, reason: str) -> None:
@@ -928,25 +940,31 @@ class Guard:
         browser.stages.add(stage.stage_id)
         await run.proxy.set_allow(browser.client, self._browser_allow(run, browser))
         stage.browser_key = browser.key
-        stage.gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
-        url = self.gate.add_stage(stage.gate_key, browser.anchor.pipe,
-                                  artifacts_dir=run.workdir / "artifacts",
-                                  tab_quota=self.site_policy.tab_quota)
-        # No pre-created tab: with AGENT_BROWSER_PIN_TAB=1 agent-browser opens its own tab through
-        # the gate (measured on 0.41.2), which then counts as this stage's.
-        full = agent_browser.stage_env(session=f"sfs-{_short_id()}", socket_dir=self.socket_dir,
-                                       config_path=self.config_path, cdp_url=url)
-        # The stage gets exactly the docs/design.md 4.3 variables; the guard closes the session later
-        # with the same ones (plus PATH/HOME...), so both sides carry an identical env.
-        stage.env = {k: full[k] for k in STAGE_ENV_KEYS}
-        stage.env_full = {k: v for k, v in full.items()
-                          if k in STAGE_ENV_KEYS or not k.startswith("AGENT_BROWSER_")}
+        gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
+        anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", self.site_policy.tab_quota
+        # The stage's session (a gate token, an agent-browser session through it with the
+        # stage's tab pinned and the unauthenticated stream server off): a shared anchor's
+        # spare, started ahead, when there is one; else one started now. A shared anchor then
+        # starts the spare for its next stage (supervisor/stage_sessions.py).
+        started = await self.sessions.take(anchor, gate_key, quota) if browser.profile else None
+        if browser.profile is not None:
+            self.sessions.prestart(run.run_id, anchor, artifacts_dir=artifacts, tab_quota=quota,
+                                   on_ready=lambda: run.state != "ended" and self._save_record(run))
+        if started is None:
+            started = await self.sessions.start(gate_key, anchor, artifacts_dir=artifacts,
+                                                tab_quota=quota)
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
-        await self.bridges.open(stage.gate_key, url, run.proxy, stage.browser_req.allow_domains)
-        # Start the stage's session ourselves: it opens and pins the stage's tab through the
-        # gate, and we turn off the unauthenticated stream server every session starts.
-        session = await self.host.open_stage_session(stage.env_full)
-        stage.processes = list(session.processes)
+        try:
+            await self.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains)
+        except BaseException:
+            await self.sessions.end(started)
+            raise
+        stage.gate_key = gate_key
+        # The stage gets exactly the docs/design.md 4.3 variables; the guard started the session, and
+        # closes it later, with the same ones (plus PATH/HOME...): both sides carry one env.
+        stage.env = {k: started.env_full[k] for k in STAGE_ENV_KEYS}
+        stage.env_full = dict(started.env_full)
+        stage.processes = list(started.processes)
         stage.state, stage.waiting = "ready", None
 
     # -- teardown: one path per level -----------------------------------------------------------
@@ -992,6 +1010,7 @@ class Guard:
         problems: list[str] = []
         browser.closing = True
         if browser.anchor is not None:
+            await self.sessions.drop(browser.anchor)   # a spare no stage took
             try:
                 await self.host.close_anchor(browser.anchor)
             except Exception as exc:
@@ -1078,6 +1097,7 @@ class Guard:
                 return
             log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key)
             dead = browser.anchor
+            await self.sessions.drop(dead)
             await asyncio.to_thread(terminate_recorded, dead.processes, 3)
             await dead.pipe.close()
             browser.restarts += 1

@@ -160,6 +160,38 @@ async def test_revoke_closes_open_connection_and_token_stays_dead(anchor, gate):
         assert err.value.status == 403
 
 
+async def test_rekey_hands_token_tabs_and_connection_to_the_new_key_once(anchor, gate):
+    """A session started ahead under a placeholder key becomes one stage's: same token, its tab
+    and open connection kept; the old key is gone, the new key's revoke cuts it at once."""
+    url = gate.add_stage("run/~spare/x", anchor.pipe, tab_quota=3)
+    async with aiohttp.ClientSession() as s:
+        ws = await s.ws_connect(url)
+        c = CdpClient(ws)
+        created = await c.call("Target.createTarget", {"url": "about:blank"})
+        tid = created["result"]["targetId"]
+        gate.rekey("run/~spare/x", "run/stage/1", tab_quota=5)
+        assert gate.stage_targets("run/stage/1") == {tid}
+        with pytest.raises(GateError):
+            gate.stage_targets("run/~spare/x")
+        with pytest.raises(GateError):   # taken once: the placeholder no longer exists
+            gate.rekey("run/~spare/x", "run/other/1")
+        gate.add_stage("run/other/1", anchor.pipe)
+        with pytest.raises(GateError):   # never onto a key that is another stage's
+            gate.rekey("run/stage/1", "run/other/1")
+        assert "result" in await c.call("Browser.getVersion")   # the connection went along
+        await gate.revoke("run/~spare/x")                        # a no-op now
+        assert "result" in await c.call("Browser.getVersion")
+        await gate.close_stage_tabs("run/stage/1")
+        assert tid not in await raw_page_ids(anchor)
+        await gate.revoke("run/stage/1")
+        msg = await ws.receive(timeout=5)
+        assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+        await ws.close()
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await s.ws_connect(url)
+        assert err.value.status == 403
+
+
 async def test_discovery_events_show_only_own_tabs(anchor, gate):
     url_a, url_b = gate.add_stage("A", anchor.pipe), gate.add_stage("B", anchor.pipe)
     async with aiohttp.ClientSession() as s, s.ws_connect(url_a) as wa, s.ws_connect(url_b) as wb:
