@@ -64,6 +64,12 @@ def _result(task: asyncio.Task) -> StartedSession | None:
     return task.result()
 
 
+def _ready(task: asyncio.Task, on_ready: Callable[[], None]) -> None:
+    if _result(task) is not None:
+        with contextlib.suppress(Exception):
+            on_ready()
+
+
 def _session_name() -> str:
     return f"sfs-{secrets.token_hex(4)}"
 
@@ -106,20 +112,21 @@ class StageSessions:
         if task is not None and not (task.done() and _result(task) is None):
             return
         key = f"{run_id}/~spare/{anchor.session}"
-        self._spares[anchor.session] = asyncio.get_running_loop().create_task(
-            self._spare(key, anchor, artifacts_dir, tab_quota, on_ready))
+        task = asyncio.get_running_loop().create_task(
+            self._spare(key, anchor, artifacts_dir, tab_quota))
+        self._spares[anchor.session] = task
+        if on_ready is not None:
+            # called once the task is done, so that `spare_records` (read by on_ready to write
+            # the run's crash record) already sees the ready spare
+            task.add_done_callback(lambda t: _ready(t, on_ready))
 
-    async def _spare(self, key: str, anchor: Anchor, artifacts_dir: Path | None, tab_quota: int,
-                     on_ready: Callable[[], None] | None) -> StartedSession | None:
+    async def _spare(self, key: str, anchor: Anchor, artifacts_dir: Path | None,
+                     tab_quota: int) -> StartedSession | None:
         try:
-            started = await self.start(key, anchor, artifacts_dir=artifacts_dir, tab_quota=tab_quota)
+            return await self.start(key, anchor, artifacts_dir=artifacts_dir, tab_quota=tab_quota)
         except (AnchorError, GateError, OSError, ValueError) as exc:
             log.info("spare stage session for %s not started: %s", anchor.session, exc)
             return None
-        if on_ready is not None:
-            with contextlib.suppress(Exception):
-                on_ready()
-        return started
 
     def spare_records(self, anchor: Anchor) -> tuple[list[ProcRecord], list[str]]:
         """The processes and session name of the anchor's ready spare (for the crash record)."""

@@ -95,8 +95,11 @@ def assert_refused(guard, upstream, sock, reason: str) -> None:
     hits = [x for x in lines if x["reason"] == reason]
     assert hits and hits[0]["decision"] == "deny", lines
     time.sleep(0.2)
-    assert upstream.connections == 0 and bytes(upstream.received) == b"", \
-        f"{len(upstream.received)} bytes reached the upstream"
+    got = bytes(upstream.received)
+    # the first bytes are named so that a failure says what arrived: this test's ClientHello
+    # (a real leak) or a stray connection of another process to a reused loopback port
+    assert upstream.connections == 0 and got == b"", \
+        f"{len(got)} bytes on {upstream.connections} connection(s) reached the upstream: {got[:48]!r}"
 
 
 def assert_passed(sock, data: bytes, upstream) -> None:
