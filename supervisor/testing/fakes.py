@@ -78,7 +78,10 @@ class FakeProfileStore:
         self.keys = keys or FakeKeyProvider()
         self._profiles: dict[ProfileKey, _FakeProfile] = {}
         self._open: dict[ProfileKey, Path] = {}
-        self._tmp = Path(tempfile.mkdtemp(prefix="sfg-fake-store-"))
+        # removed when the store is garbage-collected or the interpreter exits (test runs
+        # left one folder per store in /tmp)
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="sfg-fake-store-")
+        self._tmp = Path(self._tmpdir.name)
 
     def _check_scope(self, scope: str) -> None:
         if scope not in self.scopes:
