@@ -175,8 +175,16 @@ class StageSessions:
     async def drop(self, anchor: Anchor) -> None:
         """End the anchor's spare, if any (waits for one that is still starting)."""
         task = self._spares.pop(anchor.session, None)
-        if task is None:
-            return
+        if task is not None:
+            await self._drop(task)
+
+    async def drop_all(self) -> None:
+        """At guard stop: every spare ended; one that cannot be does not stop the others."""
+        for session in list(self._spares):
+            with contextlib.suppress(Exception):
+                await self._drop(self._spares.pop(session))
+
+    async def _drop(self, task: asyncio.Task) -> None:
         try:
             started = await asyncio.wait_for(asyncio.shield(task), TAKE_WAIT)
         except (asyncio.TimeoutError, TimeoutError):
@@ -188,14 +196,6 @@ class StageSessions:
             started = None
         if started is not None:
             await self.end(started)
-
-    async def drop_all(self) -> None:
-        for session in list(self._spares):
-            task = self._spares.pop(session)
-            with contextlib.suppress(BaseException):
-                started = await asyncio.wait_for(asyncio.shield(task), TAKE_WAIT)
-                if started is not None:
-                    await self.end(started)
 
     async def end(self, started: StartedSession) -> None:
         """A session nobody will use (a spare not taken, a stage start that failed after it):
