@@ -117,9 +117,7 @@ async def _serve(config: GuardConfig, clients: Iterable[Client], control: bool,
     if credential is not None:
         # The one place a secret is printed: the operator's own stdout (`sfguard proxy`
         # without any client made one).
-        h, p = proxy.address
-        shown = f"[{h}]" if ":" in h else h
-        sys.stdout.write(f"http://{credential}@{shown}:{p}\n")
+        sys.stdout.write(f"http://{credential}@{policy.join_host_port(*proxy.address)}\n")
     sys.stdout.flush()
     control_task = loop.create_task(_control(registry, stop)) if control else None
     try:
@@ -138,9 +136,10 @@ def serve(config: GuardConfig, clients: Iterable[Client] = (), *, control: bool 
     `http://NAME:TOKEN@HOST:PORT` when `credential` ("NAME:TOKEN") is given. Call
     `install_logging()` first. Raises ProxyProcessError when it cannot start."""
     config.check()
+    clients = list(clients)     # read twice below: a generator would give the proxy none
     for client in clients:
         redaction.register_secret(client.token)
-    return asyncio.run(_serve(config, list(clients), control, credential))
+    return asyncio.run(_serve(config, clients, control, credential))
 
 
 def main(argv: list[str] | None = None) -> int:
