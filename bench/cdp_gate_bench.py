@@ -28,9 +28,9 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from supervisor import tools  # noqa: E402
-from supervisor.browser_host import AnchorSpec, LocalBrowserHost  # noqa: E402
-from supervisor.cdp_gate import CdpGate  # noqa: E402
+from sfguard.supervisor.browsers import tools  # noqa: E402
+from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost  # noqa: E402
+from sfguard.supervisor.gate.cdp_gate import CdpGate  # noqa: E402
 
 AB = tools.find_agent_browser().path
 

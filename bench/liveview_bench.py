@@ -29,11 +29,11 @@ import aiohttp
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from supervisor import tools  # noqa: E402
-from supervisor.browser_host import AnchorSpec, LocalBrowserHost  # noqa: E402
-from supervisor.console import handoff as live  # noqa: E402
-from supervisor.console.liveview import LiveView  # noqa: E402
-from supervisor.console.server import LIVE_COOKIE, ConsoleServer  # noqa: E402
+from sfguard.supervisor.browsers import tools  # noqa: E402
+from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost  # noqa: E402
+from sfguard.supervisor.console import handoff as live  # noqa: E402
+from sfguard.supervisor.console.liveview import LiveView  # noqa: E402
+from sfguard.supervisor.console.server import LIVE_COOKIE, ConsoleServer  # noqa: E402
 
 PAGE = ("<!doctype html><title>bench</title><h1 id='n'>0</h1>"
         "<input id='f' autofocus style='font-size:30px'>")

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-import policy  # noqa: E402
+from sfguard import policy  # noqa: E402
 
 
 def blocked_name(i: int) -> str:

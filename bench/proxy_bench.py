@@ -13,7 +13,7 @@ Every proxy is measured once per round, in turn, for `--rounds` rounds (interlea
 noisy spell of the machine hits all of them); ratios against bare mitmdump are taken per round
 and printed as median [min-max]. Targets: CPU/tunnel <= 0.5x (issue 14), set-up p50 <= 0.7x,
 throughput >= 0.8x, RSS < 120 MB. `guard-run` is the process the daemon really runs per run
-(`python -m supervisor.proxy_child`, the one proxy entry point: `sfguard proxy` calls the same
+(`python -m sfguard.supervisor.daemon.proxy_child`, the one proxy entry point: `sfguard proxy` calls the same
 `serve()`), so this measures what the daemon runs.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import asyncio
 import base64
 import json
 import os
-import statistics
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -209,13 +209,13 @@ def _bench_policy(tmp: Path, upstream_port: int) -> Path:
 
 def start_guard_run(upstream_port: int, tmp: Path) -> Target:
     """The guard proxy exactly as the daemon starts it for a run: `python -m
-    supervisor.proxy_child` (the one proxy entry point; `sfguard proxy` runs the same
+    sfguard.supervisor.daemon.proxy_child` (the one proxy entry point; `sfguard proxy` runs the same
     `serve()`), its client set over stdin, decisions appended to a log file."""
     policy = _bench_policy(tmp, upstream_port)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.proxy_child", "--listen-port", str(port),
+        [sys.executable, "-m", "sfguard.supervisor.daemon.proxy_child", "--listen-port", str(port),
          "--policy", str(policy), "--decision-log", str(tmp / "run-decisions.log"),
          "--run", "bench-run", "--resolve", f"{HOST}=127.0.0.1"],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -373,7 +373,7 @@ def main() -> int:
     for name in ("guard-run",):
         if name in names:
             print(f"  {name} RSS under load {med(name, 'peak'):.1f} MB (target < 120)")
-    print("guard-run = `python -m supervisor.proxy_child`, the proxy process the daemon starts per "
+    print("guard-run = `python -m sfguard.supervisor.daemon.proxy_child`, the proxy process the daemon starts per "
           "run (clients over stdin, decision log on disk); `sfguard proxy` runs the same serve()")
     for note in notes:
         print(f"note: {note}")

@@ -5,8 +5,8 @@
 
 Both browsers are started the way the daemon starts an anchor: `LocalBrowserHost.launch_anchor`
 (Chromium with `--remote-debugging-pipe`, a throw-away profile). The guarded one gets the run
-proxy the daemon would start for a run (`supervisor.daemon.RunProxy`: `python -m
-supervisor.proxy_child`, its client over stdin, decisions to a log file) and answers the proxy's
+proxy the daemon would start for a run (`sfguard.supervisor.daemon.guard.RunProxy`: `python -m
+sfguard.supervisor.daemon.proxy_child`, its client over stdin, decisions to a log file) and answers the proxy's
 credential challenge through the pipe (CDP Fetch), exactly as a run's anchor does. The direct
 one is the same launch without a proxy (`allow_direct`, for tests and this benchmark only).
 
@@ -36,10 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor import tools  # noqa: E402
-from supervisor.browser_host import AnchorSpec, LocalBrowserHost  # noqa: E402
-from supervisor.cdp_pipe import FETCH_ENABLE  # noqa: E402
-from supervisor.daemon import RunProxy  # noqa: E402
+from sfguard.supervisor.browsers import tools  # noqa: E402
+from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost  # noqa: E402
+from sfguard.supervisor.daemon.guard import RunProxy  # noqa: E402
+from sfguard.supervisor.gate.cdp_pipe import FETCH_ENABLE  # noqa: E402
 
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")
 LOAD_TIMEOUT = 30.0
@@ -93,7 +93,7 @@ class Tab:
     def __init__(self, anchor) -> None:
         self.anchor = anchor
 
-    async def open(self) -> "Tab":
+    async def open(self) -> Tab:
         self.cdp = await self.anchor.pipe.session("bench")
         created = await self.cdp.call("Target.createTarget", {"url": "about:blank", "newWindow": True})
         self.target = created["targetId"]

@@ -45,7 +45,7 @@ def make_profile(folder: Path, mb: int) -> None:
 
 
 def child(case: str, src: str, dst: str) -> None:
-    from supervisor import sealing
+    from sfguard.supervisor.profiles import sealing
     t0 = time.perf_counter()
     if case == "seal":
         sealing.seal_dir(Path(src), Path(dst), KEY, "local", "bench")
@@ -95,7 +95,7 @@ def main() -> int:
         child(*args.child)
         return 0
     idle = measure("idle", Path("/"), Path("/"))
-    print(f"python child with supervisor.sealing imported, doing nothing: {idle['rss_mb']:.1f} MB RSS")
+    print(f"python child with sfguard.supervisor.profiles.sealing imported, doing nothing: {idle['rss_mb']:.1f} MB RSS")
     base = Path(tempfile.mkdtemp(prefix="sfg-bench-", dir=args.dir))
     print(f"work folder: {base} ({'tmpfs' if _is_tmpfs(base) else 'disk'})")
     print(f"{'size':>6} {'op':<7} {'sfguard s':>10} {'tar s':>8} {'ratio':>6} "

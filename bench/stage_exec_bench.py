@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor import sandbox  # noqa: E402
-from supervisor.client import GuardClient  # noqa: E402
+from sfguard.supervisor.client.guard_client import GuardClient  # noqa: E402
+from sfguard.supervisor.stage import sandbox  # noqa: E402
 
 
 def timed(argv, **kw) -> float:
@@ -60,7 +60,7 @@ def main() -> int:
         os.chown(ws, user.uid, user.gid)
     env = {"PATH": os.environ["PATH"], "HOME": str(work), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
     sfguard = shutil.which("sfguard", path=str(Path(sys.executable).parent)) or "sfguard"
-    guard = subprocess.Popen([sys.executable, "-m", "cli.main", "start", "--home", str(home)],
+    guard = subprocess.Popen([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(home)],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

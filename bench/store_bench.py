@@ -27,13 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor.keys import FileKeyProvider  # noqa: E402
-from supervisor.lease import LocalProfileLease  # noqa: E402
-from supervisor.pg_store import (  # noqa: E402
-    PgBackend, PgKeyProvider, PgProfileLease, PgProfileStore,
+from sfguard.supervisor.profiles.keys import FileKeyProvider  # noqa: E402
+from sfguard.supervisor.profiles.lease import LocalProfileLease  # noqa: E402
+from sfguard.supervisor.profiles.local_store import LocalProfileStore  # noqa: E402
+from sfguard.supervisor.profiles.pg_store import (  # noqa: E402
+    PgBackend,
+    PgKeyProvider,
+    PgProfileLease,
+    PgProfileStore,
 )
-from supervisor.profiles import LocalProfileStore  # noqa: E402
-from supervisor.protocols import Granted, ProfileKey  # noqa: E402
+from sfguard.supervisor.protocols import Granted, ProfileKey  # noqa: E402
 from tests.pgserver import PgServer  # noqa: E402
 
 KEY = ProfileKey("local", "bench")

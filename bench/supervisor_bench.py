@@ -9,7 +9,7 @@ Measured in one run, on this machine, against a baseline of the same browser:
              + the stage's session: its tab pinned, stream server off)
   second     the same for a second stage of the same run, requested as soon as the first is
              ready (the anchor is shared; its session was started ahead, see
-             supervisor/stage_sessions.py)
+             supervisor/daemon/stage_sessions.py)
 "Ready" is checked after both answers (outside the timed part, so that it cannot give a spare
 still starting more time): the gate URL answers with the stage's token, the stage's session
 daemon runs with its stream server off, and its pinned tab is in the browser (`agent-browser
@@ -37,8 +37,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor import tools  # noqa: E402
-from supervisor.client import GuardClient  # noqa: E402
+from sfguard.supervisor.browsers import tools  # noqa: E402
+from sfguard.supervisor.client.guard_client import GuardClient  # noqa: E402
 
 
 def bare_launch(ab: str, browser: str, work: Path, i: int) -> float:
@@ -90,7 +90,7 @@ def main() -> int:
         return 1
     work = Path(tempfile.mkdtemp(prefix="sfg-bench-"))
     home = work / "home"
-    daemon = subprocess.Popen([sys.executable, "-m", "cli.main", "start", "--home", str(home)],
+    daemon = subprocess.Popen([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(home)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               env={"PATH": os.environ["PATH"], "HOME": str(work), "LANG": "C.UTF-8"})
     try:

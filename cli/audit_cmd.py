@@ -5,10 +5,10 @@ import argparse
 import json
 import time
 
-from cli.main import CliError
-from supervisor.audit import LocalAuditSink
-from supervisor.home import existing_home
-from supervisor.protocols import validate_name, validate_run_id
+from sfguard.cli.main import CliError
+from sfguard.supervisor.home import existing_home
+from sfguard.supervisor.profiles.audit import LocalAuditSink
+from sfguard.supervisor.protocols import validate_name, validate_run_id
 
 
 def register(sub) -> None:
@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 def _sink(args):
     """The audit sink of the store setting: the home's log, or the shared database's chain."""
-    from supervisor.stores import StoreError, open_stores, store_url
+    from sfguard.supervisor.profiles.stores import StoreError, open_stores, store_url
     try:
         shared = store_url(args.store) is not None
     except StoreError as exc:
@@ -46,8 +46,9 @@ def _sink(args):
     if not shared:
         return LocalAuditSink(existing_home(args.home), read_only=True)
     import atexit
-    from supervisor.home import resolve_home
-    from supervisor.protocols import ProfileError
+
+    from sfguard.supervisor.home import resolve_home
+    from sfguard.supervisor.protocols import ProfileError
     try:   # read-only: migrates nothing; a database without sfguard tables is exit 2
         stores = open_stores(resolve_home(args.home), None, args.store, heartbeat=False,
                              read_only=True)

@@ -153,7 +153,7 @@ def zsh_script(parser: argparse.ArgumentParser) -> str:
 
 
 def run(args) -> int:
-    from cli.main import build_parser
+    from sfguard.cli.main import build_parser
     parser = build_parser(["--help"])   # every command module, not only this one
     print(bash_script(parser) if args.shell == "bash" else zsh_script(parser), end="")
     return 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from cli.main import CliError
+from sfguard.cli.main import CliError
 
 
 def register(sub) -> None:
@@ -21,9 +21,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from cli.guardhint import no_guard
-    from supervisor.client import GuardClient, GuardUnavailable
-    from supervisor.home import resolve_home
+    from sfguard.cli.guardhint import no_guard
+    from sfguard.supervisor.client.guard_client import GuardClient, GuardUnavailable
+    from sfguard.supervisor.home import resolve_home
 
     if not 1 <= args.ttl <= 86400:
         raise CliError("--ttl wants 1 to 86400 seconds", 2)

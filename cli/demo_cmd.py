@@ -2,19 +2,19 @@
 
 Starts the fixture login site and a guard of its own (a demo site policy that lets the guarded
 browser reach the fixture on 127.0.0.1), then plays the pipeline runner's part for
-docs/examples/login-pipeline.yaml twice: run 1 needs the login, run 2 skips it. The logic lives
-in supervisor.demo; this module parses, calls and prints.
+supervisor/demo/login-pipeline.yaml twice: run 1 needs the login, run 2 skips it. The logic lives
+in sfguard.supervisor.demo.run; this module parses, calls and prints.
 """
 from __future__ import annotations
 
 import sys
 
-from cli.main import CliError
+from sfguard.cli.main import CliError
 
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="run the example login pipeline against the local fixture site",
-                       description=("Run docs/examples/login-pipeline.yaml for real: start the "
+                       description=("Run supervisor/demo/login-pipeline.yaml for real: start the "
                                     "fixture login site and a guard of its own, then play the "
                                     "pipeline runner's part twice (run 1 logs in, run 2 finds the "
                                     "login and skips it). Exit 0 when both runs behave as expected."))
@@ -30,8 +30,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from supervisor import demo, tools
-    from supervisor.home import resolve_home
+    from sfguard.supervisor.browsers import tools
+    from sfguard.supervisor.demo import run as demo
+    from sfguard.supervisor.home import resolve_home
 
     home = resolve_home(args.home) if args.home else None
     # With a display and a person at the terminal, the person logs in in the window.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 
-from supervisor import tools
+from sfguard.supervisor.browsers import tools
 
 REQUIRED_PACKAGES = ("mitmproxy", "aiohttp", "pydantic", "PyYAML", "psutil", "keyring",
                      "cryptography", "idna", "psycopg", "psycopg-pool")
@@ -25,9 +25,9 @@ def register(sub) -> None:
 
 def _store_checks(args) -> list[tuple[str, str, str]]:
     """The store in use and the key provider behind it (a shared store is connected to)."""
-    from supervisor.home import resolve_home
-    from supervisor.protocols import ProfileError
-    from supervisor.stores import StoreError, describe_store, open_stores, store_url
+    from sfguard.supervisor.home import resolve_home
+    from sfguard.supervisor.profiles.stores import StoreError, describe_store, open_stores, store_url
+    from sfguard.supervisor.protocols import ProfileError
     try:
         shared = store_url(getattr(args, "store", None)) is not None
         shown = describe_store(getattr(args, "store", None))
@@ -35,10 +35,10 @@ def _store_checks(args) -> list[tuple[str, str, str]]:
         return [("missing", "store", str(exc))]
     home = resolve_home(getattr(args, "home", None))
     if not shared:
-        from supervisor.keys import default_key_provider
+        from sfguard.supervisor.profiles.keys import default_key_provider
         return [("ok", "store", "local home (profiles, leases and audit in the guard home)"),
                 ("ok", "key provider", default_key_provider(home).describe())]
-    from supervisor.pg_store import NoSchema
+    from sfguard.supervisor.profiles.pg_store import NoSchema
     try:   # read-only: doctor migrates and writes nothing
         stores = open_stores(home, None, getattr(args, "store", None), heartbeat=False,
                              read_only=True)
@@ -72,7 +72,8 @@ def _sandbox_check() -> tuple[str, str, str]:
     """Can `sfguard stage-exec` build a stage sandbox here? (not required: stage-exec refuses
     where it cannot, everything else works)."""
     import os
-    from supervisor import sandbox
+
+    from sfguard.supervisor.stage import sandbox
     user = None
     note = ""
     if os.geteuid() == 0:
@@ -91,7 +92,9 @@ def _sandbox_check() -> tuple[str, str, str]:
 def _browser_user_check() -> tuple[str, str, str]:
     """Who the guard's browsers run as (layer 2 of stage containment)."""
     import os
-    from supervisor import browser_user, sandbox
+
+    from sfguard.supervisor.browsers import browser_user
+    from sfguard.supervisor.stage import sandbox
     if os.geteuid() != 0:
         return ("info", "browser user", "browsers run as this user, Chromium's sandbox on; a "
                 "root guard would run them as a separate unprivileged user (sfguard-browser), "
@@ -107,7 +110,7 @@ def _browser_user_check() -> tuple[str, str, str]:
 
 
 def run(args) -> int:
-    from cli.main import version
+    from sfguard.cli.main import version
     checks: list[tuple[str, str, str]] = []   # (status, what, detail)
     for name in REQUIRED_PACKAGES:
         try:

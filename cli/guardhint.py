@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shlex
 
-from cli.main import EXIT_NO_GUARD, CliError
+from sfguard.cli.main import EXIT_NO_GUARD, CliError
 
 
 def with_home(command: str, home_flag: str | None) -> str:

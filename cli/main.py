@@ -15,19 +15,19 @@ import sys
 
 # Order is the order in `sfguard --help`.
 COMMAND_MODULES = (
-    "cli.start_cmd",
-    "cli.status_cmd",
-    "cli.console_cmd",
-    "cli.proxy_cmd",
-    "cli.policy_cmd",
-    "cli.profiles_cmd",
-    "cli.audit_cmd",
-    "cli.sweep_cmd",
-    "cli.validate_cmd",
-    "cli.demo_cmd",
-    "cli.doctor_cmd",
-    "cli.completion_cmd",
-    "cli.stage_exec_cmd",
+    "sfguard.cli.start_cmd",
+    "sfguard.cli.status_cmd",
+    "sfguard.cli.console_cmd",
+    "sfguard.cli.proxy_cmd",
+    "sfguard.cli.policy_cmd",
+    "sfguard.cli.profiles_cmd",
+    "sfguard.cli.audit_cmd",
+    "sfguard.cli.sweep_cmd",
+    "sfguard.cli.validate_cmd",
+    "sfguard.cli.demo_cmd",
+    "sfguard.cli.doctor_cmd",
+    "sfguard.cli.completion_cmd",
+    "sfguard.cli.stage_exec_cmd",
 )
 
 #: One exit-code table for every command (docs/reference.md, "Exit codes").
@@ -92,7 +92,7 @@ def _command_name(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    from supervisor.home import HomeError
+    from sfguard.supervisor.home import HomeError
     try:
         return int(args.func(args) or 0)
     except CliError as exc:
@@ -119,5 +119,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run through the importable module so `CliError` raised by command modules (which import
     # `cli.main`) is the same class that main() catches.
-    from cli.main import main as _main
+    from sfguard.cli.main import main as _main
     sys.exit(_main())

@@ -21,14 +21,14 @@ import dataclasses
 import json
 import sys
 
-import policy
-from policy.hosts import parse_port, printable_host, split_host_port_raw
+from sfguard import policy
+from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
 
 
 class _Usage(Exception):
     """A bad argument or an unusable policy: printed as one message, exit status 2.
 
-    (Not cli.main.CliError: under `python -m cli.main` that module runs as __main__, and an
+    (Not cli.main.CliError: under `python -m sfguard.cli.main` that module runs as __main__, and an
     error class imported from `cli.main` would be a different class from the one it catches.)
     """
 
@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="exit 1 when any host is denied (report mode: would be denied)")
     exp.set_defaults(func=cmd_explain)
 
-    from cli import policy_test_cmd
+    from sfguard.cli import policy_test_cmd
     policy_test_cmd.register(psub)
 
 
@@ -79,7 +79,7 @@ def _summary(p: policy.SitePolicy) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from policy.lint import lint_policy  # noqa: PLC0415 (only validate needs it)
+    from sfguard.policy.lint import lint_policy  # noqa: PLC0415 (only validate needs it)
 
     if args.file and args.policy_file and args.file != args.policy_file:
         print("sfguard policy validate: error: give the policy file once (FILE or --policy FILE)",

@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-import policy
-from policy import casefile
-from cli.main import CliError
+from sfguard import policy
+from sfguard.cli.main import CliError
+from sfguard.policy import casefile
 
 MAX_LOG_BYTES = 512 * 1024 * 1024
 
@@ -125,7 +125,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         if args.policy:
             path = args.policy
         elif cf.policy:
-            path = str((Path(cf.file).parent / cf.policy))
+            path = str(Path(cf.file).parent / cf.policy)
         else:
             path = str(policy.default_policy_path())
         if path not in policies:

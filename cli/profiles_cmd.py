@@ -13,15 +13,21 @@ import os
 import sys
 import time
 
-from cli.main import CliError
-from supervisor.audit import LocalAuditSink
-from supervisor.home import ensure_home, existing_home
-from supervisor.keys import default_key_provider
-from supervisor.lease import LocalProfileLease
-from supervisor.profiles import LocalProfileStore
-from supervisor.protocols import (
-    LOCAL_SCOPE, Granted, ProfileBusy, ProfileError, ProfileExists, ProfileKey,
-    ProfileNameError, ProfileNotFound,
+from sfguard.cli.main import CliError
+from sfguard.supervisor.home import ensure_home, existing_home
+from sfguard.supervisor.profiles.audit import LocalAuditSink
+from sfguard.supervisor.profiles.keys import default_key_provider
+from sfguard.supervisor.profiles.lease import LocalProfileLease
+from sfguard.supervisor.profiles.local_store import LocalProfileStore
+from sfguard.supervisor.protocols import (
+    LOCAL_SCOPE,
+    Granted,
+    ProfileBusy,
+    ProfileError,
+    ProfileExists,
+    ProfileKey,
+    ProfileNameError,
+    ProfileNotFound,
 )
 
 
@@ -104,9 +110,10 @@ class _SharedCtx:
 
     def __init__(self, args, read_only: bool = False):
         import atexit
-        from supervisor.home import resolve_home
-        from supervisor.pg_store import NoSchema
-        from supervisor.stores import StoreError, open_stores
+
+        from sfguard.supervisor.home import resolve_home
+        from sfguard.supervisor.profiles.pg_store import NoSchema
+        from sfguard.supervisor.profiles.stores import StoreError, open_stores
         self.read_only = False          # the database answers holders and queues directly
         self.no_schema: str | None = None
         home = resolve_home(args.home)
@@ -123,7 +130,7 @@ class _SharedCtx:
 
 
 def _shared(args) -> bool:
-    from supervisor.stores import StoreError, store_url
+    from sfguard.supervisor.profiles.stores import StoreError, store_url
     try:
         return store_url(getattr(args, "store", None)) is not None
     except StoreError as exc:
@@ -220,7 +227,7 @@ def cmd_show(args) -> int:
 def cmd_create(args) -> int:
     ctx = _ctx(args)
     key = _key(args.name)
-    from supervisor import store_ops
+    from sfguard.supervisor.profiles import store_ops
     try:
         info = store_ops.create_profile(ctx, key)
     except ProfileExists as exc:
@@ -251,11 +258,11 @@ def cmd_clear(args) -> int:
     if not isinstance(got, Granted):
         ctx.lease.release(key, run)
         raise CliError(f"profile {key.name} is leased by run {got.holder_run}: wait for that run to end", 1)
-    from supervisor import store_ops
+    from sfguard.supervisor.profiles import store_ops
     try:
         store_ops.delete_profile(ctx, key, by="cli")
     except ProfileBusy as exc:
-        from cli.guardhint import with_home
+        from sfguard.cli.guardhint import with_home
         raise CliError(f"{exc} (a crashed run left it unsealed: `{with_home('sfguard sweep', args.home)}` "
                        "reseals it)", 1) from None
     except ProfileError as exc:
@@ -281,9 +288,9 @@ def _login_check_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _guard_op(args):
-    """The CLI's side of a short guard run (supervisor.demo.ProfileOps), with errors as CliError."""
-    from supervisor import demo as ops
-    from supervisor.home import resolve_home
+    """The CLI's side of a short guard run (sfguard.supervisor.demo.run.ProfileOps), with errors as CliError."""
+    from sfguard.supervisor.demo import run as ops
+    from sfguard.supervisor.home import resolve_home
 
     try:
         return ops.ProfileOps(resolve_home(args.home), args.name, args.url,
@@ -294,9 +301,9 @@ def _guard_op(args):
 
 def _op_error(args, exc) -> CliError:
     """An OpError as the CLI's answer: no guard -> 3 with a hint that keeps --home; else 2."""
-    from cli.guardhint import no_guard
-    from supervisor import demo as ops
-    from supervisor.home import resolve_home
+    from sfguard.cli.guardhint import no_guard
+    from sfguard.supervisor.demo import run as ops
+    from sfguard.supervisor.home import resolve_home
     if isinstance(exc, ops.GuardNotRunning):
         return no_guard(resolve_home(args.home), args.home)
     return CliError(str(exc), 2)
@@ -322,7 +329,7 @@ def _print_check(name: str, result: dict) -> int:
 
 
 def cmd_check(args) -> int:
-    from supervisor import demo as ops
+    from sfguard.supervisor.demo import run as ops
     _key(args.name)
     spec = _check_spec(args)
     profile_ops = _guard_op(args)
@@ -334,7 +341,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_login(args) -> int:
-    from supervisor import demo as ops
+    from sfguard.supervisor.demo import run as ops
     _key(args.name)
     spec = _check_spec(args)
     profile_ops = _guard_op(args)

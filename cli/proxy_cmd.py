@@ -17,11 +17,11 @@ import logging
 import os
 import sys
 
-import policy
-from cli.main import CliError
-from proxy_addons import clients as clients_mod
-from proxy_addons.server import GuardConfig, GuardStartError
-from supervisor import proxy_child
+from sfguard import policy
+from sfguard.cli.main import CliError
+from sfguard.proxy_addons import clients as clients_mod
+from sfguard.proxy_addons.server import GuardConfig, GuardStartError
+from sfguard.supervisor.daemon import proxy_child
 
 logger = logging.getLogger("sfguard.proxy.cli")
 
@@ -150,12 +150,12 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cli.proxy_cmd ARGS`: the same command without loading every other command.
+    """`python -m sfguard.cli.proxy_cmd ARGS`: the same command without loading every other command.
 
     `sfguard proxy` builds the parser of every sfguard command (and imports their modules);
     this entry point parses only the proxy's flags, which keeps the process small. Arguments,
     output and exit codes are identical. Either way the proxy itself runs in
-    `supervisor.proxy_child.serve`, the function the daemon's per-run proxies run.
+    `sfguard.supervisor.daemon.proxy_child.serve`, the function the daemon's per-run proxies run.
     """
     parser = argparse.ArgumentParser(prog="sfguard")
     sub = parser.add_subparsers(dest="command")

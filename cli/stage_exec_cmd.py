@@ -7,7 +7,7 @@ Run by the pipeline runner (who can reach the control API) in front of a stage's
 It asks the guard for the stage's sandbox (GET /v1/runs/RUN/stages/STAGE/exec) and replaces
 itself with bubblewrap, so COMMAND's exit status is stage-exec's. Every refusal (no guard,
 wrong ids, ended stage, no sandbox on this machine, a workspace that is a guard folder) is one
-line on stderr and exit 2; nothing ever runs unconfined. See supervisor/sandbox.py.
+line on stderr and exit 2; nothing ever runs unconfined. See supervisor/stage/sandbox.py.
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def _valid_id(value: str) -> bool:
 
 
 def run(args) -> int:
-    from cli.main import CliError as MainCliError
+    from sfguard.cli.main import CliError as MainCliError
     try:
         return execute(args.home, args.run, args.stage, args.argv)
     except CliError as exc:
@@ -150,14 +150,14 @@ def run(args) -> int:
 
 def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str]) -> int:
     """Ask the guard, build the sandbox, exec bubblewrap (never returns unless refused)."""
-    from supervisor import sandbox
+    from sfguard.supervisor.stage import sandbox
 
     for label, value in (("--run", run_id), ("--stage", stage_id)):
         if not _valid_id(value):
             raise CliError(f"{label}: not a valid id: {value!r}")
     if not command:
         raise CliError("no command given: sfguard stage-exec --run RUN --stage STAGE -- COMMAND [ARGS...]")
-    # the guard home as supervisor.home.resolve_home finds it (flag, $SFGUARD_HOME, default)
+    # the guard home as sfguard.supervisor.home.resolve_home finds it (flag, $SFGUARD_HOME, default)
     home = os.path.abspath(os.path.expanduser(
         home_flag or os.environ.get("SFGUARD_HOME") or "~/.stageflow/guard"))
     answer = _ask_guard(home, run_id, stage_id)

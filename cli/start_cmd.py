@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from cli.main import CliError
+from sfguard.cli.main import CliError
 
 
 def register(sub) -> None:
@@ -67,17 +67,17 @@ def _parse_resolve(values: list[str]) -> dict[str, str]:
 
 
 def run(args) -> int:
-    from supervisor import redaction
-    from supervisor.browser_user import BrowserUserError
-    from supervisor.daemon import Guard, GuardAlreadyRunning
-    from supervisor.home import HomeError, resolve_home
-    from supervisor.protocols import ProfileError
-    import policy
+    from sfguard import policy
+    from sfguard.supervisor import redaction
+    from sfguard.supervisor.browsers.browser_user import BrowserUserError
+    from sfguard.supervisor.daemon.guard import Guard, GuardAlreadyRunning
+    from sfguard.supervisor.home import HomeError, resolve_home
+    from sfguard.supervisor.protocols import ProfileError
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redaction.install()
-    from supervisor.stores import StoreError
+    from sfguard.supervisor.profiles.stores import StoreError
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
                       store=args.store)
@@ -93,7 +93,7 @@ def run(args) -> int:
         raise CliError("--token-file needs --tcp PORT (the unix socket needs no token)", 2)
     token_file = _token_path(args.token_file) if args.token_file else None
     if args.api_group:
-        from supervisor.sandbox import SandboxError, group_id
+        from sfguard.supervisor.stage.sandbox import SandboxError, group_id
         try:
             guard.api_gid = group_id(args.api_group)
         except SandboxError as exc:
@@ -107,7 +107,7 @@ def run(args) -> int:
         guard.browser_user_name = args.browser_user
     console_at = None
     if not args.no_console:
-        from supervisor.console.server import ConsoleError, parse_listen
+        from sfguard.supervisor.console.server import ConsoleError, parse_listen
         try:
             console_at = parse_listen(args.console, args.console_public)
         except ConsoleError as exc:
@@ -136,14 +136,14 @@ def _token_path(path: str) -> Path:
 
 def _write_token(target: Path, token: str) -> Path:
     """The TCP token in a 0600 file, replaced atomically (never a half-written token)."""
-    from supervisor.home import atomic_write
+    from sfguard.supervisor.home import atomic_write
     atomic_write(target, token.encode() + b"\n", 0o600)
     return target
 
 
 async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
                  console_at: tuple[str, int] | None = None) -> int:
-    from supervisor.client import socket_path
+    from sfguard.supervisor.client.guard_client import socket_path
 
     report = await guard.start()
     sock = socket_path(guard.home)
@@ -172,8 +172,8 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
 async def _serve_started(guard, report: dict, sock: Path, runners: list, token_paths: list[Path],
                          tcp_port: int | None, token_file: Path | None,
                          console_at: tuple[str, int] | None) -> int:
-    from supervisor.api import build_app
-    from supervisor.browser_user import describe as describe_browser_user
+    from sfguard.supervisor.browsers.browser_user import describe as describe_browser_user
+    from sfguard.supervisor.daemon.api import build_app
 
     if sock.exists() or sock.is_symlink():
         sock.unlink()  # we hold the instance lock, so this socket is stale
@@ -209,7 +209,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
         lines.append(f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token in {token_path})"
                      if token_path else f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token: {token})")
     if console_at is not None:
-        from supervisor.console.server import ConsoleServer
+        from sfguard.supervisor.console.server import ConsoleServer
         console = ConsoleServer(guard, *console_at)
         try:
             await console.start()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from cli.main import CliError
+from sfguard.cli.main import CliError
 
 
 def register(sub) -> None:
@@ -18,9 +18,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from supervisor.client import GuardClient, GuardUnavailable
-    from cli.guardhint import no_guard
-    from supervisor.home import resolve_home
+    from sfguard.cli.guardhint import no_guard
+    from sfguard.supervisor.client.guard_client import GuardClient, GuardUnavailable
+    from sfguard.supervisor.home import resolve_home
     home = resolve_home(args.home)
     try:
         status, body = GuardClient(home, timeout=10).call("GET", "/v1/status")

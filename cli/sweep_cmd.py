@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from cli.main import CliError
+from sfguard.cli.main import CliError
 
 
 def register(sub) -> None:
@@ -20,9 +20,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import policy
-    from supervisor.daemon import Guard, GuardAlreadyRunning, release_runtime, sweep
-    from supervisor.home import existing_home
+    from sfguard import policy
+    from sfguard.supervisor.daemon.guard import Guard, GuardAlreadyRunning, release_runtime, sweep
+    from sfguard.supervisor.home import existing_home
     try:
         guard = Guard(existing_home(args.home), args.policy)
     except policy.PolicyError as exc:

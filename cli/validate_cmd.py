@@ -4,15 +4,15 @@ stages before a run.
 Prints one line per finding, `FILE:LINE:COL: PATH: MESSAGE` (warnings say `warning:`), then a
 summary on stderr. Exit 0 when there is no error (warnings allowed), 1 when there is at least
 one, 2 when the pipeline cannot be read or the site policy is invalid. What is checked: see
-supervisor/pipeline.py.
+supervisor/pipeline/spec.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-import policy
-from supervisor.pipeline import validate_pipeline
+from sfguard import policy
+from sfguard.supervisor.pipeline.spec import validate_pipeline
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -10,13 +10,12 @@ Pure code: no sockets, no processes, nothing of ours imported. The pieces:
 
 See docs/policy.md for the reviewer's guide and docs/design.md 4.1 for the contract.
 """
-from .engine import DEFAULT_PORTS, Decision, SitePolicy, special_address
-from .errors import MalformedHost, PolicyError, PolicyIssue
-from .hosts import (allow_pattern_for_url, join_host_port, normalize_host, split_host_port,
-                    url_host_port)
-from .patterns import Match, Pattern, PatternError, RuleSet, compile_patterns, parse_pattern
-from .schema import MAX_POLICY_BYTES, default_policy_path, load_policy, parse_policy
-from .watch import PolicyWatcher
+from sfguard.policy.engine import DEFAULT_PORTS, Decision, SitePolicy, special_address
+from sfguard.policy.errors import MalformedHost, PolicyError, PolicyIssue
+from sfguard.policy.hosts import allow_pattern_for_url, join_host_port, normalize_host, split_host_port, url_host_port
+from sfguard.policy.patterns import Match, Pattern, PatternError, RuleSet, compile_patterns, parse_pattern
+from sfguard.policy.schema import MAX_POLICY_BYTES, default_policy_path, load_policy, parse_policy
+from sfguard.policy.watch import PolicyWatcher
 
 __all__ = [
     "allow_pattern_for_url", "join_host_port", "url_host_port",

@@ -24,15 +24,16 @@ from __future__ import annotations
 import difflib
 import json
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
-from .engine import Decision, SitePolicy, replace
-from .errors import MalformedHost, PolicyError
-from .hosts import parse_port, printable_host, split_host_port_raw
-from .patterns import RuleSet, compile_patterns
+from sfguard.policy.engine import Decision, SitePolicy, replace
+from sfguard.policy.errors import MalformedHost, PolicyError
+from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
+from sfguard.policy.patterns import RuleSet, compile_patterns
 
 MAX_CASE_BYTES = 4 * 1024 * 1024
 CASE_KEYS = ("host", "allow", "expect", "reason", "name")

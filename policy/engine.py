@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
-from .errors import MalformedHost
-from .hosts import join_host_port, normalize_host_ex, printable_host
-from .patterns import Match, RuleSet, suffixes
+from sfguard.policy.errors import MalformedHost
+from sfguard.policy.hosts import join_host_port, normalize_host_ex, printable_host
+from sfguard.policy.patterns import Match, RuleSet, suffixes
 
 DEFAULT_PORTS = frozenset({80, 443})
 #: The only reasons that report mode turns into "would_deny": the allow and block lists.

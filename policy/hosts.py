@@ -29,7 +29,7 @@ import re
 
 import idna
 
-from .errors import MalformedHost
+from sfguard.policy.errors import MalformedHost
 
 MAX_INPUT = 1024          # longer input is refused before any work is done
 MAX_NAME = 253

@@ -14,14 +14,15 @@ Warnings do not make a policy invalid: `sfguard policy validate` lists them and 
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from .engine import SitePolicy
-from .errors import PolicyIssue
-from .hosts import join_host_port
-from .patterns import Pattern, PatternError, parse_pattern
-from .schema import YMap, YSeq, _Composer, _FAST_PATTERN, load_policy, unpack
+from sfguard.policy.engine import SitePolicy
+from sfguard.policy.errors import PolicyIssue
+from sfguard.policy.hosts import join_host_port
+from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
+from sfguard.policy.schema import _FAST_PATTERN, YMap, YSeq, _Composer, load_policy, unpack
 
 
 def lint_policy(path: str | Path | None = None) -> tuple[SitePolicy, list[PolicyIssue]]:

@@ -36,12 +36,11 @@ import ipaddress
 import os
 import socket
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
-from .errors import MalformedHost, PolicyError, PolicyIssue
-from .hosts import join_host_port, normalize_host_ex, parse_port, split_host_port_raw
-
+from sfguard.policy.errors import MalformedHost, PolicyError, PolicyIssue
+from sfguard.policy.hosts import join_host_port, normalize_host_ex, parse_port, split_host_port_raw
 
 #: Shortest CIDR prefix accepted where a pattern allows (allow_domains, --allow, allow_always,
 #: private_networks.allow); a wider range is refused like a bare `*`.
@@ -225,7 +224,7 @@ def _parse_network(body: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
 
 
 def _inside_special_block(net) -> bool:
-    from .engine import exempting_network  # noqa: PLC0415 (engine imports this module)
+    from sfguard.policy.engine import exempting_network  # noqa: PLC0415 (engine imports this module)
 
     return exempting_network(net)
 

@@ -36,10 +36,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .engine import DEFAULT_PORTS, SitePolicy
-from .errors import PolicyError, PolicyIssue
-from .patterns import PatternError, RuleSet, parse_pattern, psl_tables as _psl_tables
-from .yamlpos import loc_path, mark_place, validate_at, yaml_error_mark
+from sfguard.policy.engine import DEFAULT_PORTS, SitePolicy
+from sfguard.policy.errors import PolicyError, PolicyIssue
+from sfguard.policy.patterns import PatternError, RuleSet, parse_pattern
+from sfguard.policy.patterns import psl_tables as _psl_tables
+from sfguard.policy.yamlpos import loc_path, mark_place, validate_at, yaml_error_mark
 
 MAX_POLICY_BYTES = 64 * 1024 * 1024
 MAX_ISSUES = 200
@@ -262,7 +263,7 @@ class BlockEntry(_Strict):
     reason: str
 
     @model_validator(mode="after")
-    def _one_of(self) -> "BlockEntry":
+    def _one_of(self) -> BlockEntry:
         if (self.pattern is None) == (self.patterns is None):
             raise ValueError("give either 'pattern' or 'patterns'")
         if not self.reason.strip():

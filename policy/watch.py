@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .engine import SitePolicy
-from .errors import PolicyError
-from .schema import default_policy_path, load_policy
+from sfguard.policy.engine import SitePolicy
+from sfguard.policy.errors import PolicyError
+from sfguard.policy.schema import default_policy_path, load_policy
 
 
 class PolicyWatcher:

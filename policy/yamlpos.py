@@ -3,13 +3,14 @@ location becomes a place (line, column, dotted field) in the file.
 
 Two readers use it over their own trees: the policy reader (policy/schema.py, a tree of
 `YMap`/`YSeq` built from YAML events, aliases refused) and pipeline validation
-(supervisor/pipeline.py, PyYAML nodes, merge keys allowed). Each passes a `child` function that
+(supervisor/pipeline/spec.py, PyYAML nodes, merge keys allowed). Each passes a `child` function that
 steps one part of an error location into its tree; the walk, the field text and the mapping of
 pydantic errors to tree places are here, once.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 

@@ -11,9 +11,8 @@ import logging
 
 from mitmproxy.proxy import server_hooks
 
-import policy
-
-from .state import GuardState
+from sfguard import policy
+from sfguard.proxy_addons.state import GuardState
 
 logger = logging.getLogger("sfguard.proxy.address")
 

@@ -54,7 +54,7 @@ def could_be_tls(data: bytes) -> bool:
     return bool(data) and data[0] == 0x16
 
 
-def read_client_hello(data: bytes) -> "Hello | BadHello | _NeedMore":
+def read_client_hello(data: bytes) -> Hello | BadHello | _NeedMore:
     """See the module docstring."""
     handshake = bytearray()
     offset = 0
@@ -92,7 +92,7 @@ def read_client_hello(data: bytes) -> "Hello | BadHello | _NeedMore":
             return _parse_body(bytes(handshake[4:need]), offset)
 
 
-def _parse_body(body: bytes, length: int) -> "Hello | BadHello":
+def _parse_body(body: bytes, length: int) -> Hello | BadHello:
     r = _Reader(body)
     try:
         r.take(2 + 32)                        # legacy_version, random

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-import policy
+from sfguard import policy
 
 #: A client name: what the decision log shows. No ':' (separator), no spaces or control chars.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -16,9 +16,8 @@ import logging
 
 from mitmproxy import http
 
-import policy
-
-from .state import GuardState, Target, auth_required_response, deny_response
+from sfguard import policy
+from sfguard.proxy_addons.state import GuardState, Target, auth_required_response, deny_response
 
 logger = logging.getLogger("sfguard.proxy.connect")
 

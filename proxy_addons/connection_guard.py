@@ -14,7 +14,7 @@ import logging
 
 from mitmproxy import connection
 
-from .state import GuardState
+from sfguard.proxy_addons.state import GuardState
 
 logger = logging.getLogger("sfguard.proxy.connections")
 

@@ -35,7 +35,7 @@ def _now() -> str:
     now = time.time()
     sec = int(now)
     if _second[0] != sec:
-        _second[1] = _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+        _second[1] = _dt.datetime.fromtimestamp(sec, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
         _second[0] = sec
     return f"{_second[1]}.{int((now - sec) * 1000):03d}Z"
 

@@ -41,15 +41,13 @@ import logging
 import re
 
 from mitmproxy.proxy import layer
-from mitmproxy.proxy.layers import TCPLayer
-from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.layers import TCPLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode
 
-import policy
-
-from .client_hello import NEED_MORE, BadHello, could_be_tls, read_client_hello
-from .layers import BoundedHttpLayer, CloseLayer
-from .state import GuardState
+from sfguard import policy
+from sfguard.proxy_addons.client_hello import NEED_MORE, BadHello, could_be_tls, read_client_hello
+from sfguard.proxy_addons.layers import BoundedHttpLayer, CloseLayer
+from sfguard.proxy_addons.state import GuardState
 
 logger = logging.getLogger("sfguard.proxy.layers")
 

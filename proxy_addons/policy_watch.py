@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import policy
+from sfguard import policy
 
 logger = logging.getLogger("sfguard.proxy.policy")
 
@@ -37,13 +37,13 @@ class PolicySnapshot:
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 class PolicyStatus:
     """Thread-safe holder of the active SitePolicy and its status."""
 
-    def __init__(self, site_policy: "policy.SitePolicy", path: Path) -> None:
+    def __init__(self, site_policy: policy.SitePolicy, path: Path) -> None:
         self._lock = threading.Lock()
         self.policy = site_policy
         self._snapshot = PolicySnapshot(str(path), _now(), site_policy.mode)
@@ -51,7 +51,7 @@ class PolicyStatus:
     def snapshot(self) -> PolicySnapshot:
         return self._snapshot
 
-    def set_policy(self, site_policy: "policy.SitePolicy") -> None:
+    def set_policy(self, site_policy: policy.SitePolicy) -> None:
         with self._lock:
             self.policy = site_policy
             self._snapshot = PolicySnapshot(self._snapshot.path, _now(), site_policy.mode)

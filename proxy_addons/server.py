@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
-from . import _lean_import
+from sfguard.proxy_addons import _lean_import
 
 _lean_import.install()  # before any mitmproxy import: skip mitmproxy's default addon set
 
@@ -33,17 +33,16 @@ from mitmproxy import options  # noqa: E402
 from mitmproxy.addons import proxyserver  # noqa: E402
 from mitmproxy.master import Master  # noqa: E402
 
-import policy
-
-from . import dispatch
-from .address_guard import AddressGuard
-from .clients import Client, ClientRegistry
-from .connect_guard import ConnectGuard
-from .connection_guard import ConnectionGuard
-from .decision_log import DecisionLog
-from .layer_guard import LayerGuard
-from .policy_watch import PolicyReloader, PolicySnapshot, PolicyStatus
-from .state import GuardState, Resolver
+from sfguard import policy
+from sfguard.proxy_addons import dispatch
+from sfguard.proxy_addons.address_guard import AddressGuard
+from sfguard.proxy_addons.clients import Client, ClientRegistry
+from sfguard.proxy_addons.connect_guard import ConnectGuard
+from sfguard.proxy_addons.connection_guard import ConnectionGuard
+from sfguard.proxy_addons.decision_log import DecisionLog
+from sfguard.proxy_addons.layer_guard import LayerGuard
+from sfguard.proxy_addons.policy_watch import PolicyReloader, PolicySnapshot, PolicyStatus
+from sfguard.proxy_addons.state import GuardState, Resolver
 
 logger = logging.getLogger("sfguard.proxy")
 
@@ -182,7 +181,7 @@ class GuardProxy:
         if self._run_task is not None:
             try:
                 await asyncio.wait_for(self._run_task, 10)
-            except (asyncio.TimeoutError, Exception):  # already reported
+            except (TimeoutError, Exception):  # already reported
                 pass
         if self.decision_log is not None:
             self.decision_log.close()

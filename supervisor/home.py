@@ -4,7 +4,7 @@ Home: `--home` flag, else `$SFGUARD_HOME`, else `~/.stageflow/guard`. Folders 07
 Runtime: a short private folder for sockets and unsealed profiles (unix sockets have a
 103-byte path limit), preferably on a non-persistent file system.
 
-Under a root guard the browsers run as a separate user (supervisor/browser_user.py), who must
+Under a root guard the browsers run as a separate user (supervisor/browsers/browser_user.py), who must
 reach its profile inside the runtime folder: `grant_traverse` names the runtime folder whose
 folders `open_for_traverse` may make 0710 with that user's group (cross, never list or read).
 `private_dir` keeps a 0710 folder as it is (only its owner can have set it, on purpose) and
@@ -17,8 +17,9 @@ import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 DEFAULT_HOME = Path("~/.stageflow/guard")
 DIR_MODE = 0o700

@@ -17,9 +17,10 @@ here, at the edge, so that a name can never be a path.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 # --------------------------------------------------------------------------- names and keys
 
@@ -224,11 +225,11 @@ __all__: Iterable[str] = [
 
 # --------------------------------------------------------------------------- BrowserHost
 # The BrowserHost Protocol is defined next to its value types (AnchorSpec, Anchor,
-# StageSession, CloseReport) in supervisor/browser_host.py; it is re-exported here lazily so
+# StageSession, CloseReport) in supervisor/browsers/host.py; it is re-exported here lazily so
 # that this module stays free of process/psutil imports.
 
 def __getattr__(name: str):
     if name == "BrowserHost":
-        from supervisor.browser_host import BrowserHost
+        from sfguard.supervisor.browsers.host import BrowserHost
         return BrowserHost
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SFGUARD = [sys.executable, "-m", "cli.main"]
+SFGUARD = [sys.executable, "-m", "sfguard.cli.main"]
 
 
 def free_port() -> int:
@@ -30,7 +30,7 @@ def guard_home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def browser_env() -> dict[str, str]:
     """Env for real agent-browser + Chromium runs on this machine (root needs --no-sandbox)."""
-    from supervisor import tools
+    from sfguard.supervisor.browsers import tools
     ab, br = tools.find_agent_browser(), tools.find_browser()
     if not (ab.found and br.found):
         pytest.fail("agent-browser or Chromium missing: run ./dev setup")
@@ -46,7 +46,7 @@ def site():
     """The fixture login site (fixtures/login_server) on a free port of 127.0.0.1: yields the
     port; its /hits.json counts what reached it."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fixtures.login_server", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "sfguard.fixtures.login_server", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     line = proc.stdout.readline().decode()
     assert line.startswith("ready "), line
@@ -65,7 +65,7 @@ COLD_START_BOUND_S = 180
 def chromium_warmed_up(request):
     if not any(item.get_closest_marker("browser") for item in request.session.items):
         return
-    from supervisor import tools
+    from sfguard.supervisor.browsers import tools
     br = tools.find_browser()
     if not br.found:
         return  # the browser tests themselves say what is missing

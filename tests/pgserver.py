@@ -58,7 +58,7 @@ class PgServer:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               cwd=self.base, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
 
-    def start(self) -> "PgServer":
+    def start(self) -> PgServer:
         os.chmod(self.base, 0o700)
         self.sock.mkdir(mode=0o700, exist_ok=True)
         if self.user is not None:
@@ -70,7 +70,7 @@ class PgServer:
             raise RuntimeError(f"initdb failed: {r.stderr[-2000:]}")
         return self.resume()
 
-    def resume(self) -> "PgServer":
+    def resume(self) -> PgServer:
         """pg_ctl start on the existing data folder (also after `pause`)."""
         opts = f"-k {self.sock} -c listen_addresses= -c max_connections=200"
         if not self.fsync:

@@ -1,5 +1,5 @@
 """What a test's guards left in the memory-backed runtime bases: bridge folders (`sfb-...`,
-supervisor/stage_bridge.py) and runtime folders (`sfg-...`, supervisor/home.py).
+supervisor/stage/stage_bridge.py) and runtime folders (`sfg-...`, supervisor/home.py).
 
 Both names end in a tag derived from the guard home's path, so a folder is matched to a home
 exactly, by name: this looks only at folders of homes inside one test's (or this session's)
@@ -16,7 +16,7 @@ MAX_DEPTH = 4          # homes sit at tmp_path/home, tmp_path/h, mktemp(...)/hom
 
 
 def bases() -> list[Path]:
-    """Where runtime and bridge folders can be (supervisor.home.runtime_path's candidates)."""
+    """Where runtime and bridge folders can be (sfguard.supervisor.home.runtime_path's candidates)."""
     out = []
     for b in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm", tempfile.gettempdir()):
         if b and os.path.isdir(b) and Path(b) not in out:

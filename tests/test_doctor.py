@@ -3,7 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SFGUARD = [sys.executable, "-m", "cli.main"]
+SFGUARD = [sys.executable, "-m", "sfguard.cli.main"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

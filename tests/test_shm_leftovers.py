@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from supervisor.home import runtime_path
-from supervisor.stage_bridge import bridge_root_for
+from sfguard.supervisor.home import runtime_path
+from sfguard.supervisor.stage.stage_bridge import bridge_root_for
 from tests.shm_leftovers import bases, left_by
 
 

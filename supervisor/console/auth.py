@@ -19,7 +19,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from supervisor import redaction
+from sfguard.supervisor import redaction
 
 LINK_TTL = 600.0            # an unused console login link lives 10 minutes
 SESSION_TTL = 8 * 3600.0    # a console session lives 8 hours

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import policy
-from supervisor import models, tools
-from supervisor.api import ApiError
-from supervisor.console.liveview import LiveView
+from sfguard import policy
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.console.liveview import LiveView
+from sfguard.supervisor.daemon import models
+from sfguard.supervisor.daemon.api import ApiError
 
 log = logging.getLogger("sfguard.console.handoff")
 

@@ -27,12 +27,12 @@ import base64
 import contextlib
 import json
 import logging
-import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
-from policy import join_host_port
-from supervisor.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
+from sfguard.policy import join_host_port
+from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
 
 log = logging.getLogger("sfguard.console.liveview")
 
@@ -236,7 +236,7 @@ class LiveView:
             self.size = (params["width"], params["height"])
         try:
             await self.cdp.call(method, params, session=self.session, timeout=10)
-        except (CdpCallError, PipeClosed, asyncio.TimeoutError, TimeoutError):
+        except (CdpCallError, PipeClosed, TimeoutError):
             return False
         return True
 

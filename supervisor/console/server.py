@@ -10,7 +10,7 @@ leased, last login check; never a cookie), audit (chain state and the latest rec
 live view of a login handoff. `/events` pushes fresh page fragments over SSE.
 
 Security: every page and endpoint needs a session (401 otherwise); a session comes only from
-a one-time link (supervisor.console.auth); the cookie is HttpOnly, SameSite=Strict, with a
+a one-time link (sfguard.supervisor.console.auth); the cookie is HttpOnly, SameSite=Strict, with a
 Max-Age. Every POST and the live view's WebSocket check the Origin, and POSTs a CSRF token.
 The Host header must name this server (no DNS rebinding). Every answer carries a strict
 Content-Security-Policy (scripts and styles from this server only, no inline script),
@@ -34,9 +34,9 @@ from typing import Any
 import jinja2
 from aiohttp import WSMsgType, web
 
-from policy import join_host_port
-from supervisor.console import handoff as live
-from supervisor.console.auth import LINK_TTL, ConsoleAuth, Session
+from sfguard.policy import join_host_port
+from sfguard.supervisor.console import handoff as live
+from sfguard.supervisor.console.auth import LINK_TTL, ConsoleAuth, Session
 
 log = logging.getLogger("sfguard.console")
 

@@ -8,7 +8,7 @@ one-time link. It drives the viewer page with real input events (`Input.*` on th
 page), which the page's script forwards to the login tab. Like a person it knows the login
 tab only from its frames: it finds the Sign in button by its colour in the latest frame and
 clicks there (the fixture site gives the button a colour of its own). Run by root, it runs as
-the browser user (supervisor/browser_user.py) with Chromium's sandbox on, like the guard's
+the browser user (supervisor/browsers/browser_user.py) with Chromium's sandbox on, like the guard's
 browsers.
 """
 from __future__ import annotations
@@ -21,13 +21,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-from supervisor import browser_user as bu
-from supervisor import chromium, tools
-from supervisor.cdp_pipe import CdpCallError, CdpPipe, CdpSession
-from supervisor.sweep import ProcRecord, terminate_recorded
+from sfguard.supervisor.browsers import browser_user as bu
+from sfguard.supervisor.browsers import chromium, tools
+from sfguard.supervisor.daemon.sweep import ProcRecord, terminate_recorded
+from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession
 
 
 class ViewerError(Exception):
@@ -50,7 +51,7 @@ class Viewer:
         self.console_log: list[str] = []
         self.keys_sent: list[str] = []       # named keys pressed on the viewer page, in order
 
-    async def __aenter__(self) -> "Viewer":
+    async def __aenter__(self) -> Viewer:
         await self.start()
         return self
 
@@ -108,7 +109,7 @@ class Viewer:
             rec = ProcRecord.of(self.proc.pid, "browser")
             try:
                 await asyncio.wait_for(self.proc.wait(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await asyncio.to_thread(terminate_recorded, [rec] if rec else [], 3)
         if self.dir is not None:
             uids = (self.user.uid,) if self.user is not None else ()

@@ -1,10 +1,10 @@
 """In-memory fakes of the profile seams, for contract suites and daemon tests (test support:
-nothing in the product imports `supervisor.testing`).
+nothing in the product imports `sfguard.supervisor.testing`).
 
 - `FakeKeyProvider`: keys in a dict.
 - `FakeProfileStore`: two (or more) fixed scopes; sealed profiles are dicts of
   {relative path: bytes} kept in memory; `open` materialises a private temp folder.
-- `FakeProfileLease`: the lease algorithm of `supervisor.lease_fifo` (the one the local lease
+- `FakeProfileLease`: the lease algorithm of `sfguard.supervisor.profiles.lease_fifo` (the one the local lease
   runs) over states kept in a dict; several "processes" share one `FakeLeaseState` through
   `for_process(owner)`, and `kill(owner)` marks one dead.
 - `FakeAuditSink`: records in a list, same event/field validation and hash chain as the
@@ -24,15 +24,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor import lease_fifo
-from supervisor.audit import GENESIS, chain_record, clean_fields
-from supervisor.keys import KeyMissing
-from supervisor.lease_fifo import LeaseState
-from supervisor.protocols import (
-    Granted, LeaseHolder, ProcessIdentity, ProfileBusy, ProfileExists, ProfileInfo, ProfileKey,
-    ProfileNameError, ProfileNotFound, QueueEntry, Waiting, validate_name, validate_run_id,
+from sfguard.supervisor.profiles import lease_fifo
+from sfguard.supervisor.profiles.audit import GENESIS, chain_record, clean_fields
+from sfguard.supervisor.profiles.keys import KeyMissing
+from sfguard.supervisor.profiles.lease_fifo import LeaseState
+from sfguard.supervisor.profiles.sealing import is_excluded
+from sfguard.supervisor.protocols import (
+    Granted,
+    LeaseHolder,
+    ProcessIdentity,
+    ProfileBusy,
+    ProfileExists,
+    ProfileInfo,
+    ProfileKey,
+    ProfileNameError,
+    ProfileNotFound,
+    QueueEntry,
+    Waiting,
+    validate_name,
+    validate_run_id,
 )
-from supervisor.sealing import is_excluded
 
 
 class FakeKeyProvider:
@@ -199,7 +210,7 @@ class FakeProfileLease:
             owner = ProcessIdentity(self.state.next_pid, 1.0)
         self.owner = owner
 
-    def for_process(self, owner: ProcessIdentity | None = None) -> "FakeProfileLease":
+    def for_process(self, owner: ProcessIdentity | None = None) -> FakeProfileLease:
         return FakeProfileLease(self.state, owner)
 
     def kill(self, owner: ProcessIdentity | None = None) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.login_server import start_login_server
-from supervisor import agent_browser as ab_mod
-from supervisor import tools
-from supervisor.cdp_gate import CdpGate
-from supervisor.browser_host import AnchorSpec, LocalBrowserHost
-from supervisor.sweep import scan_orphans, terminate_recorded
+from sfguard.fixtures.login_server import start_login_server
+from sfguard.supervisor.browsers import agent_browser as ab_mod
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost
+from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
+from sfguard.supervisor.gate.cdp_gate import CdpGate
 
 FAKE_AB = Path(__file__).resolve().parents[1] / "fake_agent_browser" / "agent-browser"
 FAKE_CHROMIUM = Path(__file__).resolve().parents[1] / "fake_chromium" / "chromium"

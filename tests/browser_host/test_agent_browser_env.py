@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import agent_browser as ab
-from supervisor import chromium
+from sfguard.supervisor.browsers import agent_browser as ab
+from sfguard.supervisor.browsers import chromium
 
 AMBIENT = {
     "PATH": "/usr/bin:/bin", "HOME": "/home/op", "LANG": "C.UTF-8", "TMPDIR": "/tmp",

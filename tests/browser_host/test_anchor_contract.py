@@ -11,9 +11,9 @@ import time
 import psutil
 import pytest
 
-from supervisor import agent_browser as ab
-from supervisor.browser_host import AnchorError
-from supervisor.sweep import scan_orphans, terminate_recorded
+from sfguard.supervisor.browsers import agent_browser as ab
+from sfguard.supervisor.browsers.host import AnchorError
+from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
 from tests.netscan import listening_ports_of_tree
 
 

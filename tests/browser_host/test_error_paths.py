@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from supervisor.browser_host import AnchorError
-from supervisor.sweep import scan_orphans
+from sfguard.supervisor.browsers.host import AnchorError
+from sfguard.supervisor.daemon.sweep import scan_orphans
 
 
 @pytest.mark.parametrize("control,message", [

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 import pytest
 
-from supervisor import browser_user as bu
-from supervisor.home import HomeError
-from supervisor.sandbox import ensure_system_user, lookup_user
+from sfguard.supervisor.browsers import browser_user as bu
+from sfguard.supervisor.home import HomeError
+from sfguard.supervisor.stage.sandbox import ensure_system_user, lookup_user
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="only root hands folders over")
 

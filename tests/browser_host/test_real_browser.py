@@ -11,8 +11,8 @@ import json
 import psutil
 import pytest
 
-from supervisor import agent_browser as ab
-from supervisor.sweep import scan_orphans
+from sfguard.supervisor.browsers import agent_browser as ab
+from sfguard.supervisor.daemon.sweep import scan_orphans
 
 pytestmark = pytest.mark.browser
 
@@ -109,7 +109,7 @@ class RecordingProxy:
                     up_w.close()
                 await writer.drain()
                 break
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass
         finally:
             writer.close()
@@ -151,7 +151,7 @@ async def test_anchor_traffic_goes_through_the_proxy_with_credentials_loopback_i
 async def test_headed_without_display_fails_clearly_and_leaves_no_process(real_rig, monkeypatch):
     monkeypatch.delenv("DISPLAY", raising=False)
     monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
-    from supervisor.browser_host import AnchorError
+    from sfguard.supervisor.browsers.host import AnchorError
     with pytest.raises(AnchorError, match="DISPLAY"):
         await real_rig.host.launch_anchor(real_rig.spec(real_rig.root / "p1", headed=True))
     assert scan_orphans([real_rig.root]) == []
@@ -163,7 +163,7 @@ async def test_failed_browser_start_leaves_nothing_behind(real_rig, tmp_path):
     broken.chmod(0o700)
     spec = real_rig.spec(real_rig.root / "p1")
     spec = type(spec)(**{**spec.__dict__, "browser_path": str(broken)})
-    from supervisor.browser_host import AnchorError
+    from sfguard.supervisor.browsers.host import AnchorError
     with pytest.raises(AnchorError, match="could not launch anchor .*exited during start"):
         await real_rig.host.launch_anchor(spec)
     assert scan_orphans([real_rig.root]) == []

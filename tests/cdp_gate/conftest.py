@@ -16,9 +16,9 @@ import psutil
 import pytest
 from aiohttp import web
 
-from supervisor import tools
-from supervisor.browser_host import AnchorSpec, LocalBrowserHost
-from supervisor.cdp_gate import CdpGate
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost
+from sfguard.supervisor.gate.cdp_gate import CdpGate
 
 CMD_TIMEOUT_S = 45
 
@@ -231,7 +231,7 @@ class CdpClient:
         while (left := deadline - time.monotonic()) > 0:
             try:
                 m = await self.ws.receive(timeout=left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
             if m.type.name != "TEXT":
                 return

@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 
-from supervisor import cdp_policy
-from supervisor.cdp_gate import CdpGate, GateError
-from supervisor.cdp_pipe import CdpCallError
+from sfguard.supervisor.gate import cdp_policy
+from sfguard.supervisor.gate.cdp_gate import CdpGate, GateError
+from sfguard.supervisor.gate.cdp_pipe import CdpCallError
 from tests.cdp_gate.conftest import SECRET_COOKIE, CdpClient
 
 pytestmark = pytest.mark.browser

@@ -1,11 +1,11 @@
-"""Unit tests of the CDP method policy (supervisor/cdp_policy.py): table-driven, no browser."""
+"""Unit tests of the CDP method policy (supervisor/gate/cdp_policy.py): table-driven, no browser."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from supervisor import cdp_policy as p
+from sfguard.supervisor.gate import cdp_policy as p
 
 OWN_TAB, OTHER_TAB, OWN_SESSION, OTHER_SESSION = "OWNTAB", "OTHERTAB", "OWNSESS", "OTHERSESS"
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def sfguard(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
     full = dict(os.environ, **(env or {}))
     full.pop("SFGUARD_HOME", None) if env is None or "SFGUARD_HOME" not in env else None
-    proc = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env=full, input=stdin)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "internal error" not in proc.stderr, proc.stderr
@@ -27,8 +27,8 @@ def sfguard(*args: str, env: dict | None = None, stdin: str | None = None) -> su
 
 def all_commands() -> list[tuple[str, ...]]:
     sys.path.insert(0, str(ROOT))
-    from cli.completion_cmd import tree
-    from cli.main import build_parser
+    from sfguard.cli.completion_cmd import tree
+    from sfguard.cli.main import build_parser
     return [n["path"] for n in tree(build_parser(["--help"]))]
 
 

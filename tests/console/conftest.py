@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.home import runtime_path
+from sfguard.supervisor.home import runtime_path
 from tests.daemon.conftest import Daemon, start_real_guard
 from tests.demo.conftest import leftovers
 

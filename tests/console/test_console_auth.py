@@ -119,13 +119,13 @@ def test_cross_origin_and_csrf_less_posts_and_foreign_hosts_are_refused(shared_g
 def test_cli_prints_a_link_and_status_shows_the_console(shared_guard):
     guard = shared_guard
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "cli.main", "console", "--home", str(guard.home)],
+    r = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "console", "--home", str(guard.home)],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     url = r.stdout.splitlines()[0]
     assert url.startswith(guard.console + "/login?t=")
     assert sign_in(guard.console, url)[0] == 200
-    r = subprocess.run([sys.executable, "-m", "cli.main", "status", "--home", str(guard.home)],
+    r = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "status", "--home", str(guard.home)],
                        capture_output=True, text=True, env=env, timeout=60)
     assert f"console {guard.console}" in r.stdout
     # the link is not in the guard's log
@@ -134,7 +134,7 @@ def test_cli_prints_a_link_and_status_shows_the_console(shared_guard):
 
 def test_console_off_and_non_loopback_need_flags(tmp_path):
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "cli.main", "start", "--home", str(tmp_path / "h1"),
+    r = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(tmp_path / "h1"),
                         "--console", "0.0.0.0:0"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "--console-public" in r.stderr
     d = Daemon((tmp_path / "h2").absolute(), env, tmp_path / "d.log")

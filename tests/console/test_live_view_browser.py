@@ -8,13 +8,13 @@ import os
 import re
 import subprocess
 import time
-import urllib.request
 import urllib.error
+import urllib.request
 
 import pytest
 
-from supervisor.audit import LOG_FILE
-from supervisor.console.viewer import Viewer, scripted_login
+from sfguard.supervisor.console.viewer import Viewer, scripted_login
+from sfguard.supervisor.profiles.audit import LOG_FILE
 from tests.console.conftest import ARTIFACTS, link
 
 pytestmark = pytest.mark.browser
@@ -169,7 +169,7 @@ def secrets_scan(texts: list[str], values: list[str]) -> None:
 def stage_agent_browser(env: dict, *args: str) -> subprocess.CompletedProcess:
     """agent-browser as the stage runs it: with the env the guard's stage answer gave, nothing
     else."""
-    from supervisor import tools
+    from sfguard.supervisor.browsers import tools
     stage_env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **env}
     return subprocess.run([tools.find_agent_browser().path, *args], env=stage_env,
                           capture_output=True, text=True, timeout=90)
@@ -303,10 +303,11 @@ def test_profiles_login_without_a_display_uses_the_live_view(guard):
     import subprocess
     import sys
     import time
+
     from tests.demo.conftest import ROOT, cli_env
     port = guard.site
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "profiles", "login", "acct", "--home", str(guard.home),
+        [sys.executable, "-m", "sfguard.cli.main", "profiles", "login", "acct", "--home", str(guard.home),
          "--url", f"http://site-a.test:{port}/account", "--logged-in", f"http://site-a.test:{port}/account",
          "--logged-out", f"http://site-a.test:{port}/login*",
          "--wait", "120"],

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from supervisor import tools
-from supervisor.browser_host import AnchorSpec, LocalBrowserHost
-from supervisor.console.liveview import LiveView, _translate, display_url
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost
+from sfguard.supervisor.console.liveview import LiveView, _translate, display_url
 
 PAGE = ("<!doctype html><title>t</title><body style='margin:0'>"
         "<a id='out' href='http://127.0.0.2:{port}/elsewhere' style='display:block;height:100px;"

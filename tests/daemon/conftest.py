@@ -17,11 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.browser_user import DEFAULT_BROWSER_USER
-from supervisor.client import GuardClient
-from supervisor.sandbox import ensure_system_user, lookup_user
-from supervisor.home import runtime_dir, runtime_path
-from supervisor.sweep import scan_orphans, terminate_recorded
+from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
+from sfguard.supervisor.client.guard_client import GuardClient
+from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
+from sfguard.supervisor.home import runtime_dir, runtime_path
+from sfguard.supervisor.stage.sandbox import ensure_system_user, lookup_user
 from tests.daemon.fake_cdp import FakeCdp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ class Daemon:
     def start(self, *extra: str, expect_ready: bool = True) -> None:
         self.last_args = extra
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "start", "--home", str(self.home), *extra],
+            [sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(self.home), *extra],
             cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=open(self.log, "ab"))
         if not expect_ready:
             return

@@ -12,13 +12,9 @@ import os
 import re
 import stat
 import time
-from pathlib import Path
 
-import pytest
-from pydantic import BaseModel
-
-from supervisor import models as m
-from supervisor.api import MAX_BODY, ROUTES, build_app, openapi_document
+from sfguard.supervisor.daemon import models as m
+from sfguard.supervisor.daemon.api import MAX_BODY, ROUTES, build_app, openapi_document
 from tests.conftest import free_port
 from tests.daemon.conftest import ROOT
 
@@ -89,7 +85,7 @@ class Recorder:
 
     def call(self, method: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
         if raw is not None:
-            from supervisor.client import _UnixConnection, socket_path
+            from sfguard.supervisor.client.guard_client import _UnixConnection, socket_path
             conn = _UnixConnection(str(socket_path(self.d.home)), 30)
             conn.request(method, path, body=raw, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -358,7 +354,7 @@ def test_token_file_needs_tcp_and_a_usable_folder(tmp_path):
     for args, needle in ((["--token-file", str(tmp_path / "t")], "needs --tcp"),
                          (["--tcp", str(free_port()), "--token-file", str(tmp_path / "no" / "t")], "does not exist"),
                          (["--tcp", str(free_port()), "--token-file", str(tmp_path)], "is a folder")):
-        proc = subprocess.run([sys.executable, "-m", "cli.main", "start", *args], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "start", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,7 +71,7 @@ def test_huge_body_is_refused(daemon):
 def test_socket_is_private_and_second_instance_refused(daemon):
     assert stat.S_IMODE(os.stat(daemon.home / "guard.sock").st_mode) == 0o600
     assert stat.S_IMODE(os.stat(daemon.home).st_mode) == 0o700
-    out = subprocess.run([sys.executable, "-m", "cli.main", "start", "--home", str(daemon.home)],
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(daemon.home)],
                          cwd=ROOT, env=daemon.env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 3 and "already running" in out.stderr and "Traceback" not in out.stderr
 
@@ -86,7 +86,7 @@ def test_openapi_document_covers_every_route(daemon):
 
 def test_status_cli(daemon):
     daemon.call("POST", "/v1/runs", {"run_id": "r1"})
-    out = subprocess.run([sys.executable, "-m", "cli.main", "status", "--home", str(daemon.home)],
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "status", "--home", str(daemon.home)],
                          cwd=ROOT, env=daemon.env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "run     r1 active" in out.stdout
 
@@ -108,7 +108,7 @@ def test_policy_edits_apply_live_and_an_invalid_edit_keeps_the_last_good(daemon,
         assert time.monotonic() < deadline, "the invalid edit was not reported"
         time.sleep(0.1)
     assert st["mode"] == "report" and "surprise" in st["error"] and ":3:" in st["error"]
-    out = subprocess.run([sys.executable, "-m", "cli.main", "status", "--home", str(daemon.home)],
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "status", "--home", str(daemon.home)],
                          cwd=ROOT, env=daemon.env, capture_output=True, text=True, timeout=60)
     assert "last good policy kept" in out.stdout
     audit = (daemon.home / "audit.log").read_text()

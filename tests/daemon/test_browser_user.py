@@ -18,10 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.browser_user import DEFAULT_BROWSER_USER
-from supervisor.home import runtime_path
-from supervisor.sandbox import lookup_user
-from supervisor.stage_bridge import bridge_root_for
+from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
+from sfguard.supervisor.home import runtime_path
+from sfguard.supervisor.stage.sandbox import lookup_user
+from sfguard.supervisor.stage.stage_bridge import bridge_root_for
 from tests.daemon.conftest import ROOT, Daemon, start_real_guard
 from tests.daemon.test_real_browser import request_stage
 
@@ -221,7 +221,7 @@ def test_sweep_ends_the_browser_users_orphans_of_this_guard_only(tmp_path):
     other_folder = spawn_as(user, "--fake-chromium", f"--user-data-dir={rt}-other/tp-1")
     other_user = spawn_as(stage_user, "--fake-chromium", f"--user-data-dir={rt}/r-dead/tp-2")
     try:
-        res = subprocess.run([sys.executable, "-m", "cli.main", "sweep", "--home", str(home), "--json"],
+        res = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "sweep", "--home", str(home), "--json"],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["orphans"] == 1

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from supervisor.home import ensure_home, runtime_path
+from sfguard.supervisor.home import ensure_home, runtime_path
 from tests.daemon.conftest import ROOT
 from tests.shm_leftovers import left_by
 
@@ -27,7 +27,7 @@ def test_a_guard_refused_before_start_or_a_sweep_leaves_no_runtime_folder(tmp_pa
     home = ensure_home(tmp_path / "home")      # an existing home (sweep needs one)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SFGUARD_")}
     args = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    r = subprocess.run([sys.executable, "-m", "cli.main", *args[:1], "--home", str(home), *args[1:]],
+    r = subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args[:1], "--home", str(home), *args[1:]],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == code, (r.stdout, r.stderr)
     assert phrase in r.stderr

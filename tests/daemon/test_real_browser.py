@@ -6,17 +6,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
 
-from supervisor import tools
-from supervisor.home import runtime_path
-from tests.conftest import free_port
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.home import runtime_path
 from tests.daemon.conftest import ROOT, Daemon
 
 pytestmark = pytest.mark.browser

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from supervisor.api import ROUTES, openapi_document
+from sfguard.supervisor.daemon.api import ROUTES, openapi_document
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "runner-guide.md"
 BLOCK = re.compile(r"```http\n(.*?)```", re.S)

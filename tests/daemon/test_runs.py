@@ -5,14 +5,13 @@ import json
 import os
 import signal
 import stat
-import time
-
 import subprocess
+import time
 
 import psutil
 import pytest
 
-from supervisor.home import runtime_path
+from sfguard.supervisor.home import runtime_path
 from tests.daemon.conftest import FAKE_AB
 
 STAGE_ENV_KEYS = {"AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",

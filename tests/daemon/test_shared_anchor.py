@@ -9,9 +9,8 @@ import time
 import psutil
 import pytest
 
-from supervisor.home import runtime_path
-from tests.daemon.test_real_browser import (as_stage, browser_processes, guard_processes,  # noqa: F401
-                                            real_daemon, request_stage)
+from sfguard.supervisor.home import runtime_path
+from tests.daemon.test_real_browser import as_stage, browser_processes, guard_processes, real_daemon, request_stage  # noqa: F401
 from tests.netscan import listening_ports_of_tree
 
 pytestmark = pytest.mark.browser

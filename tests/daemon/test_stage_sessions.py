@@ -1,4 +1,4 @@
-"""The stage session a shared anchor starts ahead (supervisor/stage_sessions.py), with the real
+"""The stage session a shared anchor starts ahead (supervisor/daemon/stage_sessions.py), with the real
 tools: the next stage of the run gets it, with a token, session and tab of its own; it is
 given once; stage end still cuts the stage off at once; the run's crash record lists it; run
 end leaves nothing behind."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.home import runtime_path
+from sfguard.supervisor.home import runtime_path
 from tests.daemon.test_real_browser import as_stage, browser_processes, real_daemon, request_stage  # noqa: F401
 
 pytestmark = pytest.mark.browser

@@ -1,4 +1,4 @@
-"""One schema for the browser field: `sfguard validate` (supervisor.pipeline) and the control
+"""One schema for the browser field: `sfguard validate` (sfguard.supervisor.pipeline.spec) and the control
 API refuse the same documents, at the same field path. Table-driven: each browser document is
 put in a one-stage pipeline file and in a real stage request to a real guard."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import yaml
 
-from supervisor.pipeline import validate_pipeline
+from sfguard.supervisor.pipeline.spec import validate_pipeline
 
 OK_CHECK = {"url": "http://127.0.0.1:8080/account", "logged_in": "*/account"}
 

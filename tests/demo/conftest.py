@@ -10,12 +10,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.home import runtime_path
-from tests.conftest import free_port
+from sfguard.supervisor.home import runtime_path
 from tests.daemon.conftest import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
-# The console script's entry (see tests/profiles/conftest.py for why not `-m cli.main`).
+# The console script's entry (see tests/profiles/conftest.py for why not `-m sfguard.cli.main`).
 SFGUARD = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())"]
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.home import runtime_path
-from supervisor.lease import LocalProfileLease
-from supervisor.protocols import LOCAL_SCOPE, ProfileKey
+from sfguard.supervisor.home import runtime_path
+from sfguard.supervisor.profiles.lease import LocalProfileLease
+from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileKey
 from tests.demo.conftest import ROOT, SFGUARD, cli_env, leftovers, sfguard
 
 pytestmark = pytest.mark.browser

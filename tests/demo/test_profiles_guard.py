@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from supervisor import tools
-from supervisor.lease import LocalProfileLease
-from supervisor.protocols import LOCAL_SCOPE, Granted, ProfileKey
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.profiles.lease import LocalProfileLease
+from sfguard.supervisor.protocols import LOCAL_SCOPE, Granted, ProfileKey
 from tests.demo.conftest import sfguard
 
 pytestmark = pytest.mark.browser
@@ -93,8 +93,8 @@ def test_check_of_a_profile_in_use_fails_without_waiting(guard, site):
 
 
 def test_login_without_a_display_or_console_fails_clearly(tmp_path, site):
-    from tests.demo.conftest import ROOT
     from tests.daemon.conftest import Daemon
+    from tests.demo.conftest import ROOT
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
     guard = Daemon((tmp_path / "nc").absolute(), env, tmp_path / "nc.log")
     pol = tmp_path / "nc-sites.yaml"

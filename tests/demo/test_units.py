@@ -1,17 +1,15 @@
 """Parts of `sfguard demo` and `profiles check|login` that need no browser."""
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
-import policy
-from supervisor import demo
-from supervisor.pipeline import validate_pipeline
+from sfguard import policy
+from sfguard.supervisor.demo import run as demo
+from sfguard.supervisor.pipeline.spec import validate_pipeline
 from tests.demo.conftest import ROOT, SFGUARD, cli_env, leftovers, sfguard
 
 

@@ -9,9 +9,9 @@ import urllib.request
 
 import pytest
 
-from fixtures.login_server import SIGN_IN_RGB, start_login_server
-from supervisor.console import viewer
-from supervisor.console.viewer import Viewer
+from sfguard.fixtures.login_server import SIGN_IN_RGB, start_login_server
+from sfguard.supervisor.console import viewer
+from sfguard.supervisor.console.viewer import Viewer
 
 pytestmark = pytest.mark.browser
 

@@ -3,18 +3,18 @@ from __future__ import annotations
 
 import hashlib
 import http.cookiejar
-import urllib.parse
-import urllib.request
 import os
 import subprocess
 import sys
+import urllib.parse
+import urllib.request
 from http.cookies import SimpleCookie
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from fixtures.login_server import cookie_marker, make_app, start_login_server
+from sfguard.fixtures.login_server import cookie_marker, make_app, start_login_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -148,7 +148,7 @@ async def test_start_login_server_serves_on_a_free_port():
 
 def test_command_line_prints_ready_and_takes_credentials_from_env():
     env = dict(os.environ, SFGUARD_FIXTURE_USER="envuser", SFGUARD_FIXTURE_PASSWORD="envpass")
-    proc = subprocess.Popen([sys.executable, "-m", "fixtures.login_server", "--port", "0"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "sfguard.fixtures.login_server", "--port", "0"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()
@@ -165,6 +165,6 @@ def test_command_line_prints_ready_and_takes_credentials_from_env():
 
 
 def test_command_line_rejects_a_bad_port():
-    out = subprocess.run([sys.executable, "-m", "fixtures.login_server", "--port", "70000"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "sfguard.fixtures.login_server", "--port", "70000"], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "--port" in out.stderr

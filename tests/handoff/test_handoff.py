@@ -4,9 +4,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from supervisor import tools
-from supervisor.handoff import (FakeHandoff, Handoff, HandoffImpossible, HandoffPayload,
-                                LocalWindowHandoff)
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers.handoff import (
+    FakeHandoff,
+    Handoff,
+    HandoffImpossible,
+    HandoffPayload,
+    LocalWindowHandoff,
+)
 
 SITE_URL = "http://127.0.0.1:8080/login"
 

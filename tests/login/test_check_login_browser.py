@@ -4,23 +4,21 @@ is always closed; selectors, unreachable pages and ambiguous patterns give clear
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
 
-import aiohttp
 import pytest
 
-from fixtures.login_server import start_login_server
-from supervisor import agent_browser as ab
-from supervisor import tools
-from supervisor.browser_host import AnchorSpec, LocalBrowserHost
-from supervisor.cdp_gate import CdpGate
-from supervisor.login import LoginCheckError, check_login
-from supervisor.models import LoginCheck
-from supervisor.sweep import scan_orphans, terminate_recorded
+from sfguard.fixtures.login_server import start_login_server
+from sfguard.supervisor.browsers import agent_browser as ab
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost
+from sfguard.supervisor.browsers.login import LoginCheckError, check_login
+from sfguard.supervisor.daemon.models import LoginCheck
+from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
+from sfguard.supervisor.gate.cdp_gate import CdpGate
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.browser

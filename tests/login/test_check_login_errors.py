@@ -6,11 +6,9 @@ import os
 
 import pytest
 
-from supervisor.cdp_pipe import CdpPipe
-
-from supervisor.login import LoginCheckError, check_login
-from supervisor.models import LoginCheck
-from tests.conftest import free_port
+from sfguard.supervisor.browsers.login import LoginCheckError, check_login
+from sfguard.supervisor.daemon.models import LoginCheck
+from sfguard.supervisor.gate.cdp_pipe import CdpPipe
 
 
 async def test_a_browser_whose_pipe_is_closed_is_a_clear_error():

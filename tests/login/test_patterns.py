@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.login import LoginCheckError, compile_pattern, decide_login, match_pattern
+from sfguard.supervisor.browsers.login import LoginCheckError, compile_pattern, decide_login, match_pattern
 
 SITE = "http://127.0.0.1:8080"
 
@@ -16,7 +16,7 @@ PATTERN_CASES = [
     (f"{SITE}/login*", f"{SITE}/login?next=/account", True),
     (f"{SITE}/login*", f"{SITE}/login", True),                  # * matches nothing too
     (f"{SITE}/login*", f"{SITE}/account?from=/login", False),   # anchored at the start
-    (f"*/login*", f"{SITE}/sso/login/start", True),             # * spans "/"
+    ("*/login*", f"{SITE}/sso/login/start", True),             # * spans "/"
     ("*", "about:blank", True),                                 # * alone matches everything
     ("*", "", True),
     ("**", f"{SITE}/x", True),                                  # runs of * collapse

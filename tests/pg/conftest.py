@@ -5,16 +5,16 @@ from __future__ import annotations
 import base64
 import json
 import os
-import subprocess
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from supervisor.home import runtime_dir, runtime_path
+from sfguard.supervisor.home import runtime_dir, runtime_path
 from tests.daemon.conftest import FAKE_AB, Daemon, fake_browser_for
 from tests.daemon.fake_cdp import FakeCdp
 
@@ -68,7 +68,7 @@ class Guards:
                 d.stop()
         for d in self.started:     # a killed guard is cleaned up as an operator would
             if d.proc is not None and (d.proc.returncode or 0) < 0:
-                subprocess.run([sys.executable, "-m", "cli.main", "sweep", "--home", str(d.home)],
+                subprocess.run([sys.executable, "-m", "sfguard.cli.main", "sweep", "--home", str(d.home)],
                                cwd=ROOT, env=d.env, capture_output=True, timeout=120)
         for d in self.started:     # nothing a guard of this test started may outlive it
             rt = str(runtime_path(d.home))

@@ -18,8 +18,8 @@ import time
 import psycopg
 import pytest
 
-from supervisor.pg_store import PgBackend, PgProfileLease, StoreRefused
-from supervisor.protocols import Granted, ProfileKey, Waiting
+from sfguard.supervisor.profiles.pg_store import PgBackend, PgProfileLease, StoreRefused
+from sfguard.supervisor.protocols import Granted, ProfileKey, Waiting
 from tests.pg.conftest import ROOT
 from tests.pg.test_pg_store import Host
 
@@ -223,7 +223,7 @@ def test_changes_of_two_guards_interleaved_keep_one_valid_chain(pg_url, host, tm
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
            "SFGUARD_KEY": __import__("base64").b64encode(MASTER).decode(),
            "SFGUARD_STORE": pg_url}
-    out = subprocess.run([sys.executable, "-m", "cli.main", "audit", "verify", "--json"],
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "audit", "verify", "--json"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout) == {"ok": True, "records": len(evs), "line": None,
@@ -233,7 +233,7 @@ def test_changes_of_two_guards_interleaved_keep_one_valid_chain(pg_url, host, tm
 
 def test_a_stopping_guard_audits_the_leases_it_still_held(pg_url, host):
     a, b = host("a"), host("b")
-    a.backend.audit = a.audit                 # as supervisor/stores.py wires it
+    a.backend.audit = a.audit                 # as supervisor/profiles/stores.py wires it
     a.store.create(P)
     assert isinstance(a.lease.try_acquire(P, "r1"), Granted)
     a.backend.close()

@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 
-from supervisor.client import GuardClient
-from supervisor.home import runtime_path
+from sfguard.supervisor.client.guard_client import GuardClient
+from sfguard.supervisor.home import runtime_path
 from tests.daemon.test_runs import stage, wait_ready
 from tests.pg.conftest import ROOT, TTL
 
@@ -75,11 +75,11 @@ def test_second_guard_waits_names_the_holder_and_gets_the_login(guards):
     end_run(g2, "r2")
 
     env = guards.env(guards.tmp)
-    out = subprocess.run([sys.executable, "-m", "cli.main", "audit", "verify", "--json"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "audit", "verify", "--json"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert '"ok": true' in out.stdout
-    shown = subprocess.run([sys.executable, "-m", "cli.main", "audit", "show", "--profile", PROFILE],
+    shown = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "audit", "show", "--profile", PROFILE],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60).stdout
     leased = [l for l in shown.splitlines() if "profile_leased" in l]
     assert [("run=r1" in l, "run=r2" in l) for l in leased] == [(True, False), (False, True)]
@@ -184,7 +184,7 @@ def test_a_paused_guard_cannot_overwrite_the_newer_login(guards):
 def test_a_pipeline_profile_keeps_its_workflow_identity_on_every_host(guards, tmp_path):
     """`@pipeline` of one pipeline path is one profile, made with its workflow identity; every
     guard and every host's CLI shows that identity (a named profile has none)."""
-    from supervisor.profiles import pipeline_profile_name
+    from sfguard.supervisor.profiles.local_store import pipeline_profile_name
     pipeline = "/srv/pipelines/login-pipeline.yaml"
     name = pipeline_profile_name(pipeline)
     g1, g2 = guards.start("g1"), guards.start("g2")
@@ -198,12 +198,12 @@ def test_a_pipeline_profile_keeps_its_workflow_identity_on_every_host(guards, tm
     listed = {p["name"]: p["identity"] for p in g2.call("GET", "/v1/profiles")[1]["profiles"]}
     assert listed == {name: name, "named": None}
     env = guards.env(guards.tmp)
-    out = subprocess.run([sys.executable, "-m", "cli.main", "profiles", "list", "--json", "--home",
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "profiles", "list", "--json", "--home",
                           str(tmp_path / "another-host")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     import json
     assert {p["name"]: p["identity"] for p in json.loads(out.stdout)["profiles"]} == listed
-    shown = subprocess.run([sys.executable, "-m", "cli.main", "profiles", "show", name], cwd=ROOT,
+    shown = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "profiles", "show", name], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=60).stdout
     assert f"identity:      {name}" in shown

@@ -115,7 +115,7 @@ def test_the_guards_answer_through_a_database_outage_and_lose_nothing(guards, se
     for d, run in ((g2, "r2"), (g1, "r3"), (g1, "r4")):
         assert end_run(d, run)["ok"] is True
 
-    out = subprocess.run([sys.executable, "-m", "cli.main", "audit", "show", "--json", "--profile",
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "audit", "show", "--json", "--profile",
                           "acct"], cwd=ROOT, env=guards.env(guards.tmp), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -125,7 +125,7 @@ def test_the_guards_answer_through_a_database_outage_and_lose_nothing(guards, se
                     ("profile_resealed", "r1", "late"), ("profile_released", "r1", "released_late"),
                     ("profile_leased", "r2", None), ("profile_resealed", "r2", "stored"),
                     ("profile_released", "r2", "succeeded")], seen
-    verify = subprocess.run([sys.executable, "-m", "cli.main", "audit", "verify"], cwd=ROOT,
+    verify = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "audit", "verify"], cwd=ROOT,
                             env=guards.env(guards.tmp), capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     print(f"\noutage {outage:.1f} s: status answered in at most {max(took):.2f} s "

@@ -12,13 +12,20 @@ import time
 import psycopg
 import pytest
 
-from supervisor import pg_store
-from supervisor.keys import KeyMissing
-from supervisor.pg_store import (
-    BLOB_CHUNK, PgAuditSink, PgBackend, PgKeyProvider, PgProfileLease, PgProfileStore,
-    SchemaTooNew, StaleLease, StoreUnavailable,
+from sfguard.supervisor.profiles import pg_store
+from sfguard.supervisor.profiles.keys import KeyMissing
+from sfguard.supervisor.profiles.pg_store import (
+    BLOB_CHUNK,
+    PgAuditSink,
+    PgBackend,
+    PgKeyProvider,
+    PgProfileLease,
+    PgProfileStore,
+    SchemaTooNew,
+    StaleLease,
+    StoreUnavailable,
 )
-from supervisor.protocols import Granted, ProfileKey, Waiting
+from sfguard.supervisor.protocols import Granted, ProfileKey, Waiting
 from tests.pg.conftest import ROOT
 
 P = ProfileKey("local", "shop")
@@ -73,7 +80,7 @@ def test_a_newer_schema_refuses_to_start_with_a_clear_message(pg_url, hosts, tmp
         PgBackend(pg_url)
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
            "SFGUARD_KEY_FILE": str(key_file)}
-    out = subprocess.run([sys.executable, "-m", "cli.main", "start", "--home",
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "start", "--home",
                           str(tmp_path / "g"), "--store", pg_url], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
@@ -247,7 +254,7 @@ def test_cli_profiles_audit_and_doctor_follow_the_store(pg_url, tmp_path, key_fi
            "SFGUARD_KEY_FILE": str(key_file), "SFGUARD_STORE": pg_url}
 
     def cli(*args, **kw):
-        return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env,
+        return subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60, **kw)
     made = cli("profiles", "create", "shop", "--home", str(tmp_path / "h1"))
     assert made.returncode == 0, made.stderr

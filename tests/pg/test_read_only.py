@@ -2,7 +2,6 @@
 code is refused by every command; the workflow identity of a profile is kept and shown."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import psycopg
 import pytest
 
-from supervisor.pg_store import PgBackend, StoreRefused
+from sfguard.supervisor.profiles.pg_store import PgBackend, StoreRefused
 from tests.pg.conftest import ROOT
 
 
@@ -31,7 +30,7 @@ def cli(tmp_path, key_file, pg_url):
            "SFGUARD_KEY_FILE": str(key_file), "SFGUARD_STORE": pg_url, "LANG": "C.UTF-8"}
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "cli.main", *args, "--home",
+        return subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args, "--home",
                                str(tmp_path / "home")], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
     run.env = env

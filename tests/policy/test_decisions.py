@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from policy import Decision, compile_patterns, parse_policy
+from sfguard.policy import Decision, compile_patterns, parse_policy
 
 POLICY = """\
 version: 1

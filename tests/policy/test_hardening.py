@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-import policy
-from policy import PolicyError, compile_patterns, parse_policy
+from sfguard import policy
+from sfguard.policy import PolicyError, compile_patterns, parse_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def sfguard(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import policy
-from policy.patterns import parse_pattern
+from sfguard import policy
+from sfguard.policy.patterns import parse_pattern
 
 
 @pytest.mark.parametrize("text, canonical", [

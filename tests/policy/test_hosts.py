@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from policy import MalformedHost, PatternError, compile_patterns, normalize_host, parse_pattern, split_host_port
-from policy.errors import PolicyError
+from sfguard.policy import MalformedHost, PatternError, compile_patterns, normalize_host, parse_pattern, split_host_port
+from sfguard.policy.errors import PolicyError
 
 BAD = MalformedHost  # marker: normalisation must refuse the input
 

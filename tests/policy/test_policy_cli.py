@@ -14,7 +14,7 @@ SHIPPED = ROOT / "policy" / "sites.yaml"
 
 
 def sfguard(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "internal error" not in proc.stderr, proc.stderr

@@ -15,7 +15,7 @@ SHIPPED_CASES = ROOT / "policy" / "tests"
 
 
 def sfguard(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, input=stdin)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "internal error" not in proc.stderr, proc.stderr

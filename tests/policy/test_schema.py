@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-import policy
-from policy import PolicyError, default_policy_path, load_policy, parse_policy
+from sfguard import policy
+from sfguard.policy import PolicyError, default_policy_path, load_policy, parse_policy
 
 BROKEN = Path(__file__).resolve().parent / "broken"
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from policy import PolicyError, PolicyWatcher, parse_policy
-from policy import patterns as patterns_mod
+from sfguard.policy import PolicyError, PolicyWatcher, parse_policy
+from sfguard.policy import patterns as patterns_mod
 
 GOOD = 'version: 1\nallow_always: ["*.example.com"]\n'
 

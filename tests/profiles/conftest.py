@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.testing import FakeKeyProvider, FakeProfileLease, FakeProfileStore
-from supervisor.keys import FileKeyProvider
-from supervisor.lease import LocalProfileLease
-from supervisor.profiles import LocalProfileStore
+from sfguard.supervisor.profiles.keys import FileKeyProvider
+from sfguard.supervisor.profiles.lease import LocalProfileLease
+from sfguard.supervisor.profiles.local_store import LocalProfileStore
+from sfguard.supervisor.testing import FakeKeyProvider, FakeProfileLease, FakeProfileStore
 
 ROOT = Path(__file__).resolve().parents[2]
 SCOPE_A, SCOPE_B = "alpha", "beta"
 
-# The `sfguard` console script's own entry (cli.main:main). Not `-m cli.main`: run that way,
+# The `sfguard` console script's own entry (cli.main:main). Not `-m sfguard.cli.main`: run that way,
 # cli.main is loaded twice (__main__ and cli.main) and CliError raised by a command module is
 # not caught as CliError (fixed since in cli/main.py).
 SFGUARD = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())"]
@@ -38,8 +38,8 @@ def sfguard(*args, home=None, env_home=None, input=None, cwd=ROOT):
 
 HOLDER_SCRIPT = r"""
 import sys
-from supervisor.lease import LocalProfileLease
-from supervisor.protocols import ProfileKey
+from sfguard.supervisor.profiles.lease import LocalProfileLease
+from sfguard.supervisor.protocols import ProfileKey
 lease = LocalProfileLease(sys.argv[1])
 got = lease.try_acquire(ProfileKey(sys.argv[2], sys.argv[3]), sys.argv[4])
 print(type(got).__name__, flush=True)
@@ -117,8 +117,8 @@ PG_TTL = 3.0   # seconds: a killed "other process" loses its lease this long aft
 
 PG_HOLDER_SCRIPT = r"""
 import sys
-from supervisor.pg_store import PgBackend, PgProfileLease
-from supervisor.protocols import ProfileKey
+from sfguard.supervisor.profiles.pg_store import PgBackend, PgProfileLease
+from sfguard.supervisor.protocols import ProfileKey
 lease = PgProfileLease(PgBackend(sys.argv[1], ttl=float(sys.argv[5])))
 got = lease.try_acquire(ProfileKey(sys.argv[2], sys.argv[3]), sys.argv[4])
 print(type(got).__name__, flush=True)
@@ -132,7 +132,7 @@ class PgHarness:
     kind = "pg"
 
     def __init__(self, tmp: Path, url: str):
-        from supervisor.pg_store import PgBackend, PgKeyProvider, PgProfileLease, PgProfileStore
+        from sfguard.supervisor.profiles.pg_store import PgBackend, PgKeyProvider, PgProfileLease, PgProfileStore
         self.url = url
         self.backend = PgBackend(url, ttl=PG_TTL)
         self.keys = PgKeyProvider(self.backend, os.urandom(32), "test key")

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from supervisor.audit import AuditFieldError, LocalAuditSink
-from supervisor.testing import FakeAuditSink
-from supervisor.keys import FileKeyProvider
+from sfguard.supervisor.profiles.audit import AuditFieldError, LocalAuditSink
+from sfguard.supervisor.profiles.keys import FileKeyProvider
+from sfguard.supervisor.testing import FakeAuditSink
 from tests.profiles.conftest import ROOT, sfguard
 
 
@@ -59,7 +59,7 @@ def _edit(ls):
 
 
 def _edit_and_rehash(ls):
-    from supervisor.audit import record_hash
+    from sfguard.supervisor.profiles.audit import record_hash
     rec = json.loads(ls[2])
     rec["fields"]["run"] = "run-evil"
     rec["hash"] = record_hash(rec)
@@ -134,7 +134,7 @@ def test_append_after_truncation_keeps_break_visible(sink):
 def test_concurrent_appenders_keep_chain(tmp_path):
     home = tmp_path / "home"
     LocalAuditSink(home)
-    code = ("import sys\nfrom supervisor.audit import LocalAuditSink\ns=LocalAuditSink(sys.argv[1])\n"
+    code = ("import sys\nfrom sfguard.supervisor.profiles.audit import LocalAuditSink\ns=LocalAuditSink(sys.argv[1])\n"
             "for i in range(50): s.record('denials_aggregated', run='run-'+sys.argv[2], hosts={'a.example': i}, count=i)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(home), str(w)], cwd=ROOT, env=env)

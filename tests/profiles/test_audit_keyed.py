@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from supervisor.audit import GENESIS, LocalAuditSink, canonical, record_hash
-from supervisor.keys import FileKeyProvider
-from supervisor.profiles import LocalProfileStore
-from supervisor.protocols import ProfileKey
+from sfguard.supervisor.profiles.audit import GENESIS, LocalAuditSink, canonical, record_hash
+from sfguard.supervisor.profiles.keys import FileKeyProvider
+from sfguard.supervisor.profiles.local_store import LocalProfileStore
+from sfguard.supervisor.protocols import ProfileKey
 from tests.profiles.conftest import sfguard
 
 

@@ -6,11 +6,18 @@ import stat
 
 import pytest
 
-from supervisor.protocols import (
-    Granted, KeyProvider, ProfileError, ProfileKey, ProfileLease, ProfileNameError,
-    ProfileNotFound, ProfileStore, Waiting,
+from sfguard.supervisor.profiles.sealing import SealError
+from sfguard.supervisor.protocols import (
+    Granted,
+    KeyProvider,
+    ProfileError,
+    ProfileKey,
+    ProfileLease,
+    ProfileNameError,
+    ProfileNotFound,
+    ProfileStore,
+    Waiting,
 )
-from supervisor.sealing import SealError
 from tests.profiles.conftest import SCOPE_A, SCOPE_B
 
 A = ProfileKey(SCOPE_A, "shop")

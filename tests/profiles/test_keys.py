@@ -7,8 +7,8 @@ import stat
 import keyring.backend
 import pytest
 
-from supervisor.testing import FakeKeyProvider
-from supervisor.keys import FileKeyProvider, KeyMissing, KeyringKeyProvider, default_key_provider
+from sfguard.supervisor.profiles.keys import FileKeyProvider, KeyMissing, KeyringKeyProvider, default_key_provider
+from sfguard.supervisor.testing import FakeKeyProvider
 
 
 class MemoryKeyring(keyring.backend.KeyringBackend):

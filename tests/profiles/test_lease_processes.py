@@ -8,14 +8,14 @@ import sys
 import time
 from collections import Counter
 
-from supervisor.lease import LocalProfileLease
-from supervisor.protocols import Granted, ProfileKey
+from sfguard.supervisor.profiles.lease import LocalProfileLease
+from sfguard.supervisor.protocols import Granted, ProfileKey
 from tests.profiles.conftest import ROOT
 
 RACE_SCRIPT = r"""
 import sys, time
-from supervisor.lease import LocalProfileLease
-from supervisor.protocols import ProfileKey
+from sfguard.supervisor.profiles.lease import LocalProfileLease
+from sfguard.supervisor.protocols import ProfileKey
 home, run, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
 lease = LocalProfileLease(home)
 while time.time() < start:
@@ -27,8 +27,8 @@ sys.stdin.read()
 
 STRESS_SCRIPT = r"""
 import os, random, sys, time
-from supervisor.lease import LocalProfileLease
-from supervisor.protocols import Granted, ProfileKey
+from sfguard.supervisor.profiles.lease import LocalProfileLease
+from sfguard.supervisor.protocols import Granted, ProfileKey
 home, worker, runs, log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 lease = LocalProfileLease(home)
 rnd = random.Random(worker)
@@ -123,7 +123,7 @@ def test_lease_files_hold_holder_identity(tmp_path):
 def test_reused_pid_with_other_start_time_is_stale(tmp_path):
     """A recorded pid that now belongs to another process (different start time) is dead."""
     home = tmp_path / "home"
-    from supervisor.protocols import ProcessIdentity
+    from sfguard.supervisor.protocols import ProcessIdentity
     ghost = LocalProfileLease(home, owner=ProcessIdentity(os.getpid(), 12345.0))
     key = ProfileKey("local", "shop")
     assert isinstance(ghost.try_acquire(key, "run-ghost"), Granted)

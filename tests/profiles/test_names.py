@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from supervisor.profiles import normalise_pipeline_path, pipeline_profile_name
-from supervisor.protocols import ProfileKey, ProfileNameError, validate_name
+from sfguard.supervisor.profiles.local_store import normalise_pipeline_path, pipeline_profile_name
+from sfguard.supervisor.protocols import ProfileKey, ProfileNameError, validate_name
 
 VALID = ["a", "0", "shop", "my-shop_2", "a" * 64, "pipeline-0123456789abcdef", "9lives", "x-", "x_"]
 INVALID = [

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from supervisor.audit import LocalAuditSink
+from sfguard.supervisor.profiles.audit import LocalAuditSink
 from tests.profiles.conftest import HOLDER_SCRIPT, run_python, sfguard
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from supervisor.redaction import MASK, redact
+from sfguard.supervisor.redaction import MASK, redact
 from tests.profiles.conftest import ROOT
 
 COOKIE = "sid=Zx81kQpL0vR7"
@@ -48,7 +48,7 @@ def test_harmless_text_kept(text):
 SCRIPT = r"""
 import logging, sys
 from pathlib import Path
-from supervisor import redaction
+from sfguard.supervisor import redaction
 home = Path(sys.argv[1])
 secrets = sys.argv[2:]
 cookie, bearer, proxy_pass, cdp_id, run_secret = secrets
@@ -109,6 +109,6 @@ def test_secrets_never_reach_any_file_in_home(tmp_path):
 
 
 def test_register_secret_refuses_short_values():
-    from supervisor.redaction import register_secret
+    from sfguard.supervisor.redaction import register_secret
     with pytest.raises(ValueError):
         register_secret("abc")

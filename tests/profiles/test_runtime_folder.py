@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import stat
 
-from supervisor.home import runtime_path
-from supervisor.keys import FileKeyProvider
-from supervisor.profiles import LocalProfileStore
-from supervisor.protocols import ProfileKey
+from sfguard.supervisor.home import runtime_path
+from sfguard.supervisor.profiles.keys import FileKeyProvider
+from sfguard.supervisor.profiles.local_store import LocalProfileStore
+from sfguard.supervisor.protocols import ProfileKey
 from tests.profiles.conftest import sfguard
 
 SHOP = ProfileKey("local", "shop")

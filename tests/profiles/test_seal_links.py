@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.sealing import seal_dir, unseal_to
+from sfguard.supervisor.profiles.sealing import seal_dir, unseal_to
 
 SCOPE_KEY = bytes(range(32))
 

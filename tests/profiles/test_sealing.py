@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import sealing
-from supervisor.keys import FileKeyProvider
-from supervisor.profiles import LocalProfileStore
-from supervisor.protocols import ProfileKey
-from supervisor.sealing import SealError, is_excluded, seal_dir, unseal_to
+from sfguard.supervisor.profiles import sealing
+from sfguard.supervisor.profiles.keys import FileKeyProvider
+from sfguard.supervisor.profiles.local_store import LocalProfileStore
+from sfguard.supervisor.profiles.sealing import SealError, is_excluded, seal_dir, unseal_to
+from sfguard.supervisor.protocols import ProfileKey
 from tests.profiles.conftest import ROOT
 
 KEY = ProfileKey("local", "shop")
@@ -218,9 +218,9 @@ def test_hostile_archive_members_refused(tmp_path, member):
 CRASH_SCRIPT = r"""
 import os, sys
 from pathlib import Path
-from supervisor.keys import FileKeyProvider
-from supervisor.profiles import LocalProfileStore
-from supervisor.protocols import ProfileKey
+from sfguard.supervisor.profiles.keys import FileKeyProvider
+from sfguard.supervisor.profiles.local_store import LocalProfileStore
+from sfguard.supervisor.protocols import ProfileKey
 home, run = Path(sys.argv[1]), Path(sys.argv[2])
 store = LocalProfileStore(home, FileKeyProvider(home), runtime=run)
 key = ProfileKey("local", "shop")

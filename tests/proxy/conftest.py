@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SFGUARD = [sys.executable, "-m", "cli.main"]
+SFGUARD = [sys.executable, "-m", "sfguard.cli.main"]
 TOKEN_A = "tok-A-0123456789abcdef"
 TOKEN_B = "tok-B-0123456789abcdef"
 READY_TIMEOUT = 30.0
@@ -31,7 +31,7 @@ class ProxyProc:
     port: int
     first_lines: list[str]
     stderr_path: Path
-    stdout_lines: "queue.Queue[str | None]"
+    stdout_lines: queue.Queue[str | None]
 
     @property
     def url(self) -> str:
@@ -60,14 +60,14 @@ class ProxyProc:
         return rest
 
 
-def _pump(proc: subprocess.Popen, lines: "queue.Queue[str | None]") -> None:
+def _pump(proc: subprocess.Popen, lines: queue.Queue[str | None]) -> None:
     """Reader thread: every stdout line of the proxy into a queue (None at EOF)."""
     for line in proc.stdout:
         lines.put(line.rstrip("\n"))
     lines.put(None)
 
 
-def _readline(lines: "queue.Queue[str | None]", deadline: float) -> str | None:
+def _readline(lines: queue.Queue[str | None], deadline: float) -> str | None:
     try:
         return lines.get(timeout=max(0.0, deadline - time.monotonic()))
     except queue.Empty:

@@ -356,8 +356,9 @@ def test_report_mode_lets_a_not_allowed_public_host_through_with_would_deny(prox
 # --- catch-all patterns through the proxy ---------------------------------------------------------
 @pytest.mark.parametrize("allow", ["0.0.0.0/0", "0.0.0.0/1,128.0.0.0/1", "::/0"])
 def test_catch_all_allow_is_refused_at_start(proxies, allow):
-    from .conftest import SFGUARD, ROOT
     import subprocess
+
+    from .conftest import ROOT, SFGUARD
     proc = subprocess.run(SFGUARD + ["proxy", "--allow", allow], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "catch-all" in proc.stderr and "hint" in proc.stderr

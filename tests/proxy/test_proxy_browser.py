@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import agent_browser
+from sfguard.supervisor.browsers import agent_browser
 
 from .conftest import TOKEN_A, write_policy
 

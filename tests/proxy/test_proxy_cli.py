@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from .conftest import (ROOT, SFGUARD, TOKEN_A, TOKEN_B, basic, connect, get, read_head,
-                       write_policy)
+from .conftest import ROOT, SFGUARD, TOKEN_A, TOKEN_B, basic, connect, get, read_head, write_policy
 
 A = basic("a", TOKEN_A)
 
@@ -38,7 +37,7 @@ def wait_closed(sock: socket.socket, timeout: float = 5.0) -> bool:
                 return True
     except (ConnectionResetError, BrokenPipeError):
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 

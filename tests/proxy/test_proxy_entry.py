@@ -1,32 +1,30 @@
-"""One proxy process for the daemon and the operator: `python -m supervisor.proxy_child` (what
+"""One proxy process for the daemon and the operator: `python -m sfguard.supervisor.daemon.proxy_child` (what
 the daemon starts per run, clients over stdin) and `sfguard proxy` (flags) answer alike and
 write the same decision log, and a decision's line is on disk when its client has the answer."""
 from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-import queue
-import threading
-
-from .conftest import (ROOT, TOKEN_A, _pump, _readline, basic, connect, get, start_proxy,
-                       write_policy)
+from .conftest import ROOT, TOKEN_A, _pump, _readline, basic, connect, get, start_proxy, write_policy
 
 A = basic("a", TOKEN_A)
 TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 
 class RunChild:
-    """`python -m supervisor.proxy_child`, started and fed exactly as the daemon's RunProxy."""
+    """`python -m sfguard.supervisor.daemon.proxy_child`, started and fed exactly as the daemon's RunProxy."""
 
     def __init__(self, policy, log, resolve: list[str]) -> None:
-        argv = [sys.executable, "-m", "supervisor.proxy_child", "--listen-port", "0",
+        argv = [sys.executable, "-m", "sfguard.supervisor.daemon.proxy_child", "--listen-port", "0",
                 "--policy", str(policy), "--decision-log", str(log)]
         for item in resolve:
             argv += ["--resolve", item]
@@ -138,7 +136,7 @@ def test_many_tunnels_leave_one_whole_line_each(entry, echo_server):
     (["--listen-port", "70000"], "70000"),
 ], ids=["malformed resolve host", "port out of range"])
 def test_run_proxy_bad_start_arguments_exit_2_with_one_clear_line(tmp_path, policy_file, argv, needle):
-    r = subprocess.run([sys.executable, "-m", "supervisor.proxy_child", "--policy", str(policy_file),
+    r = subprocess.run([sys.executable, "-m", "sfguard.supervisor.daemon.proxy_child", "--policy", str(policy_file),
                         "--decision-log", str(tmp_path / "d.log"), *argv],
                        cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-import policy
-from proxy_addons.clients import ClientRegistry, ClientSpecError, make_client
-from proxy_addons.server import GuardConfig, GuardProxy, GuardStartError
+from sfguard import policy
+from sfguard.proxy_addons.clients import ClientRegistry, ClientSpecError, make_client
+from sfguard.proxy_addons.server import GuardConfig, GuardProxy, GuardStartError
 
 from .conftest import TOKEN_A, TOKEN_B, basic, write_policy
 

@@ -21,12 +21,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.home import runtime_dir, runtime_path
-from tests.conftest import free_port
-from tests.daemon.conftest import FAKE_AB, FAKE_CHROMIUM, ROOT, Daemon, fake_browser_for
+from sfguard.supervisor.home import runtime_dir, runtime_path
+from tests.daemon.conftest import FAKE_AB, ROOT, Daemon, fake_browser_for
 from tests.daemon.fake_cdp import FakeCdp
 
-SFGUARD = [sys.executable, "-m", "cli.main"]
+SFGUARD = [sys.executable, "-m", "sfguard.cli.main"]
 
 
 # --------------------------------------------------------------------------- processes
@@ -266,7 +265,7 @@ def wait_stage_ready(d, run: str, sid: str, timeout: float = 60) -> dict:
 
 
 def as_stage(env: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    from supervisor import tools
+    from sfguard.supervisor.browsers import tools
     ab = tools.find_agent_browser().path
     stage_env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **env}
     return subprocess.run([ab, *args], env=stage_env, capture_output=True, text=True, timeout=timeout)

@@ -11,9 +11,13 @@ import time
 
 import pytest
 
-from supervisor.home import runtime_path
-from tests.reliability.conftest import (assert_promises, daemon_tree, guard_processes, request_stage,
-                                        wait_for, wait_stage_ready)
+from sfguard.supervisor.home import runtime_path
+from tests.reliability.conftest import (
+    assert_promises,
+    guard_processes,
+    request_stage,
+    wait_for,
+)
 
 pytestmark = pytest.mark.reliability
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from supervisor.home import runtime_path
+from sfguard.supervisor.home import runtime_path
 from tests.reliability.conftest import assert_promises, audit_verify, request_stage
 from tests.reliability.test_fault_daemon_kill import seed_profile
 

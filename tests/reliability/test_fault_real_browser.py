@@ -10,9 +10,17 @@ import time
 import psutil
 import pytest
 
-from supervisor.home import runtime_path
-from tests.reliability.conftest import (as_stage, assert_promises, cookies_seen, guard_processes,
-                                        hits, login_as_stage, request_stage, wait_for)
+from sfguard.supervisor.home import runtime_path
+from tests.reliability.conftest import (
+    as_stage,
+    assert_promises,
+    cookies_seen,
+    guard_processes,
+    hits,
+    login_as_stage,
+    request_stage,
+    wait_for,
+)
 from tests.reliability.test_load_proxy import record_result
 
 pytestmark = [pytest.mark.reliability, pytest.mark.browser, pytest.mark.slow]

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.api import ROUTES, openapi_document
+from sfguard.supervisor.daemon.api import ROUTES, openapi_document
 from tests.conftest import free_port
-from tests.daemon.fake_cdp import FakeCdp
 from tests.daemon.conftest import fake_browser_for
+from tests.daemon.fake_cdp import FakeCdp
 from tests.reliability.conftest import FAKE_AB, FakeGuard, base_env, guard_processes, kill_all
 
 pytestmark = pytest.mark.reliability
@@ -137,7 +137,7 @@ NESTED = b'{"a": ' * 5000 + b"1" + b"}" * 5000
 def test_deeply_nested_json_is_a_400(make_fake_guard, nested):
     d = make_fake_guard()
     st, body = d.call("GET", "/v1/status")
-    from supervisor.client import _UnixConnection, socket_path
+    from sfguard.supervisor.client.guard_client import _UnixConnection, socket_path
     conn = _UnixConnection(str(socket_path(d.home)), 30)
     conn.request("POST", "/v1/runs", body=nested, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()

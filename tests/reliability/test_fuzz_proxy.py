@@ -25,7 +25,7 @@ AUTH = "Basic " + base64.b64encode(b"fz:fuzz-token-0123456789").decode()
 @pytest.fixture(scope="module")
 def site_mod(tmp_path_factory):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fixtures.login_server", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "sfguard.fixtures.login_server", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout.readline().decode().startswith("ready ")
     yield port
@@ -39,7 +39,7 @@ def proxy(tmp_path_factory, site_mod):
     pol = write_policy(tmp / "sites.yaml", site_mod)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "proxy", "--allow", "site-a.test", "--policy", str(pol),
+        [sys.executable, "-m", "sfguard.cli.main", "proxy", "--allow", "site-a.test", "--policy", str(pol),
          "--listen", f"127.0.0.1:{port}", "--client", "fz:fuzz-token-0123456789",
          "--resolve", "site-a.test=127.0.0.1", "--resolve", "site-b.test=127.0.0.1",
          "--decision-log", str(tmp / "decisions.log")],

@@ -11,9 +11,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import policy
-from policy.schema import MAX_POLICY_BYTES
-from supervisor.pipeline import MAX_PIPELINE_BYTES, validate_pipeline
+from sfguard import policy
+from sfguard.policy.schema import MAX_POLICY_BYTES
+from sfguard.supervisor.pipeline.spec import MAX_PIPELINE_BYTES, validate_pipeline
 from tests.daemon.conftest import ROOT
 
 pytestmark = pytest.mark.reliability
@@ -72,7 +72,7 @@ MERGE_BOMB = "a: &a {x: 1}\nb: {<<: *a}\n" * 1
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 

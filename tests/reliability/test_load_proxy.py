@@ -101,7 +101,7 @@ def run_load(tmp_path, tunnels: int, seconds: float) -> dict:
     pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {echo_port}]\nblock: []\n"
                    "private_networks:\n  allow: [127.0.0.1/32]\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "proxy", "--allow", "127.0.0.1", "--policy", str(pol),
+        [sys.executable, "-m", "sfguard.cli.main", "proxy", "--allow", "127.0.0.1", "--policy", str(pol),
          "--listen", f"127.0.0.1:{port}", "--client", "load:load-token-0123456789",
          "--decision-log", str(tmp_path / "decisions.log")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp_path / "proxy.err", "wb"))

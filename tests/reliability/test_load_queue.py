@@ -19,7 +19,7 @@ pytestmark = pytest.mark.reliability
 CLIENT = r"""
 import json, sys, time
 from pathlib import Path
-from supervisor.client import GuardClient
+from sfguard.supervisor.client.guard_client import GuardClient
 home, runs = Path(sys.argv[1]), sys.argv[2].split(",")
 c = GuardClient(home, timeout=120)
 body = lambda: {"stage_id": "s1", "attempt": 1,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import sandbox
+from sfguard.supervisor.stage import sandbox
 from tests.daemon.conftest import ROOT, daemon, fake_cdp  # noqa: F401 (fixtures)
 
 SENTINEL = "sfg-sentinel-3b9c"
@@ -43,7 +43,7 @@ def runner_env(home: Path) -> dict[str, str]:
 
 
 def stage_exec_argv(home: Path, run: str, stage: str, *cmd: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", "stage-exec", "--home", str(home), "--run", run,
+    return [sys.executable, "-m", "sfguard.cli.main", "stage-exec", "--home", str(home), "--run", run,
             "--stage", stage, "--", *cmd]
 
 
@@ -58,7 +58,8 @@ def start_fake_daemon(tmp_path: Path, fake_cdp, *args: str, path_prefix: str = "
     """A guard like tests/daemon's `daemon` fixture (fake agent-browser and CDP), with extra
     start arguments and an optional PATH prefix (`expect_ready=False`: do not wait for it)."""
     import json
-    from supervisor.home import runtime_dir
+
+    from sfguard.supervisor.home import runtime_dir
     from tests.daemon.conftest import FAKE_AB, Daemon
     home = (tmp_path / "home").absolute()
     env = {"PATH": path_prefix + os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",

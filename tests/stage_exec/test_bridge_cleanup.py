@@ -1,5 +1,5 @@
 """A guard's stage bridge folder (`sfb-...` beside its runtime folder, see
-supervisor/stage_bridge.py) goes with the guard on every way out: a stop, a start that fails
+supervisor/stage/stage_bridge.py) goes with the guard on every way out: a stop, a start that fails
 after the guard started (a port it cannot bind), and a kill followed by `sfguard sweep`."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from supervisor.home import runtime_path
-from supervisor.stage_bridge import bridge_root_for
+from sfguard.supervisor.home import runtime_path
+from sfguard.supervisor.stage.stage_bridge import bridge_root_for
 from tests.daemon.conftest import ROOT
 from tests.shm_leftovers import left_by
 from tests.stage_exec.conftest import start_fake_daemon
@@ -47,7 +47,7 @@ def test_a_killed_guard_then_sfguard_sweep_leaves_no_bridge_folder(tmp_path, fak
         ready_stage(d)
         assert d.stop(signal.SIGKILL) == -signal.SIGKILL
         assert bridge_root(d).exists()             # nothing can clean up inside a SIGKILL
-        r = subprocess.run([sys.executable, "-m", "cli.main", "sweep", "--home", str(d.home), "--json"],
+        r = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "sweep", "--home", str(d.home), "--json"],
                            cwd=ROOT, env=d.env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert '"bridges_removed": true' in r.stdout, r.stdout

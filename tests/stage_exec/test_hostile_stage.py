@@ -8,18 +8,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
-from supervisor import tools
-from supervisor.home import runtime_path
-from supervisor.stage_bridge import bridge_root_for
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.home import runtime_path
+from sfguard.supervisor.stage.stage_bridge import bridge_root_for
 from tests.daemon.conftest import ROOT, Daemon
-from tests.stage_exec.conftest import STAGE_PYTHON, runner_env, stage_exec
+from tests.stage_exec.conftest import STAGE_PYTHON, stage_exec
 
 pytestmark = pytest.mark.browser
 HERE = Path(__file__).resolve().parent

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.conftest import ROOT, Daemon
-from tests.stage_exec.conftest import (SENTINEL, STAGE_PYTHON, runner_env, stage_exec,
-                                       stage_exec_argv, start_fake_daemon)
+from tests.stage_exec.conftest import SENTINEL, STAGE_PYTHON, runner_env, stage_exec, stage_exec_argv, start_fake_daemon
 
 STAGE_KEYS = {"AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
               "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS"}
@@ -225,8 +224,8 @@ def test_control_socket_default_0600_and_api_group(tmp_path, fake_cdp, workspace
     finally:
         d.finish()
     # a stopped guard leaves no bridge folder behind
-    from supervisor.home import runtime_path
-    from supervisor.stage_bridge import bridge_root_for
+    from sfguard.supervisor.home import runtime_path
+    from sfguard.supervisor.stage.stage_bridge import bridge_root_for
     assert not bridge_root_for(runtime_path(home)).exists()
     bad = Daemon(home, env, tmp_path / "daemon2.log")
     bad.start("--api-group", "no-such-group-sfg", expect_ready=False)
@@ -254,7 +253,7 @@ def test_no_sandbox_here_means_refusal_not_unconfined(tmp_path, fake_cdp, worksp
 
 
 def test_doctor_reports_the_sandbox():
-    r = subprocess.run([sys.executable, "-m", "cli.main", "doctor"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "doctor"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = [l for l in r.stdout.splitlines() if "stage sandbox" in l]
     assert line and line[0].startswith("ok "), r.stdout
@@ -269,7 +268,7 @@ def test_doctor_reports_the_sandbox():
     ("/tmp/ci/node_modules/agent-browser/bin/ab", ["/tmp/ci/node_modules/agent-browser/bin/x"], None),
 ])
 def test_agent_browser_under_tmp_is_bound_back_only_outside_guard_folders(tmp_path, tool, forbidden, expect):
-    from supervisor import sandbox
+    from sfguard.supervisor.stage import sandbox
     if tool and tool.startswith("/tmp/ci/"):
         real = tmp_path / "ci" / "node_modules" / "agent-browser" / "bin"
         real.mkdir(parents=True)

@@ -1,12 +1,12 @@
-"""supervisor.pipeline as a library (what `sfguard demo` and the daemon use)."""
+"""sfguard.supervisor.pipeline.spec as a library (what `sfguard demo` and the daemon use)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor import tools
-from supervisor.pipeline import Route, validate_pipeline
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.pipeline.spec import Route, validate_pipeline
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "login-pipeline.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "supervisor" / "demo" / "login-pipeline.yaml"
 
 
 def test_example_report_exposes_stages_routes_and_browser_fields():

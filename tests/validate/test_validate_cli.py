@@ -13,13 +13,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).resolve().parent / "cases"
-EXAMPLE = ROOT / "docs" / "examples" / "login-pipeline.yaml"
+EXAMPLE = ROOT / "supervisor" / "demo" / "login-pipeline.yaml"
 FINDING = re.compile(r"^(\S+?:\d+:\d+: \S+): (.*)$")
 
 
 def sfguard(*args: str, cwd: Path = CASES, env: dict | None = None) -> subprocess.CompletedProcess:
     full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "cli.main", "validate", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "sfguard.cli.main", "validate", *args], cwd=cwd,
                           env=full, capture_output=True, text=True, timeout=120)
 
 

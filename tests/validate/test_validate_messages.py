@@ -14,7 +14,7 @@ CASES = Path(__file__).resolve().parent / "cases"
 
 
 def validate(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", "validate", str(path), "--no-tool-check"],
+    return subprocess.run([sys.executable, "-m", "sfguard.cli.main", "validate", str(path), "--no-tool-check"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
 

@@ -1,0 +1,1 @@
+"""Browsers: launching Chromium, agent-browser, the browser user, login check, handoff."""

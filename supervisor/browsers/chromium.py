@@ -1,0 +1,161 @@
+"""Starting Chromium the guard's way: DevTools over a pipe, never a port.
+
+`chromium_args` is the command line; `spawn` starts the browser with its DevTools pipe on fds
+3 (browser reads) and 4 (browser writes) and returns the process and the guard's pipe ends.
+
+The flags: what agent-browser 0.41.2 passed when it launched anchors (read from
+/proc/PID/cmdline of a browser `agent-browser open` started, see docs/agent-browser-notes.md),
+minus what only made sense for it (`--remote-debugging-port=0`, `--load-extension=`,
+`--enable-remote-extensions`, `--show-component-extension-options`), plus the guard's own:
+`--remote-debugging-pipe`, the run proxy with `<-loopback>` bypass (no credential on the
+command line: the guard answers the proxy's challenge over the pipe), WebRTC limited to
+proxied UDP, no QUIC. `--no-sandbox` only when asked for (a browser started by root as
+root, outside the guard: the guard under root starts its browsers as the browser user,
+supervisor/browsers/browser_user.py, with the sandbox on).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+from sfguard.supervisor.daemon.sweep import ProcRecord, scan_orphans, terminate_recorded, wait_gone
+
+#: The flags agent-browser 0.41.2 launched Chromium with, kept because they still serve.
+AGENT_BROWSER_FLAGS = (
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-background-networking",
+    "--disable-backgrounding-occluded-windows",
+    "--disable-component-update",
+    "--disable-default-apps",
+    "--disable-hang-monitor",
+    "--disable-popup-blocking",
+    "--disable-prompt-on-repost",
+    "--disable-sync",
+    "--disable-pings",
+    "--media-router=0",
+    "--disable-features=Translate",
+    # agent-browser sends WebMCP.enable on every page session; Chromium 156 needs these.
+    "--enable-features=NetworkService,NetworkServiceInProcess,WebMCPTesting,DevToolsWebMCPSupport",
+    "--metrics-recording-only",
+    # Profiles made by agent-browser-launched anchors use the basic store; keep it readable.
+    "--password-store=basic",
+    "--use-mock-keychain",
+    "--enable-gpu-rasterization",
+    "--enable-unsafe-swiftshader",
+    "--hide-scrollbars",
+    "--window-size=1280,720",
+)
+#: The guard's own flags, for every browser it starts.
+GUARD_FLAGS = (
+    "--remote-debugging-pipe",
+    "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
+    "--disable-quic",
+    "--disable-background-timer-throttling",
+    "--disable-renderer-backgrounding",
+)
+PROXY_BYPASS = "<-loopback>"
+#: Crash reports, inside the profile dir.
+CRASH_DIR = "Crash Reports"
+#: DevTools pipe fds inside the browser (Chromium's fixed numbers).
+PIPE_READ_FD, PIPE_WRITE_FD = 3, 4
+
+
+def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_port: int | None,
+                  headed: bool, no_sandbox: bool) -> list[str]:
+    argv = [str(browser_path), *AGENT_BROWSER_FLAGS, *GUARD_FLAGS,
+            f"--user-data-dir={profile_dir}"]
+    if not headed:
+        argv.append("--headless=new")
+    if proxy_port is not None:
+        argv += [f"--proxy-server=http://127.0.0.1:{int(proxy_port)}",
+                 f"--proxy-bypass-list={PROXY_BYPASS}"]
+    if no_sandbox:
+        argv.append("--no-sandbox")
+    argv.append("about:blank")
+    return argv
+
+
+def browser_env(base: dict[str, str] | None = None, *,
+                profile_dir: str | os.PathLike | None = None,
+                home: str | os.PathLike | None = None) -> dict[str, str]:
+    """A scrubbed environment: no proxy variables (Chromium would not use them with
+    --proxy-server, but nothing inherited should matter), only plain session variables.
+
+    With `profile_dir`, crash reports go inside the profile (`BREAKPAD_DUMP_LOCATION`, which
+    Chromium's crash handler takes as its `--database`): a dump holds the browser's memory,
+    live cookies included, so it stays where the profile is sealed or deleted, never in
+    ~/.config/chromium. The handler then also names the profile on its command line, which
+    is how `end_helpers` finds it (it double-forks out of the browser's process group).
+
+    With `home` (a browser user's own folder): HOME and TMPDIR are that folder, and nothing
+    that points into the guard user's own folders is passed (its runtime dir, caches, config,
+    X authority file): the browser writes only where its user may."""
+    src = os.environ if base is None else base
+    keep = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY", "WAYLAND_DISPLAY",
+            "XAUTHORITY", "FONTCONFIG_PATH", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+    if home is not None:
+        keep = ("PATH", "LANG", "DISPLAY", "WAYLAND_DISPLAY", "FONTCONFIG_PATH")
+    env = {k: src[k] for k in keep if src.get(k)}
+    if home is not None:
+        env["HOME"] = env["TMPDIR"] = os.fspath(home)
+    if profile_dir is not None:
+        env["BREAKPAD_DUMP_LOCATION"] = os.path.join(os.fspath(profile_dir), CRASH_DIR)
+    return env
+
+
+def end_helpers(profile_dir: str | os.PathLike, timeout: float = 3.0,
+                uids: tuple[int | None, ...] = (), grace: float = 5.0) -> list[ProcRecord]:
+    """End what a closed browser left running outside its process group: processes naming
+    its profile (the crash handler, which may outlive the browser), of this user or of
+    `uids` (the browser user). The crash handler ends by itself once its browser is gone, so
+    it is given `grace` seconds first; only what is still alive then is signalled. Blocking;
+    returns the records it had to signal."""
+    left = scan_orphans([profile_dir], uids)
+    if left and not wait_gone(left, grace):
+        return terminate_recorded(left, timeout)
+    return []
+
+
+async def spawn(argv: list[str], *, env: dict[str, str], cwd: str,
+                user: int | None = None, group: int | None = None,
+                ) -> tuple[asyncio.subprocess.Process, asyncio.StreamReader, asyncio.WriteTransport]:
+    """Start the browser with its DevTools pipe. Returns (process, reader of fd 4, writer to
+    fd 3). The browser leads its own session and process group."""
+    to_browser_r, to_browser_w = os.pipe()
+    from_browser_r, from_browser_w = os.pipe()
+    # Move the child's ends above 4 so the dup2 below cannot clobber one with the other.
+    hi_r, hi_w = _dup_high(to_browser_r), _dup_high(from_browser_w)
+    for fd in (to_browser_r, from_browser_w):
+        os.close(fd)
+
+    def child_fds() -> None:  # runs in the child between fork and exec
+        os.dup2(hi_r, PIPE_READ_FD)
+        os.dup2(hi_w, PIPE_WRITE_FD)
+
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=child_fds,
+            pass_fds=(PIPE_READ_FD, PIPE_WRITE_FD), user=user, group=group,
+            extra_groups=[] if user is not None else None)
+    except BaseException:
+        for fd in (hi_r, hi_w, to_browser_w, from_browser_r):
+            os.close(fd)
+        raise
+    os.close(hi_r)
+    os.close(hi_w)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=256 * 1024 * 1024)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                 os.fdopen(from_browser_r, "rb", buffering=0))
+    transport, _ = await loop.connect_write_pipe(asyncio.Protocol,
+                                                 os.fdopen(to_browser_w, "wb", buffering=0))
+    return proc, reader, transport
+
+
+def _dup_high(fd: int) -> int:
+    import fcntl
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)

@@ -1,0 +1,156 @@
+"""Human handoff: how an operator gets to log in to a run's browser (docs/design.md 4.5).
+
+A human login stage stops at a confirm gate. The gate's payload tells the console (or the
+operator reading `sfguard`) what to do, as a `HandoffPayload`:
+
+    {"kind": "local_window", "site": "127.0.0.1", "reason": "...", "url": "http://..."}
+    {"kind": "live_view",    "site": "...",       "reason": "...", "url": "https://viewer..."}
+
+`local_window` means: the run's anchor browser is shown as a visible window on this machine,
+at `url`, and the operator logs in there. `live_view` means: the login tab is streamed to a
+page of the guard's console (supervisor/console/handoff.py), at a one-time `url`; it is what a
+guard without a screen (a container, CI) uses, and the seam for a hosted service.
+
+A handoff is refused up front with `HandoffImpossible` when it cannot work, naming the cause:
+a local window needs a screen, so on Linux DISPLAY or WAYLAND_DISPLAY must be set, and inside a
+container (Docker, Podman, Kubernetes) nobody could see the window at all.
+
+The guard (daemon) uses it like this:
+
+    handoff = LocalWindowHandoff()
+    handoff.check_possible(profile="fixture")   # HandoffImpossible -> fail the stage, show message
+    payload = handoff.payload(site="127.0.0.1", reason="...", url=check.url)
+    # relaunch / show the anchor headed, put payload.model_dump() in the gate, audit handoff_opened
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from typing import Annotated, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, StringConstraints, model_validator
+
+from sfguard.supervisor.browsers import tools
+
+__all__ = ["FakeHandoff", "Handoff", "HandoffImpossible", "HandoffPayload", "LocalWindowHandoff"]
+
+HandoffKind = Literal["local_window", "live_view"]
+_URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
+
+
+class HandoffImpossible(Exception):
+    """The handoff cannot work here. `cause` is a short code ("no_display", "container");
+    str() is a full sentence saying why and what to do instead."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+class HandoffPayload(BaseModel):
+    """What a login gate shows. `url` is optional for local_window (the page the window opens
+    on) and required for live_view (the link to the streamed browser). No secrets: a site
+    name, a sentence, a page address; never a CDP address or credential."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: HandoffKind
+    site: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    url: Annotated[str, StringConstraints(max_length=2048)] | None = None
+
+    @model_validator(mode="after")
+    def _url_rules(self) -> HandoffPayload:
+        if self.url is not None and not _URL.match(self.url):
+            raise ValueError("url must be an http:// or https:// address")
+        if self.kind == "live_view" and self.url is None:
+            raise ValueError("a live_view handoff needs the url of the live view")
+        if self.url is not None and self.url.lower().startswith(("ws://", "wss://")):
+            raise ValueError("url must be a page address, not a WebSocket")
+        return self
+
+
+@runtime_checkable
+class Handoff(Protocol):
+    """The seam between the guard and however a person reaches the browser."""
+
+    #: the payload kind this handoff produces
+    kind: str
+    #: True when the anchor browser must run headed (a visible window) for the handoff
+    needs_headed: bool
+
+    def check_possible(self, *, profile: str | None = None, url: str | None = None) -> None:
+        """Raise HandoffImpossible (with a message naming the cause and the way out) when this
+        handoff cannot work on this host."""
+
+    def payload(self, *, site: str, reason: str, url: str | None = None) -> HandoffPayload:
+        """The gate payload for a login on `site`. Calls check_possible first."""
+
+
+class LocalWindowHandoff:
+    """The operator logs in through a visible browser window on this machine.
+
+    The probes are injectable for tests; by default they look at this process's environment
+    (`sfguard.supervisor.browsers.tools.display_available`, `in_container`) and `sys.platform`."""
+
+    kind = "local_window"
+    needs_headed = True
+
+    def __init__(self, *, display: Callable[[], str | None] = tools.display_available,
+                 container: Callable[[], bool] = tools.in_container,
+                 platform: str | None = None):
+        self._display = display
+        self._container = container
+        self._platform = platform or sys.platform
+
+    def check_possible(self, *, profile: str | None = None, url: str | None = None) -> None:
+        prepare = _prepare_hint(profile, url)
+        if self._container():
+            raise HandoffImpossible(
+                "a visible login window is not possible: the guard runs inside a container, "
+                "where no one can see a browser window (ask for a live_view handoff in the guard's "
+                "console instead: kind live_view, or auto with the console on). "
+                f"{prepare}", "container")
+        if self._platform not in ("darwin", "win32") and not self._display():
+            raise HandoffImpossible(
+                "a visible login window is not possible: neither DISPLAY nor WAYLAND_DISPLAY is "
+                "set, so this host has no screen for the guard (sfguard never starts a hidden "
+                "virtual display). Start the guard from a desktop session, or "
+                f"{prepare[0].lower()}{prepare[1:]}", "no_display")
+
+    def payload(self, *, site: str, reason: str, url: str | None = None) -> HandoffPayload:
+        self.check_possible(url=url)
+        return HandoffPayload(kind="local_window", site=site, reason=reason, url=url)
+
+
+def _prepare_hint(profile: str | None, url: str | None) -> str:
+    name = profile or "NAME"
+    where = url or "URL"
+    return (f"Log in ahead of the run with `sfguard profiles login {name} --url {where}` on a "
+            "machine with a display where this guard home lives, then run the pipeline again; "
+            "copy nothing: the login stays sealed in the guard home.")
+
+
+class FakeHandoff:
+    """In-memory handoff for tests of the guard and for a console: produces `live_view`
+    payloads pointing at `view_url`, or refuses with `impossible` (a HandoffImpossible)."""
+
+    kind = "live_view"
+    needs_headed = False
+
+    def __init__(self, view_url: str = "https://console.invalid/live/1",
+                 impossible: HandoffImpossible | None = None):
+        self.view_url = view_url
+        self.impossible = impossible
+        self.opened: list[HandoffPayload] = []
+
+    def check_possible(self, *, profile: str | None = None, url: str | None = None) -> None:
+        if self.impossible is not None:
+            raise self.impossible
+
+    def payload(self, *, site: str, reason: str, url: str | None = None) -> HandoffPayload:
+        self.check_possible(url=url)
+        p = HandoffPayload(kind="live_view", site=site, reason=reason, url=self.view_url)
+        self.opened.append(p)
+        return p

@@ -1,0 +1,413 @@
+"""BrowserHost: starts and ends the browsers the guard lends to runs.
+
+An *anchor* is one Chromium the guard starts itself for a (run, profile) pair, or a throw-away
+Chromium for a profile-less stage. It has no DevTools port: the guard launches it with
+`--remote-debugging-pipe` and holds both pipe ends (`sfguard.supervisor.gate.cdp_pipe.CdpPipe`). Stages
+never talk to it directly: they run their own agent-browser sessions attached with `--cdp` to
+the CDP gate, which relays their WebSocket connections onto the pipe
+(`open_stage_session` / `close_stage_session`).
+
+launch:  profile dir (or a temp one) -> `chromium --remote-debugging-pipe ...` in its own
+         process group (sfguard.supervisor.browsers.chromium) -> Browser.getVersion over the pipe -> target
+         discovery and browser-wide proxy authentication (Fetch, the credential stays here)
+         -> the browser pid recorded as a ProcRecord (pid + create_time).
+close:   Browser.close over the pipe (graceful: cookies flushed) -> wait for the process to
+         exit -> terminate_recorded() for anything still alive -> delete a throw-away profile.
+alive:   the process runs AND its pipe is open; the pipe closing means the browser is dead.
+
+With a browser user (a root guard, supervisor/browsers/browser_user.py) the browser runs as that user
+with Chromium's sandbox on: its profile is handed over to it, it gets a HOME of its own in the
+run's folder, and the folders above are opened for it to cross (never to list).
+
+Errors are AnchorError with messages free of secrets (no proxy credential).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+from urllib.parse import unquote, urlsplit
+
+import psutil
+
+from sfguard.supervisor.browsers import agent_browser as ab
+from sfguard.supervisor.browsers import browser_user as bu
+from sfguard.supervisor.browsers import chromium
+from sfguard.supervisor.daemon.sweep import ProcRecord, terminate_recorded, wait_gone
+from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
+from sfguard.supervisor.home import HomeError, private_dir
+
+#: Bound for a browser to answer its pipe after start. Generous: the first start on a fresh
+#: machine builds the font and shader caches (measured up to ~10 s under load).
+LAUNCH_TIMEOUT = 60.0
+COMMAND_TIMEOUT = 20.0
+CLOSE_TIMEOUT = 15.0
+
+
+class AnchorError(Exception):
+    """An anchor or stage session could not be started or ended. No secrets in the message."""
+
+
+@dataclass(frozen=True)
+class AnchorSpec:
+    """What to launch. `profile_dir=None` means a throw-away profile (a fresh temp folder
+    under `temp_root`, deleted at close). `proxy_url=None` is refused unless `allow_direct`
+    (tests only): a guarded browser always goes through its run's proxy."""
+    session: str
+    socket_dir: Path
+    config_path: Path
+    browser_path: str
+    profile_dir: Path | None = None
+    proxy_url: str | None = field(default=None, repr=False)
+    headed: bool = False
+    temp_root: Path | None = None
+    allow_direct: bool = False
+
+
+@dataclass
+class Anchor:
+    """A running anchor. `pipe` is the browser's DevTools connection (whoever holds it has the
+    whole browser): never hand it, or anything read through it unfiltered, to a stage."""
+    session: str
+    pipe: CdpPipe = field(repr=False)
+    proc: asyncio.subprocess.Process = field(repr=False)
+    profile_dir: Path
+    temp_profile: bool
+    socket_dir: Path
+    processes: list[ProcRecord]
+    launch_seconds: float
+    headed: bool = False
+    home_dir: Path | None = None     # the browser user's HOME for this browser (removed at close)
+
+    def record(self, kind: str) -> ProcRecord | None:
+        return next((p for p in self.processes if p.kind == kind), None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def describe(self) -> dict:
+        """A secret-free JSON view (for run state / status)."""
+        return {"session": self.session, "temp_profile": self.temp_profile, "headed": self.headed,
+                "processes": [p.to_json() for p in self.processes],
+                "launch_seconds": round(self.launch_seconds, 3)}
+
+
+@dataclass(frozen=True)
+class StageSession:
+    """A stage's agent-browser session attached with --cdp (its own pinned tab)."""
+    session: str
+    target_id: str | None
+    processes: list[ProcRecord]
+
+
+@dataclass(frozen=True)
+class CloseReport:
+    graceful: bool                 # Browser.close (or `close`) succeeded and the process exited by itself
+    terminated: list[ProcRecord]   # processes that had to be signalled
+    removed_files: list[str]
+    seconds: float
+
+
+@runtime_checkable
+class BrowserHost(Protocol):
+    """The seam for local or remote browsers (see docs/design.md 6)."""
+
+    async def launch_anchor(self, spec: AnchorSpec) -> Anchor: ...
+    async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport: ...
+    def alive(self, anchor: Anchor) -> bool: ...
+    async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> StageSession: ...
+    async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
+                                  graceful: bool = True) -> CloseReport: ...
+
+
+# --------------------------------------------------------------------------- helpers
+
+def singleton_lock_pid(profile_dir: Path) -> int | None:
+    """The Chrome pid from the profile's `SingletonLock` symlink (`<hostname>-<pid>`), if the
+    link exists and names this host."""
+    try:
+        target = os.readlink(profile_dir / "SingletonLock")
+    except OSError:
+        return None
+    host, _, pid = target.rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit():
+        return None
+    return int(pid)
+
+
+def _is_main_browser(proc: psutil.Process, profile_dir: Path) -> bool:
+    """A Chrome main process (no --type=) using `profile_dir` as user-data-dir."""
+    try:
+        cmd = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    want = f"--user-data-dir={profile_dir}"
+    return want in cmd and not any(a.startswith("--type=") for a in cmd)
+
+
+def find_browser_process(profile_dir: Path, uids: tuple[int | None, ...] = ()) -> ProcRecord | None:
+    """The live Chrome main process of `profile_dir` (SingletonLock first, then a psutil scan
+    of this user's processes and those of `uids`, e.g. the browser user)."""
+    pid = singleton_lock_pid(profile_dir)
+    if pid is not None:
+        try:
+            proc = psutil.Process(pid)
+            if _is_main_browser(proc, profile_dir):
+                return ProcRecord(pid, proc.create_time(), "browser")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    owners = {os.getuid(), *(u for u in uids if u is not None)}
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.info["uids"] and proc.info["uids"].real in owners and _is_main_browser(proc, profile_dir):
+                return ProcRecord(proc.pid, proc.create_time(), "browser")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def _proxy_parts(proxy_url: str | None) -> tuple[int | None, tuple[str, str] | None]:
+    """(port, (name, token)) of the run proxy URL http://NAME:TOKEN@127.0.0.1:PORT."""
+    if proxy_url is None:
+        return None, None
+    ab.check_proxy_url(proxy_url)
+    parts = urlsplit(proxy_url)
+    return parts.port, (unquote(parts.username or ""), unquote(parts.password or ""))
+
+
+def _daemon_record(socket_dir: Path, session: str) -> ProcRecord | None:
+    pid = ab.daemon_pid(socket_dir, session)
+    return ProcRecord.of(pid, "daemon") if pid else None
+
+
+def _session_env_parts(env: dict[str, str]) -> tuple[str, Path]:
+    try:
+        return env["AGENT_BROWSER_SESSION"], Path(env["AGENT_BROWSER_SOCKET_DIR"])
+    except KeyError as exc:
+        raise AnchorError(f"session env lacks {exc.args[0]}") from None
+
+
+# --------------------------------------------------------------------------- local host
+
+class LocalBrowserHost:
+    """Anchors as Chromium processes on this machine (DevTools over a pipe); stage sessions as
+agent-browser sessions attached to the CDP gate."""
+
+    def __init__(self, agent_browser: str | os.PathLike | None = None, *,
+                 launch_timeout: float = LAUNCH_TIMEOUT, command_timeout: float = COMMAND_TIMEOUT,
+                 no_sandbox: bool | None = None, user: bu.BrowserUser | None = None):
+        self.binary = str(agent_browser) if agent_browser else None
+        self.launch_timeout = launch_timeout
+        self.command_timeout = command_timeout
+        # `user`: the browser user (root only), the sandbox on. Without one, as root Chromium
+        # refuses to start with its sandbox unless told otherwise.
+        self.user = user
+        if user is not None:
+            if no_sandbox:
+                raise ValueError("a browser user runs its browsers with the sandbox on")
+            self.no_sandbox = False
+        else:
+            self.no_sandbox = (os.geteuid() == 0) if no_sandbox is None else no_sandbox
+
+    def use_user(self, user: bu.BrowserUser) -> None:
+        """From now on, browsers run as `user` with their sandbox on (a root guard's start)."""
+        self.user, self.no_sandbox = user, False
+
+    @property
+    def _uids(self) -> tuple[int | None, ...]:
+        return (self.user.uid,) if self.user is not None else ()
+
+    def _bin(self) -> str:
+        if self.binary is None:
+            self.binary = ab.default_binary()
+        return self.binary
+
+    async def _run_ok(self, env, *args, timeout=None) -> str:
+        return await ab.run_ok(env, *args, timeout=timeout or self.command_timeout, binary=self._bin())
+
+    # ---- anchors
+
+    async def launch_anchor(self, spec: AnchorSpec) -> Anchor:
+        if spec.proxy_url is None and not spec.allow_direct:
+            raise AnchorError("refusing to launch a browser without the run's proxy")
+        if spec.headed and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+            raise AnchorError("a headed browser needs a display, but neither DISPLAY nor "
+                              "WAYLAND_DISPLAY is set (run headless, or start the guard in a desktop session)")
+        try:
+            ab.check_session_name(spec.session)
+            proxy_port, proxy_auth = _proxy_parts(spec.proxy_url)
+        except ValueError as exc:
+            raise AnchorError(str(exc)) from None
+        started = time.monotonic()
+        socket_dir = private_dir(Path(spec.socket_dir))
+        temp_profile = spec.profile_dir is None
+        user = self.user
+        if not temp_profile and not Path(spec.profile_dir).is_absolute():
+            raise AnchorError("the profile dir must be an absolute path")
+        profile_dir: Path | None = None
+        try:
+            work = None
+            if temp_profile or user is not None:   # where a temp profile and a HOME go
+                work = private_dir(Path(spec.temp_root or socket_dir.parent))
+            if user is not None:
+                bu.open_path(work)   # the browser user crosses to its HOME and temp profile
+            if temp_profile:
+                profile_dir = bu.owned_dir(work, f"tp-{spec.session[:20]}-", user)
+            else:
+                profile_dir = Path(spec.profile_dir)
+                if user is not None:
+                    bu.open_path(profile_dir.parent)
+                    bu.hand_over(profile_dir, user)
+                else:
+                    private_dir(profile_dir)
+            home_dir = bu.owned_dir(work, bu.HOME_PREFIX, user) if user is not None else None
+        except (HomeError, OSError) as exc:
+            if temp_profile and profile_dir is not None:
+                self._drop_temp(profile_dir, temp_profile)
+            raise AnchorError(f"could not prepare the folders of anchor {spec.session}: {exc}") from None
+        if not Path(spec.browser_path).is_absolute():
+            self._drop_temp(profile_dir, temp_profile, home_dir)
+            raise AnchorError("the browser path must be an absolute path")
+        if find_browser_process(profile_dir, self._uids) is not None:
+            # The lease should prevent this; this is the safety net (a second Chromium on a
+            # profile in use would hand its work to the first one and exit).
+            self._drop_temp(profile_dir, temp_profile, home_dir)
+            raise AnchorError(f"the profile of session {spec.session} is already open in another browser")
+        argv = chromium.chromium_args(browser_path=spec.browser_path, profile_dir=profile_dir,
+                                      proxy_port=proxy_port, headed=spec.headed,
+                                      no_sandbox=self.no_sandbox)
+        proc = pipe = None
+        records: list[ProcRecord] = []
+        try:
+            proc, reader, writer = await chromium.spawn(
+                argv, env=chromium.browser_env(profile_dir=profile_dir, home=home_dir),
+                cwd=str(profile_dir), user=user.uid if user else None,
+                group=user.gid if user else None)
+            rec = ProcRecord.of(proc.pid, "browser")
+            records = [rec] if rec else []
+            pipe = CdpPipe(reader, writer)
+            await pipe.start(proxy_auth=proxy_auth, timeout=self.launch_timeout)
+        except (OSError, CdpCallError, PipeClosed, TimeoutError) as exc:
+            what = "did not answer in time" if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) \
+                else ("exited during start" if isinstance(exc, PipeClosed) else str(exc))
+            if pipe is not None:
+                await pipe.close()
+            await asyncio.to_thread(terminate_recorded, records, 3.0)
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), 3)
+            await asyncio.to_thread(chromium.end_helpers, profile_dir, 3.0, self._uids)
+            self._drop_temp(profile_dir, temp_profile, home_dir)
+            raise AnchorError(f"could not launch anchor {spec.session}: the browser {what}") from None
+        return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
+                      temp_profile=temp_profile, socket_dir=socket_dir, processes=records,
+                      launch_seconds=time.monotonic() - started, headed=spec.headed,
+                      home_dir=home_dir)
+
+    @staticmethod
+    def _drop_temp(profile_dir: Path, temp_profile: bool, home_dir: Path | None = None) -> None:
+        if temp_profile:
+            shutil.rmtree(profile_dir, ignore_errors=True)
+        if home_dir is not None:
+            shutil.rmtree(home_dir, ignore_errors=True)
+
+    async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport:
+        started = time.monotonic()
+        graceful = False
+        if not anchor.pipe.closed.is_set():
+            try:
+                await anchor.pipe.call("Browser.close", timeout=min(timeout, 5.0))
+                graceful = True
+            except (CdpCallError, PipeClosed, TimeoutError):
+                graceful = False
+        remaining = max(1.0, timeout - (time.monotonic() - started))
+        exited = False
+        try:
+            await asyncio.wait_for(anchor.proc.wait(), remaining)
+            exited = True
+        except TimeoutError:
+            pass
+        await anchor.pipe.close()
+        # renderers and helpers of the group go with the main process; anything left is ended
+        terminated = await asyncio.to_thread(terminate_recorded, anchor.processes, 5.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(anchor.proc.wait(), 3)
+        # the crash handler lives outside the group and may outlive the browser by a moment
+        helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir, 3.0, self._uids)
+        self._drop_temp(anchor.profile_dir, anchor.temp_profile, anchor.home_dir)
+        return CloseReport(graceful=graceful and exited and not terminated,
+                           terminated=terminated + helpers, removed_files=[],
+                           seconds=time.monotonic() - started)
+
+    def alive(self, anchor: Anchor) -> bool:
+        """True while the browser process runs and its DevTools pipe is open."""
+        return (anchor.proc.returncode is None and not anchor.pipe.closed.is_set()
+                and all(r.alive() for r in anchor.processes if r.kind == "browser"))
+
+    # ---- stage sessions
+
+    async def _disable_stream(self, env: dict[str, str]) -> None:
+        """Every agent-browser session starts an unauthenticated stream WebSocket on loopback:
+        turn it off. One command: its JSON answer says whether streaming is now off
+        (`{"disabled": true}`, measured on 0.41.2); a separate `stream status` would cost a
+        second CLI start per stage."""
+        data = await ab.run_json(env, "stream", "disable", timeout=self.command_timeout, binary=self._bin())
+        if data.get("disabled") is not True:
+            raise AnchorError("the agent-browser stream server is still enabled after `stream disable`")
+
+    async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> StageSession:
+        """Start a stage's session (env from agent_browser.stage_env): its own pinned tab,
+        stream disabled. Uses the env exactly as given."""
+        session, socket_dir = _session_env_parts(env)
+        private_dir(socket_dir)
+        try:
+            # The first command starts the stage's daemon and connects it through the gate;
+            # `stream disable` as that first command keeps the stream server off for the
+            # session's life (measured on 0.41.2: 0.18 s, vs 0.3-0.6 s for open + disable).
+            # The stage's own first `open` then creates and pins its tab.
+            await self._disable_stream(env)
+        except (ab.AgentBrowserError, AnchorError) as exc:
+            await self.close_stage_session(env, timeout=min(timeout, 10))
+            raise AnchorError(f"could not open stage session {session}: {exc}") from None
+        target = None
+        try:
+            target = json.loads((socket_dir / f"{session}.target").read_text()).get("targetId")
+        except (OSError, ValueError, AttributeError):
+            pass
+        rec = _daemon_record(socket_dir, session)
+        return StageSession(session=session, target_id=target, processes=[rec] if rec else [])
+
+    async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
+                                  graceful: bool = True) -> CloseReport:
+        """Close the stage's tab first (`close` on a --cdp session only disconnects), then the
+        session; end its daemon if it lingers; remove its socket-dir files. Chrome stays.
+
+        `graceful=False` (its browser is gone, e.g. before a restart): no commands, the
+        session's daemon - whoever started it last, read from its pid file - is just ended."""
+        started = time.monotonic()
+        session, socket_dir = _session_env_parts(env)
+        rec = _daemon_record(socket_dir, session)
+        closed = False
+        if rec is not None and rec.alive() and graceful:
+            closed = True
+            for args in (("tab", "close"), ("close",)):
+                try:
+                    res = await ab.run(env, *args, timeout=timeout, binary=self._bin())
+                    closed = closed and res.returncode == 0
+                except ab.AgentBrowserError:
+                    closed = False
+        records = [rec] if rec else []
+        if graceful:
+            await asyncio.to_thread(wait_gone, records, 3.0)
+        terminated = await asyncio.to_thread(terminate_recorded, records, 5.0)
+        removed = ab.remove_session_files(socket_dir, session)
+        return CloseReport(graceful=closed and not terminated, terminated=terminated,
+                           removed_files=removed, seconds=time.monotonic() - started)

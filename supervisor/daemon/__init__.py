@@ -1,0 +1,1 @@
+"""The guard daemon: runs and stages, run proxies, the control API, the sweep."""

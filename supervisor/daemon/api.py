@@ -1,0 +1,358 @@
+"""The control API: aiohttp routes over a unix socket (and optionally loopback TCP with a
+bearer token). JSON in and out; every input through a pydantic model; every error is
+{"error": {"code", "message", "field"}} with a 4xx status, never a traceback.
+
+The routes are declared once in ROUTES; the OpenAPI document is generated from the same table
+and the same models, so a runner in another language can generate its client from it.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from sfguard.supervisor.daemon import models as m
+
+log = logging.getLogger("sfguard.api")
+#: path parameters are validated like body fields (the same patterns as the models)
+PATH_PARAMS = {"run_id": re.compile(m.RUN_ID), "stage_id": re.compile(m.STAGE_ID),
+               "name": re.compile(m.PROFILE_NAME)}
+MAX_BODY = 256 * 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+    body = {"error": {"code": code, "message": message, "field": field}}
+    return web.json_response(body, status=status)
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if p not in ("function-after", "function-before"))
+
+
+def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+    """The first error, worded as `sfguard validate` words it (sfguard.supervisor.daemon.models.error_message)."""
+    first = exc.errors()[0]
+    field = m.field_path(first["loc"]) or None
+    msg = m.error_message(first, model)
+    return ApiError(400, "invalid_request", f"{field}: {msg}" if field else msg, field)
+
+
+#: the longest a stage GET may wait for a change (`?wait=SECONDS`)
+MAX_WAIT = 60.0
+
+# Errors every route can give, and those of routes with a body or path parameters.
+# (invalid_request on every route: a bad path parameter or an unknown query parameter)
+EDGE_ERRORS: tuple[tuple[int, tuple[str, ...]], ...] = (
+    (400, ("invalid_request",)), (401, ("unauthorized",)), (405, ("method_not_allowed",)),
+    (500, ("internal",)))
+BODY_ERRORS = ((400, ("invalid_json",)), (413, ("body_too_large",)))
+STATUS_TEXT = {400: "bad input", 401: "no or a wrong bearer token (TCP listener only)",
+               403: "refused by the site policy", 404: "no such run, stage or profile",
+               405: "method not allowed on this route", 409: "conflicts with the current state",
+               413: "body too large", 422: "the check could not decide", 500: "a bug: see the guard's log",
+               503: "the browser could not be started, or the shared store is unreachable"}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: str  # name of the Supervisor coroutine
+    summary: str
+    body: type[BaseModel] | None = None
+    answers: tuple[tuple[int, Any], ...] = ()     # (status, model or tuple of models)
+    errors: tuple[tuple[int, tuple[str, ...]], ...] = ()   # beyond the edge, body and path errors
+    description: str = ""
+    query: tuple[str, ...] = ()                   # accepted query parameters
+
+    def error_codes(self) -> dict[int, tuple[str, ...]]:
+        """status -> error codes this route can answer (edge, body, path and its own)."""
+        out: dict[int, list[str]] = {}
+        groups = list(EDGE_ERRORS) + (list(BODY_ERRORS) if self.body else []) + list(self.errors)
+        for status, codes in groups:
+            for code in codes:
+                if code not in out.setdefault(status, []):
+                    out[status].append(code)
+        return {k: tuple(v) for k, v in sorted(out.items())}
+
+
+_RUN = ((404, ("run_not_found",)),)
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/v1/runs", "api_create_run", "Register a run", m.CreateRun,
+          ((201, m.RunCreated),), ((409, ("run_exists",)),),
+          "Register a pipeline run before its first browser stage. `pipeline` (the pipeline file's "
+          "path) lets stages use the profile `@pipeline`, a name derived from that path."),
+    Route("GET", "/v1/runs/{run_id}", "api_get_run", "A run's state (no secrets)", None,
+          ((200, m.RunInfo),), _RUN,
+          "The run's stages, browsers and proxy as the guard holds them: names and states only."),
+    Route("POST", "/v1/runs/{run_id}/end", "api_end_run", "End a run: tear down its browsers, "
+          "reseal its profiles, release its leases", m.RunEnd, ((200, m.RunEndAnswer),), _RUN,
+          "Call once the run is terminal (any outcome). Ends every stage still open, closes the "
+          "browsers gracefully (cookies are flushed), reseals profiles, stops the run's proxy and "
+          "hands released profiles to the next run in their queue. Ending an ended run answers "
+          "the same again."),
+    Route("POST", "/v1/runs/{run_id}/stages", "api_request_stage",
+          "Ask for a stage's browser: ready with the stage env, or waiting for a lease",
+          m.StageRequest, ((200, m.StageReady), (202, m.StageWaiting)),
+          _RUN + ((400, ("no_pipeline", "no_display")),
+                  (409, ("run_ended", "stage_active", "attempt_used", "browser_failed")),
+                  (503, ("browser_failed",))),
+          "200 `ready` with the env to start the stage with; 202 `waiting` when another run "
+          "holds the profile (poll the stage, or long-poll with ?wait=). The same request again "
+          "(same stage_id, attempt and browser) is a resume and answers the same env."),
+    Route("GET", "/v1/runs/{run_id}/stages/{stage_id}", "api_get_stage",
+          "Poll a stage: the same answer as the request, identical env on resume",
+          None, ((200, (m.StageReady, m.StageEnded)), (202, m.StageWaiting)),
+          _RUN + ((404, ("stage_not_found",)), (409, ("browser_failed",)), (503, ("browser_failed",))),
+          f"Without `wait`, answers at once. With `?wait=SECONDS` (0-{MAX_WAIT:.0f}) a waiting "
+          "stage's answer is held until it is ready or failed, or the time is up (then 202 "
+          "again); poll again at once. Without long-poll, poll every 1-2 seconds.",
+          query=("wait",)),
+    Route("DELETE", "/v1/runs/{run_id}/stages/{stage_id}", "api_cancel_stage",
+          "Withdraw a waiting stage request: leave the profile's queue",
+          None, ((200, m.StageEnded),),
+          _RUN + ((404, ("stage_not_found",)), (409, ("stage_not_waiting",))),
+          "For a stage that is waiting (202): it leaves the queue and ends as `cancelled`; the "
+          "run keeps its place only if another of its stages still waits for that profile. A "
+          "ready stage is ended with POST .../end instead (409 stage_not_waiting). Deleting an "
+          "ended stage answers its end again."),
+    Route("GET", "/v1/runs/{run_id}/stages/{stage_id}/exec", "api_stage_exec",
+          "What `sfguard stage-exec` needs to run a stage confined",
+          None, ((200, m.StageExec),),
+          _RUN + ((404, ("stage_not_found",)),
+                  (409, ("stage_ended", "stage_failed", "stage_not_ready", "sandbox_unavailable"))),
+          "For the runner's `sfguard stage-exec` only: the in-sandbox env (gate and proxy bridged "
+          "on the same ports, a proxy credential of the stage's own), the bridge sockets, the guard "
+          "folders to hide and the unprivileged user a root runner drops the stage to. 409 when the "
+          "stage ended, failed, is not ready, or this machine cannot build the sandbox."),
+    Route("POST", "/v1/runs/{run_id}/stages/{stage_id}/end", "api_end_stage",
+          "End a stage: close its tabs and session, revoke its CDP token", m.StageEnd,
+          ((200, m.EndAnswer),), _RUN + ((404, ("stage_not_found",)),),
+          "Call when the stage is terminal. The stage's gate token stops working; the run's "
+          "browser and lease stay for the run's next stages."),
+    Route("POST", "/v1/runs/{run_id}/login-check", "api_login_check",
+          "Check a profile's login in the run's browser: {logged_in, url}, computed by the guard",
+          m.LoginCheckRequest, ((200, m.LoginResultAnswer),),
+          _RUN + ((400, ("no_pipeline", "invalid_pattern")), (403, ("login_check_not_allowed",)),
+                  (409, ("run_ended", "profile_leased", "browser_failed")), (422, ("login_check_failed",)),
+                  (503, ("browser_failed", "store_unreachable"))),
+          "The guard opens login_check.url in the run's browser for the profile (leasing it if "
+          "needed), reads the final address (and the selector) and matches the patterns. The "
+          "runner puts this answer into the check stage's envelope; the guard keeps it for "
+          "login-check/verify."),
+    Route("POST", "/v1/runs/{run_id}/login-check/verify", "api_login_verify",
+          "Compare what a stage reported with the guard's own last login check (409 on mismatch)",
+          m.LoginVerifyRequest, ((200, m.Ok),), _RUN + ((409, ("no_login_check", "envelope_mismatch")),),
+          "For `verify: login_check`: after a login stage (or before trusting an envelope), the "
+          "runner sends what it was told; the guard answers 409 envelope_mismatch when its own "
+          "last check of that profile in this run says otherwise."),
+    Route("POST", "/v1/runs/{run_id}/handoff", "api_handoff",
+          "Open the profile's browser for a person to log in; answers the gate payload",
+          m.HandoffRequest, ((200, m.HandoffAnswer),),
+          _RUN + ((400, ("no_pipeline",)), (404, ("stage_not_found",)),
+                  (409, ("run_ended", "handoff_impossible", "profile_leased", "browser_failed")),
+                  (503, ("browser_failed", "store_unreachable"))),
+          "For a login stage's gate: reopens the run's browser on the profile headed (needs a "
+          "display where the guard runs; 409 handoff_impossible names the cause) and answers the "
+          "payload to show the person. End the login stage when the person confirms. With "
+          "`kind: live_view` (or `auto` on a guard without a screen) the payload's url is a "
+          "one-time link to a live view of the login tab in the guard's console; follow it with "
+          "GET .../handoff."),
+    Route("GET", "/v1/runs/{run_id}/handoff", "api_handoff_state",
+          "The state of the run's live_view handoff (long-poll with ?wait=)", None,
+          ((200, m.HandoffState),), _RUN + ((404, ("handoff_not_found",)),),
+          "open until the person presses Done (then `done` with the guard's own login check: "
+          "logged_in and url) or Cancel (`cancelled`; the handoff's stage failed), or the link "
+          f"timed out (`expired`) or its stage or run ended (`ended`). With ?wait=SECONDS (0-{MAX_WAIT:.0f}) "
+          "an open handoff's answer is held until it changes or the time is up.",
+          query=("wait",)),
+    Route("POST", "/v1/console/link", "api_console_link",
+          "A one-time login link to the operator console (`sfguard console`)",
+          m.ConsoleLinkRequest, ((200, m.ConsoleLink),), ((409, ("console_off",)),),
+          "The link is good once, for ttl_s seconds; its first use gives an HttpOnly, "
+          "SameSite=Strict session cookie. 409 console_off when the guard runs without a console."),
+    Route("GET", "/v1/status", "api_status", "Runs, leases, queues, anchors, proxies, policy", None,
+          ((200, m.StatusAnswer),), (),
+          "What `sfguard status` prints: every run, profile lease and queue, and the site policy's "
+          "state (an invalid edit keeps the last good policy). Answers even when a shared store "
+          "does not: then `leases` is empty and `guard.store_error` says why."),
+    Route("GET", "/v1/profiles", "api_list_profiles", "Profiles of this guard's scope", None,
+          ((200, m.ProfilesAnswer),), ((503, ("store_unreachable",)),),
+          "Names, sizes, times, workflow identities and lease holders; never contents. 503 "
+          "store_unreachable when a shared store's database does not answer."),
+    Route("DELETE", "/v1/profiles/{name}", "api_delete_profile", "Delete a profile (not while leased)",
+          None, ((200, m.Ok),), ((400, ("invalid_name",)), (404, ("profile_not_found",)),
+                                 (409, ("profile_leased",)), (503, ("store_unreachable",))),
+          "Deletes the sealed profile and its login; refused while a run leases it."),
+)
+
+
+def openapi_document() -> dict[str, Any]:
+    """OpenAPI 3.1 for ROUTES, with the pydantic models as components."""
+    components: dict[str, Any] = {}
+
+    def ref(model: type[BaseModel]) -> dict[str, str]:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in schema.pop("$defs", {}).items():
+            components[name] = sub
+        components[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    def answer_schema(model: Any) -> dict[str, Any]:
+        if isinstance(model, tuple):
+            return {"oneOf": [ref(x) for x in model]}
+        return ref(model)
+
+    err = ref(m.ErrorAnswer)
+    paths: dict[str, Any] = {}
+    for r in ROUTES:
+        op: dict[str, Any] = {"summary": r.summary, "description": r.description,
+                              "operationId": r.handler.removeprefix("api_")}
+        params: list[dict[str, Any]] = [
+            {"name": p, "in": "path", "required": True,
+             "schema": {"type": "string", "pattern": m.PROFILE_NAME if p == "name" else m.RUN_ID}}
+            for p in (seg[1:-1] for seg in r.path.split("/") if seg.startswith("{"))]
+        if "wait" in r.query:
+            params.append({"name": "wait", "in": "query", "required": False,
+                           "description": f"long-poll: hold a waiting answer up to this many seconds "
+                                          f"(0-{MAX_WAIT:.0f})",
+                           "schema": {"type": "number", "minimum": 0, "maximum": MAX_WAIT}})
+        if params:
+            op["parameters"] = params
+        if r.body:
+            op["requestBody"] = {"required": True,
+                                 "content": {"application/json": {"schema": ref(r.body)}}}
+        responses: dict[str, Any] = {}
+        for status, model in r.answers:
+            responses[str(status)] = {"description": "waiting" if status == 202 else "ok",
+                                      "content": {"application/json": {"schema": answer_schema(model)}}}
+        for status, codes in r.error_codes().items():
+            responses[str(status)] = {
+                "description": f"{STATUS_TEXT.get(status, 'error')}; error.code is one of: {', '.join(codes)}",
+                "content": {"application/json": {"schema": err}},
+                "x-error-codes": list(codes)}
+        op["responses"] = responses
+        paths.setdefault(r.path, {})[r.method.lower()] = op
+    paths["/v1/openapi.json"] = {"get": {
+        "summary": "This document", "description": "The OpenAPI document of this API.",
+        "operationId": "openapi", "security": [{}, {"bearer": []}],
+        "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}},
+                      "401": {"description": STATUS_TEXT[401], "x-error-codes": ["unauthorized"],
+                              "content": {"application/json": {"schema": err}}}}}}
+    components["ErrorBody"]["properties"]["code"]["enum"] = list(m.ERROR_CODES)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "sfguard control API", "version": "1",
+                 "description": ("The guard's control API for pipeline runners. JSON in and out; "
+                                 "every error is {\"error\": {\"code\", \"message\", \"field\"}}. "
+                                 "On the unix socket (<home>/guard.sock, 0600) no token is needed; "
+                                 "on the optional TCP listener (sfguard start --tcp PORT) every "
+                                 "request carries Authorization: Bearer TOKEN. The runner's "
+                                 "sequence: docs/runner-guide.md.")},
+        "security": [{}, {"bearer": []}],
+        "paths": paths,
+        "components": {"schemas": components, "securitySchemes": {"bearer": {
+            "type": "http", "scheme": "bearer",
+            "description": "the TCP listener's token (printed by sfguard start --tcp, or written to "
+                           "--token-file); not needed on the unix socket"}}},
+    }
+
+
+def _wait_seconds(values: list[str]) -> float:
+    if len(values) != 1:
+        raise ApiError(400, "invalid_request", "wait: give it once", "wait")
+    try:
+        wait = float(values[0])
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait <= MAX_WAIT:  # also refuses nan and inf
+        raise ApiError(400, "invalid_request", f"wait: seconds from 0 to {MAX_WAIT:.0f}", "wait")
+    return wait
+
+
+Handler = Callable[..., Awaitable[tuple[int, Any]]]
+
+
+def build_app(target: Any, token: str | None = None) -> web.Application:
+    """The aiohttp app. `target` has one coroutine per route (Route.handler), called with the
+    path parameters and, for routes with a body, the validated model; it returns
+    (status, json-able) or raises ApiError. `token`: bearer token required (TCP listener)."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        if token is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return error_response(401, "unauthorized", "a valid bearer token is required")
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc.status, exc.code, exc.message, exc.field)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, "body_too_large", f"request bodies are limited to {MAX_BODY} bytes")
+        except web.HTTPNotFound:
+            return error_response(404, "not_found", "no such route")
+        except web.HTTPMethodNotAllowed:
+            return error_response(405, "method_not_allowed", "method not allowed on this route")
+        except web.HTTPException as exc:
+            return error_response(exc.status, "http_error", exc.reason)
+        except Exception:
+            log.exception("internal error on %s %s", request.method, request.rel_url.path)
+            return error_response(500, "internal", "internal error; see the guard's log")
+
+    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
+
+    def make(route: Route):
+        async def handle(request: web.Request) -> web.Response:
+            kwargs: dict[str, Any] = dict(request.match_info)
+            for name, value in kwargs.items():
+                if not PATH_PARAMS[name].fullmatch(value):
+                    raise ApiError(400, "invalid_request", f"{name}: not a valid {name} "
+                                   f"(pattern {PATH_PARAMS[name].pattern})", name)
+            for name in request.query:
+                if name not in route.query:
+                    raise ApiError(400, "invalid_request", f"{name}: unknown query parameter"
+                                   + (f" (this route takes: {', '.join(route.query)})" if route.query else ""),
+                                   name)
+            if "wait" in request.query:
+                kwargs["wait"] = _wait_seconds(request.query.getall("wait"))
+            if route.body is not None:
+                raw = await request.read()
+                try:
+                    data = json.loads(raw or b"null")
+                except (ValueError, UnicodeDecodeError, RecursionError):
+                    raise ApiError(400, "invalid_json", "the body is not valid JSON") from None
+                if not isinstance(data, dict):
+                    raise ApiError(400, "invalid_request", "the body must be a JSON object")
+                try:
+                    kwargs["body"] = route.body.model_validate(data)
+                except ValidationError as exc:
+                    raise validation_error(exc, route.body) from None
+            status, answer = await getattr(target, route.handler)(**kwargs)
+            return web.json_response(answer, status=status)
+        return handle
+
+    for r in ROUTES:
+        app.router.add_route(r.method, r.path, make(r))
+
+    async def openapi(_request):
+        return web.json_response(openapi_document())
+    app.router.add_get("/v1/openapi.json", openapi)
+    return app
+
+
+if __name__ == "__main__":  # python -m sfguard.supervisor.daemon.api > docs/openapi.json
+    print(json.dumps(openapi_document(), indent=2, sort_keys=True))

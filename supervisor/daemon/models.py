@@ -1,0 +1,483 @@
+"""Control API models: every input is validated here, at the edge, with pydantic.
+
+Errors are answered as {"error": {"code", "message", "field"}} (see supervisor/daemon/api.py); the
+field is the dotted path of the offending input, e.g. `browser.allow_domains.2`.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from sfguard import policy
+
+RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+STAGE_ID = RUN_ID
+PROFILE_NAME = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+#: the reserved profile value that means "this run's pipeline-derived identity"
+PIPELINE_PROFILE = "@pipeline"
+
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID)]
+StageId = Annotated[str, StringConstraints(pattern=STAGE_ID)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+
+class StrictTypes(Strict):
+    """No coercion: `headed: "yes"` or `headed: 1` is an error, not true (YAML and JSON alike)."""
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False, strict=True)
+
+
+#: a login-check URL pattern that starts with this is a regular expression (supervisor/browsers/login.py)
+URL_REGEX_PREFIX = "re:"
+
+
+def _url_pattern(pattern: str) -> str:
+    """A glob (`*` wildcards) or `re:REGEX` URL pattern; a regex must compile (the same rule as
+    sfguard.supervisor.browsers.login.compile_pattern, checked here so the API and `sfguard validate` agree)."""
+    if pattern.startswith(URL_REGEX_PREFIX):
+        body = pattern[len(URL_REGEX_PREFIX):]
+        if not body:
+            raise ValueError(f"URL pattern {pattern!r} has an empty regular expression after 're:'")
+        try:
+            re.compile(body, re.DOTALL)
+        except re.error as exc:
+            raise ValueError(f"URL pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    return pattern
+
+
+UrlPattern = Annotated[str, StringConstraints(min_length=1, max_length=1024), AfterValidator(_url_pattern)]
+
+
+class LoginCheck(StrictTypes):
+    url: Annotated[str, StringConstraints(min_length=1, max_length=2048)]
+    logged_in: UrlPattern
+    logged_out: list[UrlPattern] = Field(default_factory=list, max_length=32)
+    selector: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^\s/?#]+", v):
+            raise ValueError("must be an http:// or https:// address")
+        return v
+
+
+def _one_pattern(text: str) -> str:
+    """One allow_domains entry (an error names its index: browser.allow_domains.2)."""
+    try:
+        policy.parse_pattern(text, allow_list=True)
+    except policy.PatternError as exc:
+        raise ValueError(f"{exc.message}: {text!r}" + (f" (hint: {exc.hint})" if exc.hint else "")) from None
+    return text
+
+
+AllowPattern = Annotated[str, StringConstraints(min_length=1, max_length=300), AfterValidator(_one_pattern)]
+
+
+class BrowserField(StrictTypes):
+    """A stage's `browser` field, as in the spec: profile, headed, allow_domains, login_check."""
+
+    profile: str | None = Field(default=None, description=(
+        "profile name (^[a-z0-9][a-z0-9_-]{0,63}$) or '@pipeline' for the run's "
+        "pipeline-derived identity; omitted: a throw-away browser"))
+    headed: bool = True
+    allow_domains: list[AllowPattern] = Field(default_factory=list, max_length=256)
+    login_check: LoginCheck | None = None
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_name(cls, v: str | None) -> str | None:
+        if v is None or v == PIPELINE_PROFILE:
+            return v
+        if not re.fullmatch(PROFILE_NAME, v):
+            raise ValueError("profile names are 1-64 of a-z 0-9 _ - and start with a letter or "
+                             "digit (never a path)")
+        return v
+
+
+class CreateRun(Strict):
+    run_id: RunId
+    pipeline: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = None
+
+
+class StageRequest(Strict):
+    stage_id: StageId
+    attempt: int = Field(ge=1, le=10_000)
+    browser: BrowserField
+
+
+class StageEnd(Strict):
+    outcome: Literal["succeeded", "failed", "cancelled", "timed_out"]
+
+
+class RunEnd(Strict):
+    outcome: Literal["succeeded", "failed", "cancelled", "abandoned"]
+
+
+#: Every error code the guard answers with (ErrorBody.code). Per route, the OpenAPI document
+#: lists the ones that route can give (supervisor/daemon/api.py ROUTES).
+ERROR_CODES = (
+    # edge: any route
+    "invalid_request", "invalid_json", "body_too_large", "unauthorized", "not_found",
+    "method_not_allowed", "http_error", "internal",
+    # runs and stages
+    "run_exists", "run_not_found", "run_ended", "stage_not_found", "stage_active", "attempt_used",
+    "stage_not_waiting", "no_pipeline", "no_display", "browser_failed",
+    # profiles
+    "invalid_name", "profile_not_found", "profile_leased",
+    # a shared store (PostgreSQL) that does not answer
+    "store_unreachable",
+    # login check, envelope verification, handoff
+    "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
+    "envelope_mismatch", "handoff_impossible", "handoff_not_found", "console_off",
+    # stage-exec
+    "stage_ended", "stage_failed", "stage_not_ready", "sandbox_unavailable",
+)
+ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
+
+
+class ErrorBody(Strict):
+    code: ErrorCode = Field(description="a stable code; see ERROR_CODES in supervisor/daemon/models.py")
+    message: str = Field(description="one sentence for a person; never a secret")
+    field: str | None = Field(default=None, description=(
+        "the dotted path of the offending input (browser.allow_domains.2), or null"))
+
+
+class ErrorAnswer(Strict):
+    error: ErrorBody
+
+
+class Answer(BaseModel):
+    """A 2xx answer. Clients must ignore fields they do not know (the guard may add some)."""
+    model_config = ConfigDict(extra="allow")
+
+
+class StageReady(Answer):
+    state: Literal["ready"]
+    env: dict[str, str] = Field(description=(
+        "the stage's environment: AGENT_BROWSER_CDP (the CDP gate with this stage's token), "
+        "AGENT_BROWSER_SESSION, AGENT_BROWSER_SOCKET_DIR, AGENT_BROWSER_PIN_TAB, "
+        "AGENT_BROWSER_CONFIG, AGENT_BROWSER_IDLE_TIMEOUT_MS; identical on every poll and resume"))
+    exec_prefix: list[str] | None = Field(default=None, description=(
+        "the argv prefix a runner puts in front of the stage's command to run it confined "
+        "(`sfguard stage-exec --home HOME --run RUN --stage STAGE --`)"))
+
+
+class StageUser(Strict):
+    user: str
+    uid: int
+    gid: int
+
+
+class StageBridgeSockets(Strict):
+    dir: str
+    gate_socket: str
+    gate_port: int
+    proxy_socket: str
+    proxy_port: int
+
+
+class StageExec(Answer):
+    """What `sfguard stage-exec` needs to build a stage's sandbox (runner only)."""
+    run_id: str
+    stage_id: str
+    attempt: int
+    env: dict[str, str] = Field(description=(
+        "the stage env inside the sandbox: the gate URL (bridged on the same port), a private "
+        "agent-browser socket dir and config, and HTTP(S)_PROXY/ALL_PROXY (both cases) at the "
+        "in-sandbox proxy bridge with a proxy credential of this stage's own"))
+    bridges: StageBridgeSockets
+    hide: list[str] = Field(description="guard folders covered with an empty tmpfs inside")
+    run_as: StageUser | None = Field(default=None, description=(
+        "the unprivileged user a root runner drops the stage to; null when the guard is not root"))
+    agent_browser: str | None = Field(default=None, description=(
+        "the guard's agent-browser, used after the command to close the tab of a daemon the "
+        "stage started inside"))
+
+
+class StageWaiting(Answer):
+    state: Literal["waiting"]
+    holder_run: str = Field(description="the run that holds the profile ('' while starting)")
+    since: str = Field(description="UTC time (ISO 8601) since the holder has it, or since queued")
+    position: int | None = Field(default=None, description="1 = next in the profile's queue")
+    holder_host: str | None = Field(default=None, description=(
+        "shared store only: the host of the guard whose run holds the profile"))
+    holder_guard: str | None = Field(default=None, description=(
+        "shared store only: the id of the guard (process) whose run holds the profile"))
+    reason: Literal["store_unreachable"] | None = Field(default=None, description=(
+        "shared store only: why no holder is named: the database is unreachable; the guard "
+        "asks again and grants the profile when it answers"))
+    message: str | None = Field(default=None, description="the reason in words")
+
+
+class StageEnded(Answer):
+    state: Literal["ended"]
+    outcome: str
+
+
+class RunCreated(Answer):
+    run_id: str
+    state: Literal["active"]
+
+
+class Ok(Answer):
+    ok: bool = True
+
+
+class EndAnswer(Answer):
+    ok: bool = Field(description="false when teardown reported problems (listed)")
+    problems: list[str] = Field(default_factory=list)
+
+
+class RunEndAnswer(EndAnswer):
+    outcome: str | None = None
+
+
+class RunStageInfo(Answer):
+    stage_id: str
+    attempt: int
+    state: Literal["pending", "waiting", "ready", "relaunching", "ended", "failed"]
+    profile: str | None
+    outcome: str | None
+    holder_run: str | None
+
+
+class RunBrowserInfo(Answer):
+    profile: str | None
+    throwaway: bool
+    headed: bool
+    alive: bool
+    stages: list[str]
+    restarts: int
+
+
+class RunProxyInfo(Answer):
+    port: int | None
+    alive: bool
+    restarts: int
+
+
+class RunInfo(Answer):
+    """A run as the guard holds it: names and states, never a secret."""
+    run_id: str
+    state: Literal["active", "ending", "ended"]
+    outcome: str | None
+    created: str
+    pipeline: bool = Field(description="the run was created with a pipeline path")
+    stages: list[RunStageInfo]
+    browsers: list[RunBrowserInfo]
+    proxy: RunProxyInfo | None
+    problems: list[str]
+
+
+class GuardInfo(Answer):
+    pid: int
+    since: str
+    home: str
+    key_provider: str
+    scope: str
+    store: str | None = Field(default=None, description=(
+        "where profiles, leases and audit live: 'local home' or 'PostgreSQL <url without password>'"))
+    store_error: str | None = Field(default=None, description=(
+        "why `leases` is empty this time: the store did not answer (the shared database is "
+        "unreachable or slower than 2 s); null when it answered"))
+
+
+class PolicyState(Answer):
+    file: str
+    mode: Literal["enforce", "report"]
+    state: Literal["ok", "error"] = Field(description="error: an invalid edit was refused and the "
+                                          "last good policy is in force")
+    error: str | None
+
+
+class QueueEntryInfo(Answer):
+    run: str
+    since: str
+
+
+class LeaseInfo(Answer):
+    profile: str
+    holder_run: str | None
+    since: str | None
+    queue: list[QueueEntryInfo]
+    holder_host: str | None = Field(default=None, description="shared store only: the holder's host")
+    holder_guard: str | None = Field(default=None, description="shared store only: the holder's guard id")
+
+
+class ConsoleInfo(Answer):
+    url: str = Field(description="the operator console's address (log in with `sfguard console`)")
+
+
+class StatusAnswer(Answer):
+    guard: GuardInfo
+    policy: PolicyState
+    runs: list[RunInfo]
+    leases: list[LeaseInfo]
+    console: ConsoleInfo | None = None
+
+
+class ProfileInfoAnswer(Answer):
+    name: str
+    scope: str
+    created: str
+    last_used: str | None
+    size: int
+    leased_by: str | None
+    identity: str | None = Field(default=None, description=(
+        "the workflow identity the profile was made for (`pipeline-<hash>` of a `@pipeline` "
+        "profile, the same on every host); null for a named profile"))
+
+
+class ProfilesAnswer(Answer):
+    profiles: list[ProfileInfoAnswer]
+
+
+class HandoffAnswer(Answer):
+    """The gate payload a runner shows the person (sfguard.supervisor.browsers.handoff.HandoffPayload)."""
+    kind: Literal["local_window", "live_view"]
+    site: str
+    reason: str
+    url: str | None = None
+
+
+class HandoffState(Answer):
+    state: Literal["open", "done", "cancelled", "expired", "ended"]
+    kind: Literal["live_view"]
+    site: str
+    profile: str
+    logged_in: bool | None = Field(None, description="done: the guard's login check after Done")
+    url: str | None = Field(None, description="done: the final address of that check")
+
+
+class ConsoleLinkRequest(Strict):
+    ttl_s: Annotated[int, Field(ge=1, le=86400)] = 600
+
+
+class ConsoleLink(Answer):
+    url: str = Field(description="one-time login link to the console (good once, until it expires)")
+    expires: str
+
+
+class LoginCheckRequest(Strict):
+    profile: str
+    login_check: LoginCheck
+
+    _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+
+
+class LoginReported(Strict):
+    logged_in: bool
+    url: Annotated[str, StringConstraints(max_length=4096)]
+
+
+class LoginVerifyRequest(Strict):
+    profile: str
+    reported: LoginReported
+
+    _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+
+
+class LoginResultAnswer(Answer):
+    logged_in: bool = Field(description="computed by the guard from the final address (and selector)")
+    url: str = Field(description="the final address the check page landed on")
+
+
+class HandoffRequest(Strict):
+    profile: str
+    site: Annotated[str, StringConstraints(min_length=1, max_length=300)]
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    url: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
+    kind: Literal["auto", "local_window", "live_view"] = Field(
+        "auto", description="auto: a local window where the guard has a screen, else a live view "
+        "in the guard's console")
+    stage_id: Annotated[str, StringConstraints(pattern=STAGE_ID)] | None = Field(
+        None, description="live_view: the login stage; Cancel in the live view fails it")
+    login_check: LoginCheck | None = Field(
+        None, description="live_view: the check the guard runs when the person presses Done "
+        "(default: the stage's login_check)")
+    timeout_s: Annotated[int, Field(ge=10, le=3600)] | None = Field(
+        None, description="live_view: the link and the handoff end after this many seconds "
+        "(default 900)")
+
+    _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+
+
+# --------------------------------------------------------------------------- error wording
+# One wording for a field error, used by the API (supervisor/daemon/api.py) and by `sfguard validate`
+# (supervisor/pipeline/spec.py), so a pipeline file and an API request are refused alike, at the
+# same field path, with the same hint.
+
+def _submodel(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model that holds the field at `loc` (a pydantic error location)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        info = current.model_fields.get(part)
+        if info is None:
+            return None
+        current = _model_in(info.annotation)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def field_path(loc: tuple) -> str:
+    """The dotted path of a field (`browser.allow_domains.2`), as API errors name it."""
+    return ".".join(str(p) for p in loc if p not in ("function-after", "function-before"))
+
+
+def error_message(err: dict, model: type[BaseModel]) -> str:
+    """A readable message, with a hint where one helps, for one pydantic error of `model`."""
+    kind, loc, value = err.get("type"), tuple(err.get("loc", ())), err.get("input")
+    name = loc[-1] if loc else ""
+    if kind == "extra_forbidden":
+        holder = _submodel(model, loc[:-1])
+        known = tuple(holder.model_fields) if holder else ()
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else (f"known keys: {', '.join(known)}" if known else "")
+        return f"unknown key {name!r}" + (f" ({hint})" if hint else "")
+    if kind == "missing":
+        return f"missing required key {name!r}"
+    if kind == "list_type":
+        if isinstance(value, str):
+            return f"must be a list, not a single text (hint: write a list: [{value}])"
+        return f"must be a list, not {_shown(value)} (hint: write a list: [example.com])"
+    if kind == "bool_type":
+        return f"must be true or false, not {_shown(value)} (hint: write true or false without quotes)"
+    if kind == "string_type":
+        return f"must be text, not {_shown(value)}" + (" (hint: put it in quotes)" if isinstance(value, (int, float, bool)) else "")
+    if kind in ("int_type", "int_parsing"):
+        return f"must be a whole number, not {_shown(value)}"
+    if kind in ("model_type", "dict_type"):
+        holder = _submodel(model, loc)
+        keys = f" with keys {', '.join(holder.model_fields)}" if holder else ""
+        return f"must be a mapping{keys}, not {_shown(value)}"
+    if kind == "literal_error":
+        return str(err.get("msg", "invalid")).replace("Input should be", "must be")
+    msg = str(err.get("msg", "invalid"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg.replace("String should have", "must have").replace("List should have", "must have")

@@ -1,0 +1,245 @@
+"""Processes the guard owns, and how to end them safely (also after a crash).
+
+A `ProcRecord` names a process by pid AND start time (psutil `create_time`), so a pid that the
+kernel reused for somebody else's process is never signalled. Records are JSON-serialisable so
+the daemon can persist them and the start-up sweep can end what a dead guard left behind.
+
+`scan_orphans` finds browser / agent-browser / mitmproxy processes that mention one of the
+guard's runtime paths (in their command line or environment) even when no record survived.
+
+This module holds the one terminate-wait-kill of the project: `terminate_recorded` for recorded
+processes (by pid and start time), `end_child` for an asyncio child the caller started and still
+holds, `end_popen` for a `subprocess.Popen` child.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import psutil
+
+#: Start times are floats from /proc; allow for rounding when comparing.
+CREATE_TIME_TOLERANCE = 0.05
+
+#: Kinds the guard records: agent-browser daemon, the browser (Chrome main process), the
+#: browser's crash handler, a per-run proxy, anything else we started.
+KINDS = ("daemon", "browser", "crashpad", "proxy", "other")
+
+
+@dataclass(frozen=True)
+class ProcRecord:
+    """A process the guard started (or found): pid + create_time + what it is."""
+    pid: int
+    create_time: float
+    kind: str
+
+    @classmethod
+    def of(cls, pid: int, kind: str) -> ProcRecord | None:
+        """Record a live process by pid (None when it does not exist)."""
+        try:
+            return cls(pid, psutil.Process(pid).create_time(), kind)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ProcRecord:
+        pid, ct, kind = data["pid"], data["create_time"], data["kind"]
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise ValueError("ProcRecord.pid must be a positive integer")
+        if not isinstance(ct, (int, float)) or isinstance(ct, bool):
+            raise ValueError("ProcRecord.create_time must be a number")
+        if kind not in KINDS:
+            raise ValueError(f"ProcRecord.kind must be one of {', '.join(KINDS)}")
+        return cls(pid, float(ct), kind)
+
+    def process(self) -> psutil.Process | None:
+        """The live process this record names, or None (gone, zombie, or pid reused)."""
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.create_time) > CREATE_TIME_TOLERANCE:
+                return None
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def alive(self) -> bool:
+        return self.process() is not None
+
+
+def _signal(proc: psutil.Process, rec: ProcRecord, sig: int) -> None:
+    """Signal the process; a browser that leads its own process group gets the whole group
+    (renderers, GPU and zygote processes) - checked against the record first."""
+    try:
+        if rec.kind == "browser" and os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+    except (ProcessLookupError, psutil.NoSuchProcess, PermissionError, psutil.AccessDenied):
+        pass
+
+
+def terminate_recorded(records: Iterable[ProcRecord], timeout: float = 5.0) -> list[ProcRecord]:
+    """End every recorded process that is still alive (pid AND create_time must match).
+
+    SIGTERM first, wait up to `timeout`, then SIGKILL and wait up to 2 s more. Returns the
+    records that were alive and were signalled. Never blocks longer than timeout + 2 s.
+    """
+    live: list[tuple[ProcRecord, psutil.Process]] = []
+    for rec in records:
+        proc = rec.process()
+        if proc is not None:
+            live.append((rec, proc))
+    for rec, proc in live:
+        _signal(proc, rec, signal.SIGTERM)
+    _wait_gone([r for r, _ in live], timeout)
+    stubborn = [(r, p) for r, p in live if r.alive()]
+    for rec, proc in stubborn:
+        _signal(proc, rec, signal.SIGKILL)
+    _wait_gone([r for r, _ in stubborn], 2.0)
+    return [r for r, _ in live]
+
+
+def wait_gone(records: Iterable[ProcRecord], timeout: float) -> bool:
+    """Wait (bounded) until no record is alive; True when all are gone."""
+    return _wait_gone(list(records), timeout)
+
+
+def _wait_gone(records: list[ProcRecord], timeout: float) -> bool:
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        if not any(r.alive() for r in records):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- orphan scan
+
+_TOOL_WORDS = ("chrom", "agent-browser", "mitmproxy", "mitmdump", "crashpad")
+
+
+def _kind_of(cmdline: list[str]) -> str:
+    """What a found process is, from its executable name (or, for a Python script, from an
+    exact marker argument such as `-m mitmproxy` or the test fake's dummy processes)."""
+    exe = os.path.basename(cmdline[0]).lower() if cmdline else ""
+    for word, kind in (("crashpad", "crashpad"), ("agent-browser", "daemon"), ("chrom", "browser"),
+                       ("mitm", "proxy")):
+        if word in exe:
+            return kind
+    args = set(cmdline[1:])
+    if "agent-browser-fake-daemon" in args or any(a.endswith("/agent-browser") for a in args):
+        return "daemon"
+    if "--fake-chromium" in args:
+        return "browser"
+    if args & {"mitmproxy", "mitmdump", "mitmproxy.tools.main"} or any("sfguard" in a and "proxy" in a for a in args):
+        return "proxy"
+    return "other"
+
+
+def _mentions(marker_res: list[re.Pattern], values: Iterable[str]) -> bool:
+    return any(r.search(v) for v in values for r in marker_res)
+
+
+def scan_orphans(marker_paths: Iterable[str | os.PathLike],
+                 uids: Iterable[int | None] = ()) -> list[ProcRecord]:
+    """Browser, crash-handler, agent-browser and mitmproxy processes of this user (and of the
+    users in `uids`: a root guard's browser user) whose command line or environment mentions
+    one of `marker_paths` (a path, or anything below it).
+
+    Used by the start-up sweep (markers: the guard's runtime dir) and by tests. Only processes
+    whose command line names one of those tools are considered, so the guard's own daemon
+    (whose env may name the same dirs) is not reported. The calling process is skipped.
+    """
+    markers = [os.fspath(m).rstrip("/") for m in marker_paths if os.fspath(m).strip("/")]
+    if not markers:
+        return []
+    marker_res = [re.compile(re.escape(m) + r"(?=$|[/\s,;:=\"'])") for m in markers]
+    me = os.getpid()
+    owners = {os.getuid(), *(u for u in uids if u is not None)}
+    found: list[ProcRecord] = []
+    for proc in psutil.process_iter(["pid", "cmdline", "uids", "create_time", "status"]):
+        info = proc.info
+        try:
+            if info["pid"] == me or info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if info["uids"] is None or info["uids"].real not in owners:
+                continue
+            cmdline = info["cmdline"] or []
+            head = " ".join(cmdline).lower()
+            if not any(w in head for w in _TOOL_WORDS):
+                continue
+            hit = _mentions(marker_res, cmdline)
+            if not hit:
+                try:
+                    hit = _mentions(marker_res, proc.environ().values())
+                except (psutil.AccessDenied, psutil.ZombieProcess):
+                    hit = False
+            if hit:
+                found.append(ProcRecord(info["pid"], info["create_time"], _kind_of(cmdline)))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _signal_child(pid: int, sig: int, group: bool) -> None:
+    """Signal a child we started and hold (its pid cannot be reused while it is unreaped);
+    with `group`, also its own process group (a child started with start_new_session)."""
+    targets = ((os.killpg, pid), (os.kill, pid)) if group else ((os.kill, pid),)
+    for fn, target in targets:
+        try:
+            fn(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+async def end_child(proc: asyncio.subprocess.Process, timeout: float = 5.0, *,
+                    group: bool = False, kill_wait: float = 5.0) -> bool:
+    """End an asyncio child: SIGTERM, wait up to `timeout`, then SIGKILL and wait up to
+    `kill_wait`. `timeout` 0 sends SIGKILL at once. True when the child has exited."""
+    if proc.returncode is not None:
+        return True
+    if timeout > 0:
+        _signal_child(proc.pid, signal.SIGTERM, group)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+            return True
+        except TimeoutError:
+            pass
+    _signal_child(proc.pid, signal.SIGKILL, group)
+    try:
+        await asyncio.wait_for(proc.wait(), kill_wait)
+    except TimeoutError:
+        return False
+    return True
+
+
+def end_popen(proc: subprocess.Popen, timeout: float = 5.0, *, group: bool = False,
+              kill_wait: float = 5.0) -> bool:
+    """`end_child` for a `subprocess.Popen` child (same steps, blocking)."""
+    if proc.poll() is not None:
+        return True
+    if timeout > 0:
+        _signal_child(proc.pid, signal.SIGTERM, group)
+        try:
+            proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_child(proc.pid, signal.SIGKILL, group)
+    try:
+        proc.wait(kill_wait)
+    except subprocess.TimeoutExpired:
+        return False
+    return True

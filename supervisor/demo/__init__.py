@@ -1,0 +1,1 @@
+"""`sfguard demo`: the example pipeline against the fixture login site."""

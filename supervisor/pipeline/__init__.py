@@ -1,0 +1,1 @@
+"""Pipeline files: validation with line numbers, routes and stage facts."""

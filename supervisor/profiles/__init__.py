@@ -1,0 +1,1 @@
+"""Profiles at rest: stores, sealing, keys, leases, audit."""

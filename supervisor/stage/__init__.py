@@ -1,0 +1,1 @@
+"""Stage containment: the bubblewrap sandbox, its bridges and `sfguard stage-exec`."""

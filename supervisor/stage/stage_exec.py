@@ -1,0 +1,90 @@
+"""The guard's side of `sfguard stage-exec`: the start-up check and the exec answer.
+
+At start the guard checks that bubblewrap builds the stage sandbox here (as the stage user when
+it runs as root, creating that user when missing) and sweeps the bridge folders a dead guard
+left. The exec route (`GET /v1/runs/{run}/stages/{stage}/exec`, runner only: the control socket
+is 0600 or 0660 with the API group) answers what stage-exec needs: the in-sandbox env, the
+stage's two bridge sockets, the folders to hide and the user to run as.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.daemon.api import ApiError
+from sfguard.supervisor.stage import sandbox
+
+log = logging.getLogger("sfguard.stage_exec")
+
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+
+
+def prepare(guard) -> dict[str, Any]:
+    """Stage user (root only), bubblewrap check, bridge sweep. Never fatal: where the sandbox
+    cannot be built, stage-exec is refused with the reason and everything else works."""
+    user = None
+    detail = ""
+    try:
+        if os.geteuid() == 0:
+            user = sandbox.ensure_stage_user(guard.stage_user_name)
+        ok, detail = sandbox.probe(user)
+    except sandbox.SandboxError as exc:
+        ok, detail = False, str(exc)
+    guard.stage_user = user
+    guard.agent_browser_path = tools.find_agent_browser().path
+    guard.sandbox_ok, guard.sandbox_detail = ok, detail
+    guard.bridges.stage_uid = user.uid if user is not None else None
+    guard.bridges.api_gid = guard.api_gid
+    swept = guard.bridges.sweep()
+    (log.info if ok else log.warning)("stage sandbox: %s", detail)
+    return {"ok": ok, "detail": detail, "bridges_swept": swept,
+            "stage_user": user.name if user else None}
+
+
+#: stage-exec's fast entry: the same command as `sfguard stage-exec`, started by this guard's
+#: Python in isolated mode without site-packages (about 60 ms less per stage under load than
+#: the console script, whose site start-up dominates; see bench/stage_exec_bench.py), and by
+#: absolute path, so it does not depend on the runner's PATH.
+FAST_ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "cli", "stage_exec_cmd.py")
+
+
+def exec_prefix(guard, run_id: str, stage_id: str) -> list[str]:
+    return [sys.executable, "-I", "-S", FAST_ENTRY, "--home", str(guard.home), "--run", run_id,
+            "--stage", stage_id, "--"]
+
+
+def exec_answer(guard, run, stage) -> dict[str, Any]:
+    if stage.state == "ended":
+        raise ApiError(409, "stage_ended", f"stage {stage.stage_id!r} of run {run.run_id!r} has "
+                       f"ended ({stage.outcome}); its gate and proxy are closed", "stage_id")
+    if stage.state == "failed":
+        raise ApiError(409, "stage_failed", f"stage {stage.stage_id!r} has no browser "
+                       "(its request failed)", "stage_id")
+    bridges = guard.bridges.get(stage.gate_key or "") if stage.state == "ready" else None
+    if stage.state != "ready" or bridges is None:
+        raise ApiError(409, "stage_not_ready", f"stage {stage.stage_id!r} is {stage.state}: "
+                       "request it until it is ready, then run stage-exec", "stage_id")
+    if not guard.sandbox_ok:
+        raise ApiError(409, "sandbox_unavailable", "this machine cannot build the stage sandbox "
+                       f"({guard.sandbox_detail}); stage-exec refuses to run a stage unconfined")
+    env = dict(stage.env)
+    env["AGENT_BROWSER_SOCKET_DIR"] = sandbox.INSIDE_SOCKET_DIR
+    env["AGENT_BROWSER_CONFIG"] = sandbox.INSIDE_CONFIG
+    for var in PROXY_VARS:
+        env[var] = bridges.proxy_url
+    # agent-browser falls back to HTTP(S)_PROXY/ALL_PROXY and, seeing a credential, installs
+    # browser-wide network controls the gate refuses (measured on 0.41.2); set empty, it keeps
+    # to the gate and the anchor's own proxy.
+    env["AGENT_BROWSER_PROXY"] = ""
+    return {
+        "run_id": run.run_id, "stage_id": stage.stage_id, "attempt": stage.attempt,
+        "env": env,
+        "bridges": bridges.describe(),
+        "hide": [str(guard.home), str(guard.runtime), str(guard.bridges.root)],
+        "run_as": guard.stage_user.to_json() if guard.stage_user is not None else None,
+        "agent_browser": getattr(guard, "agent_browser_path", None),
+    }
