@@ -14,8 +14,16 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # the fast entry (`python -I -S cli/stage_exec_cmd.py`): no site
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # the fast entry (`python -I -S .../cli/stage_exec_cmd.py`): no site
+    _up = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isdir(os.path.join(_up, "supervisor")) and os.path.isfile(os.path.join(_up, "sfguard", "__init__.py")):
+        # a checkout: its folders are the sub-packages of the sfguard namespace (pyproject's
+        # package-dir, which the editable install's finder applies; -S loads no finder)
+        sys.path.insert(0, _up)
+        import sfguard
+        sfguard.__path__.append(_up)
+    else:  # installed: <site-packages>/sfguard/cli/stage_exec_cmd.py
+        sys.path.insert(0, os.path.dirname(_up))
 
 
 class CliError(Exception):

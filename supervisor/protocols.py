@@ -16,8 +16,8 @@ here, at the edge, so that a name can never be a path.
 """
 from __future__ import annotations
 
+import builtins
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -180,8 +180,8 @@ class ProfileStore(Protocol):
     def save(self, key: ProfileKey) -> ProfileInfo: ...
     def close(self, key: ProfileKey, *, save: bool = True) -> ProfileInfo: ...
     def delete(self, key: ProfileKey) -> None: ...
-    def delete_scope(self, scope: str) -> list[ProfileKey]: ...
-    def unsealed(self) -> list[ProfileKey]: ...
+    def delete_scope(self, scope: str) -> builtins.list[ProfileKey]: ...
+    def unsealed(self) -> builtins.list[ProfileKey]: ...
 
 
 @runtime_checkable
@@ -215,7 +215,7 @@ class AuditSink(Protocol):
     def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]: ...
 
 
-__all__: Iterable[str] = [
+__all__ = [
     "NAME_PATTERN", "LOCAL_SCOPE", "ProfileError", "ProfileNameError", "ProfileNotFound",
     "ProfileExists", "ProfileBusy", "StoreUnavailable", "validate_name", "ProfileKey", "ProfileInfo",
     "ProcessIdentity", "LeaseHolder", "QueueEntry", "Granted", "Waiting", "validate_run_id",

@@ -150,8 +150,8 @@ def install(logger: logging.Logger | None = None) -> RedactionFilter:
                 redact_record(record)
                 return _original(self, record)
 
-            handle.__sfguard_original__ = original
-            logging.Logger.handle = handle
+            handle.__sfguard_original__ = original  # type: ignore[attr-defined]  # for uninstall
+            logging.Logger.handle = handle  # type: ignore[method-assign]  # process-wide, on purpose
             _installed = True
     target = logger or logging.getLogger()
     for h in target.handlers:

@@ -94,7 +94,7 @@ def browser_env(base: dict[str, str] | None = None, *,
     that points into the guard user's own folders is passed (its runtime dir, caches, config,
     X authority file): the browser writes only where its user may."""
     src = os.environ if base is None else base
-    keep = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY", "WAYLAND_DISPLAY",
+    keep: tuple[str, ...] = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY", "WAYLAND_DISPLAY",
             "XAUTHORITY", "FONTCONFIG_PATH", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
     if home is not None:
         keep = ("PATH", "LANG", "DISPLAY", "WAYLAND_DISPLAY", "FONTCONFIG_PATH")

@@ -250,16 +250,17 @@ agent-browser sessions attached to the CDP gate."""
         socket_dir = private_dir(Path(spec.socket_dir))
         temp_profile = spec.profile_dir is None
         user = self.user
-        if not temp_profile and not Path(spec.profile_dir).is_absolute():
+        if spec.profile_dir is not None and not Path(spec.profile_dir).is_absolute():
             raise AnchorError("the profile dir must be an absolute path")
         profile_dir: Path | None = None
         try:
-            work = None
-            if temp_profile or user is not None:   # where a temp profile and a HOME go
-                work = private_dir(Path(spec.temp_root or socket_dir.parent))
+            # where a temp profile and a HOME go (made only when one is needed)
+            work = Path(spec.temp_root or socket_dir.parent)
+            if temp_profile or user is not None:
+                work = private_dir(work)
             if user is not None:
                 bu.open_path(work)   # the browser user crosses to its HOME and temp profile
-            if temp_profile:
+            if spec.profile_dir is None:
                 profile_dir = bu.owned_dir(work, f"tp-{spec.session[:20]}-", user)
             else:
                 profile_dir = Path(spec.profile_dir)

@@ -92,32 +92,32 @@ class LiveView:
     async def start(self, url: str, timeout: float = 20.0) -> None:
         async with asyncio.timeout(timeout):
             self.cdp = await self.pipe.session(self.name)
-            created = await self.cdp.call("Target.createTarget", {"url": "about:blank"})
+            created = await self._cdp().call("Target.createTarget", {"url": "about:blank"})
             self.target = created["targetId"]
-            attached = await self.cdp.call("Target.attachToTarget",
+            attached = await self._cdp().call("Target.attachToTarget",
                                            {"targetId": self.target, "flatten": True})
             self.session = attached["sessionId"]
             s = self.session
-            await self.cdp.call("Page.enable", session=s)
-            await self.cdp.call("Runtime.runIfWaitingForDebugger", session=s)
-            await self.cdp.call("Fetch.enable", {"patterns": [
+            await self._cdp().call("Page.enable", session=s)
+            await self._cdp().call("Runtime.runIfWaitingForDebugger", session=s)
+            await self._cdp().call("Fetch.enable", {"patterns": [
                 {"urlPattern": "*", "resourceType": "Document", "requestStage": "Request"}]}, session=s)
-            await self.cdp.call("Emulation.setDeviceMetricsOverride", {
+            await self._cdp().call("Emulation.setDeviceMetricsOverride", {
                 "width": VIEW_W, "height": VIEW_H, "deviceScaleFactor": 1, "mobile": False}, session=s)
             self._task = asyncio.get_running_loop().create_task(self._events())
-            await self.cdp.call("Page.startScreencast", {
+            await self._cdp().call("Page.startScreencast", {
                 "format": "jpeg", "quality": 70, "maxWidth": MAX_W, "maxHeight": MAX_H,
                 "everyNthFrame": 1}, session=s)
-            await self.cdp.call("Page.navigate", {"url": url}, session=s)
+            await self._cdp().call("Page.navigate", {"url": url}, session=s)
 
     async def close(self) -> None:
         """Stop streaming and close the login tab (idempotent)."""
         if self.cdp is not None:
             with contextlib.suppress(Exception):
-                await self.cdp.call("Page.stopScreencast", session=self.session, timeout=3)
+                await self._cdp().call("Page.stopScreencast", session=self.session, timeout=3)
             if self.target:
                 with contextlib.suppress(Exception):
-                    await self.cdp.call("Target.closeTarget", {"targetId": self.target}, timeout=5)
+                    await self._cdp().call("Target.closeTarget", {"targetId": self.target}, timeout=5)
             await self.cdp.close()
         if self._task is not None:
             self._task.cancel()
@@ -182,10 +182,15 @@ class LiveView:
         finally:
             self._finish()
 
+    def _cdp(self) -> CdpSession:
+        if self.cdp is None:
+            raise RuntimeError("the live view's CDP session is not open")
+        return self.cdp
+
     async def _frame(self, params: dict) -> None:
         # the ack goes first (not awaited): the next frame may be produced meanwhile
         with contextlib.suppress(Exception):
-            await self.cdp.client.send({"id": 0, "method": "Page.screencastFrameAck",
+            await self._cdp().client.send({"id": 0, "method": "Page.screencastFrameAck",
                                         "params": {"sessionId": params.get("sessionId")},
                                         "sessionId": self.session})
         try:
@@ -208,12 +213,12 @@ class LiveView:
         ok = url.startswith(("about:", "data:")) or self._allowed(url)
         with contextlib.suppress(Exception):
             if ok:
-                await self.cdp.call("Fetch.continueRequest", {"requestId": rid},
+                await self._cdp().call("Fetch.continueRequest", {"requestId": rid},
                                     session=self.session, timeout=5)
             else:
                 self.refused.append(display_url(url))
                 log.info("live view %s: navigation refused (outside allow_domains)", self.name)
-                await self.cdp.call("Fetch.failRequest", {"requestId": rid,
+                await self._cdp().call("Fetch.failRequest", {"requestId": rid,
                                     "errorReason": "Aborted"}, session=self.session, timeout=5)
                 self._broadcast(("state", self.state()))
 
@@ -235,7 +240,7 @@ class LiveView:
         if method == "Emulation.setDeviceMetricsOverride":
             self.size = (params["width"], params["height"])
         try:
-            await self.cdp.call(method, params, session=self.session, timeout=10)
+            await self._cdp().call(method, params, session=self.session, timeout=10)
         except (CdpCallError, PipeClosed, TimeoutError):
             return False
         return True
@@ -272,7 +277,8 @@ def _translate(msg: dict, size: tuple[int, int]) -> tuple[str, dict] | None:
         button = msg.get("button") if msg.get("button") in BUTTONS else "none"
         if typ != "mouseMoved" and button == "none":
             button = "left"
-        clicks = msg.get("clickCount") if isinstance(msg.get("clickCount"), int) else 1
+        raw_clicks = msg.get("clickCount")
+        clicks = raw_clicks if isinstance(raw_clicks, int) else 1
         return "Input.dispatchMouseEvent", {"type": typ, "x": x, "y": y, "button": button,
                                             "clickCount": max(0, min(clicks, 3)),
                                             "modifiers": _mods(msg.get("modifiers"))}
@@ -304,7 +310,7 @@ def _translate(msg: dict, size: tuple[int, int]) -> tuple[str, dict] | None:
             return None
         try:
             p = urlsplit(url)
-            p.port        # a malformed port raises
+            _ = p.port    # a malformed port raises
         except ValueError:
             return None
         if p.scheme not in ("http", "https") or not p.hostname:

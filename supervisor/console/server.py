@@ -14,7 +14,8 @@ a one-time link (sfguard.supervisor.console.auth); the cookie is HttpOnly, SameS
 Max-Age. Every POST and the live view's WebSocket check the Origin, and POSTs a CSRF token.
 The Host header must name this server (no DNS rebinding). Every answer carries a strict
 Content-Security-Policy (scripts and styles from this server only, no inline script),
-`Referrer-Policy: same-origin` (a link token never leaks to another site; `no-referrer` would make Chromium send `Origin: null` on our own POSTs), `X-Frame-Options: DENY`
+`Referrer-Policy: same-origin` (a link token never leaks to another site; `no-referrer` would make
+Chromium send `Origin: null` on our own POSTs), `X-Frame-Options: DENY`
 and `Cache-Control: no-store`. Everything the browser loads ships in this package.
 """
 from __future__ import annotations
@@ -52,6 +53,13 @@ DECISIONS_TAIL = 5000
 DECISIONS_SHOWN = 200
 AUDIT_SHOWN = 50
 PAGES = ("overview", "decisions", "profiles", "audit")
+
+def _text(value: object) -> str | None:
+    """A form field as text (a file upload is no text)."""
+    return value if isinstance(value, str) else None
+
+
+NO_SESSION_TEXT = "no session for this live view: open its link, or sign in with `sfguard console`\n"
 
 
 class ConsoleError(Exception):
@@ -110,8 +118,7 @@ class ConsoleServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        sock = site._server.sockets[0]  # the bound port (0 = a free one)
-        self.port = sock.getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the bound port (0 = a free one)
         self.base_url = f"http://{join_host_port(self.host, self.port)}"
         return self.base_url
 
@@ -223,7 +230,7 @@ class ConsoleServer:
         if sess is None:
             return self._unauthorized(request)
         form = await request.post()
-        if not sess.csrf_ok(form.get("csrf") or request.headers.get("X-CSRF-Token")):
+        if not sess.csrf_ok(_text(form.get("csrf")) or request.headers.get("X-CSRF-Token")):
             return web.Response(status=403, text="CSRF token missing or wrong\n")
         self.auth.end_session(request.cookies.get(CONSOLE_COOKIE))
         resp = self._render("message.html", title="Signed out", session=None,
@@ -383,9 +390,9 @@ class ConsoleServer:
                 return self._render("message.html", 401, title="Link not valid", session=None,
                                     message="This live-view link was already used, has expired, "
                                             "or its login has ended.")
-            cookie, sess = got
+            cookie, live_sess = got
             resp = self._render("moved.html", title="Live view", target=f"/live/{hid}", session=None)
-            self._set_cookie(resp, LIVE_COOKIE, cookie, sess, f"/live/{hid}")
+            self._set_cookie(resp, LIVE_COOKIE, cookie, live_sess, f"/live/{hid}")
             return resp
         h, sess = self._live(request)
         if h is None or h.state != "open":
@@ -399,7 +406,7 @@ class ConsoleServer:
     async def h_live_ws(self, request: web.Request) -> web.StreamResponse:
         h, sess = self._live(request)
         if h is None or sess is None:
-            return web.Response(status=401, text="no session for this live view: open its link, or sign in with `sfguard console`\n")
+            return web.Response(status=401, text=NO_SESSION_TEXT)
         if h.state != "open":
             return web.Response(status=410, text="this live view has ended\n")
         if not self._same_origin(request):
@@ -446,9 +453,9 @@ class ConsoleServer:
     async def h_live_end(self, request: web.Request) -> web.StreamResponse:
         h, sess = self._live(request)
         if h is None or sess is None:
-            return web.Response(status=401, text="no session for this live view: open its link, or sign in with `sfguard console`\n")
+            return web.Response(status=401, text=NO_SESSION_TEXT)
         form = await request.post()
-        if not sess.csrf_ok(form.get("csrf") or request.headers.get("X-CSRF-Token")):
+        if not sess.csrf_ok(_text(form.get("csrf")) or request.headers.get("X-CSRF-Token")):
             return web.Response(status=403, text="CSRF token missing or wrong\n")
         if h.state != "open":
             return self._live_gone()

@@ -1,7 +1,8 @@
 """A scripted person at a live view: a separate, unguarded headless Chromium that opens the
 live-view link and logs in through the page, as a person would (issue 16).
 
-Used by `sfguard demo --auto-login` (tests and CI) and the live-view tests. It is NOT the guard's browser: it is started here over its
+Used by `sfguard demo --auto-login` (tests and CI) and the live-view tests. It is NOT the guard's
+browser: it is started here over its
 own `--remote-debugging-pipe` (no port), with a temporary profile, no proxy, and reaches only
 the console on loopback. It never gets the stage's env or anything of the guard's: only the
 one-time link. It drives the viewer page with real input events (`Input.*` on the viewer
@@ -44,7 +45,7 @@ class Viewer:
         self.dir: Path | None = None
         self.home: Path | None = None
         self.user: bu.BrowserUser | None = None
-        self.proc = None
+        self.proc: asyncio.subprocess.Process | None = None
         self.pipe: CdpPipe | None = None
         self.cdp: CdpSession | None = None
         self.session: str | None = None
@@ -93,7 +94,7 @@ class Viewer:
     async def _collect(self) -> None:
         with contextlib.suppress(Exception):
             while True:
-                ev = await self.cdp.events.get()
+                ev = await self._cdp().events.get()
                 if ev.get("method") == "Runtime.consoleAPICalled":
                     args = (ev.get("params") or {}).get("args") or []
                     self.console_log.append(" ".join(str(a.get("value", a.get("description", ""))) for a in args))
@@ -119,7 +120,12 @@ class Viewer:
             shutil.rmtree(self.home, ignore_errors=True)
 
     async def call(self, method: str, params: dict | None = None, timeout: float = 30) -> dict:
-        return await self.cdp.call(method, params or {}, session=self.session, timeout=timeout)
+        return await self._cdp().call(method, params or {}, session=self.session, timeout=timeout)
+
+    def _cdp(self) -> CdpSession:
+        if self.cdp is None:
+            raise RuntimeError("the viewer's CDP session is not open")
+        return self.cdp
 
     async def eval(self, expr: str) -> Any:
         res = await self.call("Runtime.evaluate", {"expression": expr, "returnByValue": True,

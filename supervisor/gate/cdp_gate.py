@@ -186,7 +186,7 @@ class CdpGate:
         if targets:
             results = await self._raw_calls(stage.pipe,
                                             [("Target.closeTarget", {"targetId": t}) for t in targets])
-            for tid, res in zip(targets, results):
+            for tid, res in zip(targets, results, strict=True):
                 stage.targets.discard(tid)
                 if "error" not in res:
                     closed.append(tid)
@@ -311,7 +311,7 @@ class _Relay:
         self.ctx = policy.PolicyContext(own_targets=stage.targets, artifacts_dir=stage.artifacts_dir,
                                         tab_quota=stage.tab_quota)
         # (sessionId, id) -> method, for replies the gate must look at
-        self.pending: dict[tuple[str | None, int], str] = {}
+        self.pending: dict[tuple[Any, Any], str] = {}   # (sessionId, id) as the stage sent them
         self.pending_ids: collections.Counter = collections.Counter()
         self.held: list[tuple[str, dict]] = []  # target events of unknown targets during createTarget
 
@@ -346,7 +346,7 @@ class _Relay:
                 if key in self.pending:
                     reason = "a command with this id is still in flight"
             if reason is not None:
-                self.gate._refused(self.stage, method, reason)
+                self.gate._refused(self.stage, method or "", reason)
                 if isinstance(data, dict) and "id" in data:
                     await self.client.send_str(json.dumps(policy.refusal_message(
                         data.get("id"), method or "<malformed>", reason, data.get("sessionId"))))
@@ -467,13 +467,15 @@ class _Relay:
         if name == "Target.attachedToTarget":
             info = params.get("targetInfo") or {}
             sid, tid = params.get("sessionId"), info.get("targetId")
+            if not (isinstance(sid, str) and isinstance(tid, str)):
+                return
             if parent is not None or tid in self.stage.targets:
                 # child of an own session (auto-attach) or an own tab attached by this connection
                 self.ctx.own_sessions[sid] = tid
                 await self._send(data)
             return
         if name == "Target.detachedFromTarget":
-            if self.ctx.own_sessions.pop(params.get("sessionId"), None) is not None:
+            if self.ctx.own_sessions.pop(str(params.get("sessionId")), None) is not None:
                 await self._send(data)
             return
         if name == "Target.receivedMessageFromTarget":

@@ -152,7 +152,7 @@ class CdpPipe:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.WriteTransport) -> None:
         self._reader, self._writer = reader, writer
         self._ids = itertools.count(1)
-        self._routes: dict[int, tuple[PipeClient | None, int, str, dict]] = {}
+        self._routes: dict[int, tuple[PipeClient | None, Any, str, dict]] = {}  # the client's own id: any JSON
         self._owner: dict[str, PipeClient] = {}          # sessionId -> client
         self._parent: dict[str, str | None] = {}         # sessionId -> parent sessionId
         self._pending_attach: dict[str, list[PipeClient]] = defaultdict(list)
@@ -325,7 +325,7 @@ class CdpPipe:
         fut = self._own.pop(gid, None)
         if fut is not None:
             if not fut.done():
-                fut.set_result(data if data is not None else json.loads(text))
+                fut.set_result(data if data is not None else json.loads(text or "null"))
             return
         route = self._routes.pop(gid, None)
         if route is None:
@@ -333,10 +333,10 @@ class CdpPipe:
         client, orig_id, method, params = route
         if method == "Target.attachToTarget" and "sessionId" not in (data or {}):
             # the session is the client's even if its attachedToTarget event was missed
-            data = data if data is not None else json.loads(text)
+            data = data if data is not None else json.loads(text or "null")
             sid = (data.get("result") or {}).get("sessionId")
             tid = params.get("targetId")
-            if client is not None and client in self._pending_attach.get(tid, []):
+            if client is not None and isinstance(tid, str) and client in self._pending_attach.get(tid, []):
                 self._pending_attach[tid].remove(client)
             if isinstance(sid, str):
                 if client is None or client.closed:
@@ -352,6 +352,7 @@ class CdpPipe:
             data["id"] = orig_id
             client._deliver(json.dumps(data))
         else:
+            assert text is not None  # no parsed answer: the raw one is forwarded
             client._deliver('{"id":' + json.dumps(orig_id) + sep + text[m_end(text):])
 
     def _event(self, data: dict, text: str) -> None:
@@ -364,7 +365,7 @@ class CdpPipe:
         if method in _TARGET_LIST_EVENTS and sid is None:
             info = params.get("targetInfo") or {}
             if method == "Target.targetDestroyed":
-                self.targets.pop(params.get("targetId"), None)
+                self.targets.pop(str(params.get("targetId")), None)
             elif isinstance(info.get("targetId"), str):
                 self.targets[info["targetId"]] = info
             for client in list(self._clients):
@@ -375,7 +376,7 @@ class CdpPipe:
             child = params.get("sessionId")
             tid = (params.get("targetInfo") or {}).get("targetId")
             if sid is None:
-                waiting = self._pending_attach.get(tid) or []
+                waiting = (self._pending_attach.get(tid) if isinstance(tid, str) else None) or []
                 owner = waiting.pop(0) if waiting else None
                 parent = None
             else:
@@ -392,7 +393,8 @@ class CdpPipe:
         if method == "Target.detachedFromTarget":
             child = params.get("sessionId")
             owner = self._owner.pop(child, None) if isinstance(child, str) else None
-            self._parent.pop(child, None)
+            if isinstance(child, str):
+                self._parent.pop(child, None)
             if sid is not None:
                 owner = owner or self._owner.get(sid)
             if owner is not None:

@@ -14,7 +14,8 @@ the browser sends back. Order of checks in `check_command`:
      folder inside the stage's artifacts dir).
 
 How the allowlist was found: agent-browser 0.41.2 driven through the gate with
-`CdpGate(record_methods=True)` (see tests/cdp_gate/test_cdp_gate_browser.py::test_agent_browser_commands_through_gate, which
+`CdpGate(record_methods=True)` (see
+tests/cdp_gate/test_cdp_gate_browser.py::test_agent_browser_commands_through_gate, which
 records the methods agent-browser sends and checks each is allowlisted) for the
 commands the stage skill teaches: open, snapshot, click, fill, type, press, wait, screenshot,
 get url/text/title, tab list/new/close, back, forward, reload, scroll, close. Methods it sent:
@@ -57,10 +58,12 @@ NEVER_PASS: dict[str, str] = {
     "Network.setCookies": "cookie change",
     "Network.deleteCookies": "cookie change",
     "Network.clearBrowserCookies": "cookie change",
-    "Network.setRequestInterception": "interception sees every request header (HttpOnly cookies, proxy auth) and can rewrite requests",
+    "Network.setRequestInterception": ("interception sees every request header (HttpOnly cookies, proxy auth) "
+                                       "and can rewrite requests"),
     "Network.setExtraHTTPHeaders": "could inject headers (Proxy-Authorization, Cookie) into every request",
     "Network.loadNetworkResource": "fetches outside the page (file: and other schemes)",
-    "Fetch.": "interception sees every request header (HttpOnly cookies, proxy credentials via authRequired) and can rewrite requests",
+    "Fetch.": ("interception sees every request header (HttpOnly cookies, proxy credentials via authRequired) "
+               "and can rewrite requests"),
     "Browser.close": "the browser belongs to the guard",
     "Browser.crash": "the browser belongs to the guard",
     "Browser.crashGpuProcess": "the browser belongs to the guard",

@@ -119,8 +119,10 @@ def probe(user: StageUser | None = None) -> tuple[bool, str]:
     if socat is None:
         return False, "socat not found: install it (Debian: apt-get install socat)"
     kwargs: dict = {}
+    who = ""
     if user is not None and os.geteuid() == 0:
         kwargs = {"user": user.uid, "group": user.gid, "extra_groups": []}
+        who = f" as {user.name}"
     try:
         out = subprocess.run([bwrap, *BASE_ARGS, "--", "/bin/true"], capture_output=True,
                              text=True, timeout=PROBE_TIMEOUT, env={"PATH": "/usr/bin:/bin"},
@@ -131,7 +133,6 @@ def probe(user: StageUser | None = None) -> tuple[bool, str]:
         why = (out.stderr or "").strip().splitlines()
         return False, ("bwrap cannot build the sandbox here (user namespaces disabled?): "
                        + (why[-1][:200] if why else f"exit {out.returncode}"))
-    who = f" as {user.name}" if kwargs else ""
     return True, f"bubblewrap works{who} ({bwrap}; socat {socat})"
 
 

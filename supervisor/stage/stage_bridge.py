@@ -72,7 +72,8 @@ class _Bridge:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        self.conns.add(task)
+        if task is not None:        # always, inside a connection callback
+            self.conns.add(task)
         up_w = None
         try:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(*self.target), 10)

@@ -48,7 +48,8 @@ def prepare(guard) -> dict[str, Any]:
 #: Python in isolated mode without site-packages (about 60 ms less per stage under load than
 #: the console script, whose site start-up dominates; see bench/stage_exec_bench.py), and by
 #: absolute path, so it does not depend on the runner's PATH.
-FAST_ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+#: supervisor/stage/ -> the folder holding cli/ (the checkout, or the installed sfguard package)
+FAST_ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                           "cli", "stage_exec_cmd.py")
 
 

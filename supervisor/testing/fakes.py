@@ -15,6 +15,7 @@ against both), so the daemon can be tested without touching the disk layout.
 """
 from __future__ import annotations
 
+import builtins
 import os
 import secrets
 import shutil
@@ -176,7 +177,7 @@ class FakeProfileStore:
             raise ProfileBusy(f"profile {key.name!r} is open (leased): close it first")
         del self._profiles[key]
 
-    def delete_scope(self, scope: str) -> list[ProfileKey]:
+    def delete_scope(self, scope: str) -> builtins.list[ProfileKey]:
         self._check_scope(scope)
         gone = sorted(k for k in self._profiles if k.scope == scope)
         for k in gone:
@@ -187,7 +188,7 @@ class FakeProfileStore:
         self.keys.delete_key(scope)
         return gone
 
-    def unsealed(self) -> list[ProfileKey]:
+    def unsealed(self) -> builtins.list[ProfileKey]:
         return sorted(self._open)
 
 
@@ -258,8 +259,8 @@ class FakeAuditSink:
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         clean = clean_fields(event, fields)
-        prev = self.entries[-1] if self.entries else {"seq": 0, "hash": GENESIS}
-        rec = chain_record(self.key, prev["seq"], prev["hash"], event, clean)
+        seq, last = (self.entries[-1]["seq"], self.entries[-1]["hash"]) if self.entries else (0, GENESIS)
+        rec = chain_record(self.key, seq, last, event, clean)
         self.entries.append(rec)
         return rec
 

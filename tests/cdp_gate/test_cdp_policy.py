@@ -168,7 +168,8 @@ def test_download_path_rule(tmp_path, method, behavior, path_kind, allowed):
 
 
 def test_download_refused_without_artifacts_dir(tmp_path):
-    reason = p.check_command(cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(tmp_path)}), ctx())
+    reason = p.check_command(cmd("Browser.setDownloadBehavior",
+                                 {"behavior": "allow", "downloadPath": str(tmp_path)}), ctx())
     assert reason is not None
 
 

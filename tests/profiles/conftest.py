@@ -22,7 +22,7 @@ SCOPE_A, SCOPE_B = "alpha", "beta"
 # The `sfguard` console script's own entry (cli.main:main). Not `-m sfguard.cli.main`: run that way,
 # cli.main is loaded twice (__main__ and cli.main) and CliError raised by a command module is
 # not caught as CliError (fixed since in cli/main.py).
-SFGUARD = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())"]
+SFGUARD = [sys.executable, "-c", "import sys; from sfguard.cli.main import main; sys.exit(main())"]
 
 
 def sfguard(*args, home=None, env_home=None, input=None, cwd=ROOT):

@@ -53,7 +53,7 @@ def stage_exec(home: Path, ws: Path, run: str, stage: str, *cmd: str,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def start_fake_daemon(tmp_path: Path, fake_cdp, *args: str, path_prefix: str = "",
+def start_fake_daemon(tmp_path: Path, cdp, *args: str, path_prefix: str = "",
                       expect_ready: bool = True):
     """A guard like tests/daemon's `daemon` fixture (fake agent-browser and CDP), with extra
     start arguments and an optional PATH prefix (`expect_ready=False`: do not wait for it)."""
@@ -67,7 +67,7 @@ def start_fake_daemon(tmp_path: Path, fake_cdp, *args: str, path_prefix: str = "
     ab = runtime_dir(home) / "ab"
     ab.mkdir(mode=0o700, exist_ok=True)
     (ab / "fake-control.json").write_text(json.dumps(
-        {"cdp_url": fake_cdp.url, "log": str(tmp_path / "fake-ab.jsonl")}))
+        {"cdp_url": cdp.url, "log": str(tmp_path / "fake-ab.jsonl")}))
     d = Daemon(home, env, tmp_path / "daemon.log")
     d.start(*args, expect_ready=expect_ready)
     return d

@@ -91,7 +91,7 @@ def attack_target(d, ws: Path, site: int, full_scan: bool) -> Path:
 
 def test_hostile_stage_inside_stage_exec(guard, site, workspace):
     d = guard
-    env = request(d, "run1", "s1", "acct", ["site-a.test"])
+    request(d, "run1", "s1", "acct", ["site-a.test"])
     other = request(d, "run2", "other", None, ["site-b.test"])       # another run, throw-away
     other_token = other["AGENT_BROWSER_CDP"].rsplit("/", 1)[1]
     info = d.call("GET", "/v1/runs/run1/stages/s1/exec")[1]

@@ -189,7 +189,8 @@ def test_stage_end_cuts_gate_and_proxy_of_a_running_command(daemon, workspace):
             lines.append(line.strip())
             if line.startswith("state True True"):
                 break
-        assert "held-first True" in lines and lines[-1] == "state True True", (lines, proc.stderr.read() if proc.poll() is not None else "")
+        assert "held-first True" in lines and lines[-1] == "state True True", (
+            lines, proc.stderr.read() if proc.poll() is not None else "")
         assert daemon.call("POST", "/v1/runs/r1/stages/s1/end", {"outcome": "succeeded"})[0] == 200
         out, err = proc.communicate(timeout=60)
     finally:
