@@ -48,7 +48,7 @@ def _modules_for(argv: list[str]) -> tuple[str, ...]:
     for arg in argv:
         if arg.startswith("-"):
             continue
-        name = f"cli.{arg.replace('-', '_')}_cmd"
+        name = f"sfguard.cli.{arg.replace('-', '_')}_cmd"
         return (name,) if name in COMMAND_MODULES else COMMAND_MODULES
     return COMMAND_MODULES
 
