@@ -15,7 +15,7 @@ from tests.daemon.conftest import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 # The console script's entry (see tests/profiles/conftest.py for why not `-m sfguard.cli.main`).
-SFGUARD = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())"]
+SFGUARD = [sys.executable, "-c", "import sys; from sfguard.cli.main import main; sys.exit(main())"]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
