@@ -112,7 +112,7 @@ class _SharedCtx:
         import atexit
 
         from sfguard.supervisor.home import resolve_home
-        from sfguard.supervisor.profiles.pg_store import NoSchema
+        from sfguard.supervisor.profiles.pg_schema import NoSchema
         from sfguard.supervisor.profiles.stores import StoreError, open_stores
         self.read_only = False          # the database answers holders and queues directly
         self.no_schema: str | None = None

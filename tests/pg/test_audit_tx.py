@@ -18,7 +18,8 @@ import time
 import psycopg
 import pytest
 
-from sfguard.supervisor.profiles.pg_store import PgBackend, PgProfileLease, StoreRefused
+from sfguard.supervisor.profiles.pg_backend import PgBackend, StoreRefused
+from sfguard.supervisor.profiles.pg_lease import PgProfileLease
 from sfguard.supervisor.protocols import Granted, ProfileKey, Waiting
 from tests.pg.conftest import ROOT
 from tests.pg.test_pg_store import Host

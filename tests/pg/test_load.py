@@ -21,7 +21,8 @@ PROCS, RUNS, PROFILES, THREADS = 4, 50, 5, 5
 
 CLIENT = r"""
 import json, random, sys, threading, time
-from sfguard.supervisor.profiles.pg_store import PgBackend, PgProfileLease
+from sfguard.supervisor.profiles.pg_backend import PgBackend
+from sfguard.supervisor.profiles.pg_lease import PgProfileLease
 from sfguard.supervisor.protocols import Granted, ProfileKey
 
 url, name, runs, profiles, threads, out = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]), sys.argv[6]
