@@ -228,6 +228,8 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
             raise DemoError(f"the fixture site did not start; see {workdir / 'fixture-site.log'}")
         origin = line.split()[1]
         port = urlsplit(origin).port
+        if port is None:
+            raise DemoError(f"the fixture site named no port ({origin})")
         say(f"sfguard demo: fixture login site on {origin} (pid {site.proc.pid})")
         pol = write_demo_policy(workdir / "demo-sites.yaml", port)
         pipe = prepare_pipeline(EXAMPLE_PIPELINE, workdir / "login-pipeline.yaml", port)
@@ -282,9 +284,9 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
         # the guard's runtime folder only in its env; the sweep's own scan finds it
         # (under root the guard's browsers ran as the browser user: its processes count too)
         buser = lookup_user(DEFAULT_BROWSER_USER) if os.geteuid() == 0 else None
-        for left in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))],
-                                                    (buser.uid,) if buser else ()), 5):
-            say(f"sfguard demo: process {left.pid} ({left.kind}) of the guard's runtime "
+        for orphan in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))],
+                                                      (buser.uid,) if buser else ()), 5):
+            say(f"sfguard demo: process {orphan.pid} ({orphan.kind}) of the guard's runtime "
                 "folder outlived the guard; ended it (a bug to report)")
         log_file = workdir / "guard.log"
         if failed and log_file.exists():  # the guard's own log is redacted by its filter

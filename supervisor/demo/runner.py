@@ -40,7 +40,7 @@ class StageSide:
 
     def __init__(self, env: dict[str, str], home: Path):
         ab = tools.find_agent_browser()
-        if not ab.found:
+        if ab.path is None:
             raise DemoError(f"agent-browser is missing ({ab.hint}); run ./dev setup")
         self.ab = ab.path
         self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), **env}

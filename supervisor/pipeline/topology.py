@@ -51,7 +51,7 @@ def check_login_topology(doc: YamlDoc, stages: dict[str, StageInfo],
         gated = [r for r in c.routes if r.cond and _cond_field(r.cond) == "logged_in"]
         if not gated:
             continue
-        login_ids = [r.target for r in gated if _fires_when_logged_out(r.cond)]
+        login_ids = [r.target for r in gated if r.cond and _fires_when_logged_out(r.cond)]
         logins = [stages[t] for t in dict.fromkeys(login_ids) if t in stages]
         work_routes = [r for r in c.routes if r.target not in login_ids]
         for login in logins:

@@ -321,8 +321,7 @@ class Validator:
                 continue
             if self.site_policy is None:
                 continue
-            host = pat.key if pat.kind in ("name", "wild") else str(pat.network.network_address) \
-                if pat.kind == "cidr" else pat.key
+            host = str(pat.network.network_address) if pat.kind == "cidr" and pat.network else pat.key
             d = self.site_policy.decide(host, pat.port or 443, policy.compile_patterns([text]))
             if d.reason.endswith("blocked_by_policy"):
                 severity = "warning" if d.reason.startswith("would_deny") else "error"
@@ -334,7 +333,7 @@ class Validator:
     def _check_url_reachable(self, doc: YamlDoc, node: yaml.Node, path: str, b: BrowserField) -> None:
         """The check page is opened in the anchor, through the run's proxy: its host must be
         allowed by the stage's allow_domains (or the policy's allow_always)."""
-        if self.site_policy is None:
+        if self.site_policy is None or b.login_check is None:
             return
         parts = urlsplit(b.login_check.url)
         try:

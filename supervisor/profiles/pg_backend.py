@@ -118,7 +118,7 @@ class PgBackend:
         #: the audit sink that records the releases `close` makes (set by supervisor/profiles/stores.py)
         self.audit: PgAuditSink | None = None
         #: writes that found the database away, retried in order by the heartbeat
-        self.pending: list[tuple[str, Callable[[], None]]] = []
+        self.pending: list[tuple[str, Callable[[], object]]] = []
         self.pending_lock = threading.Lock()
         self.pool = psycopg_pool.ConnectionPool(
             url, min_size=1, max_size=pool_size, open=False, timeout=POOL_WAIT,
@@ -219,7 +219,7 @@ class PgBackend:
             if self.retry_pending():
                 failing = True            # some still wait: try them again in OUTAGE_RETRY
 
-    def defer(self, what: str, action: Callable[[], None]) -> None:
+    def defer(self, what: str, action: Callable[[], object]) -> None:
         """Keep a write that found the database away; `retry_pending` runs it when it is back."""
         with self.pending_lock:
             self.pending.append((what, action))

@@ -33,7 +33,7 @@ class NoSchema(ProfileError):
 #: lock (so two guards starting at once apply them once). Never edit a released step: add one.
 MIGRATIONS: list[str] = [
     # 1: profiles, blobs, guards, leases, queue, audit, scope keys
-    """
+    f"""
     CREATE TABLE sfguard_meta (
         id int PRIMARY KEY CHECK (id = 1),
         key_check text NOT NULL
@@ -100,8 +100,8 @@ MIGRATIONS: list[str] = [
         hash text NOT NULL,
         mac text
     );
-    INSERT INTO sfguard_audit_head (id, seq, hash, mac) VALUES (1, 0, '%s', NULL);
-    """ % audit_mod.GENESIS,
+    INSERT INTO sfguard_audit_head (id, seq, hash, mac) VALUES (1, 0, '{audit_mod.GENESIS}', NULL);
+    """,
 ]
 
 _MIGRATION_LOCK = 0x5F6775617264    # advisory lock id for schema changes ("_guard")

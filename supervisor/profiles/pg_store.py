@@ -11,6 +11,7 @@ transaction that writes it, that this guard still holds the profile with its fen
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import os
@@ -212,7 +213,7 @@ class PgProfileStore:
             raise ProfileNotFound(f"no profile {key.name!r} in scope {key.scope!r}")
         names = ("identity", "created", "updated", "last_used", "last_login_check",
                  "last_login_ok", "size", "generation")
-        return dict(zip(names, row))
+        return dict(zip(names, row, strict=True))
 
     def list(self, scope: str) -> list[ProfileInfo]:
         validate_name(scope, "scope")
@@ -238,9 +239,9 @@ class PgProfileStore:
         return dest
 
     def _check_fence(self, conn, key: ProfileKey, what: str,
-                     held: tuple[str, int] | None = None) -> int:
-        """Lock the profile's lease row and return the fencing token this guard holds (or
-        `held`, captured earlier); raise StaleLease (and log it) when this guard no longer
+                     held: tuple[str, int] | None = None) -> tuple[str, int]:
+        """Lock the profile's lease row and return the (run, fencing token) this guard holds
+        (or `held`, captured earlier); raise StaleLease (and log it) when this guard no longer
         holds it with that token."""
         held = held or self.backend.token(key)
         row = conn.execute("SELECT holder_run, holder_guard, generation FROM sfguard_leases "
@@ -254,7 +255,7 @@ class PgProfileStore:
                         None if held is None else held[1], current)
             raise StaleLease(f"{what} of profile {key.name!r} refused: this guard's lease "
                              "(fencing token) is no longer current; the newer state is kept")
-        return held[1]
+        return held
 
     def save(self, key: ProfileKey) -> ProfileInfo:
         """Reseal the open working copy into the store (fenced) and keep it open."""
@@ -283,7 +284,7 @@ class PgProfileStore:
         try:
             with self.backend.conn() as conn:
                 blob_id, size = self._insert_blob(conn, sealed)
-                token = self._check_fence(conn, key, "reseal", held)
+                run, token = self._check_fence(conn, key, "reseal", held)
                 old = conn.execute("SELECT blob_id FROM sfguard_profiles WHERE scope = %s AND "
                                    "name = %s FOR UPDATE", (key.scope, key.name)).fetchone()
                 if old is None:
@@ -294,7 +295,7 @@ class PgProfileStore:
                              "name = %s", (blob_id, size, now, now, token, key.scope, key.name))
                 conn.execute("DELETE FROM sfguard_blob_chunks WHERE blob_id = %s", (old[0],))
                 self._audit(conn, "profile_resealed", key,
-                            {"run": held[0], "outcome": "late" if final else "stored"})
+                            {"run": run, "outcome": "late" if final else "stored"})
         except StoreUnavailable:
             raise                                   # kept for the next retry
         except BaseException:
@@ -306,7 +307,7 @@ class PgProfileStore:
     def record_login_check(self, key: ProfileKey, logged_in: bool) -> None:
         """A state write: the last login check's time and result, fenced like a reseal."""
         with self.backend.conn() as conn:
-            token = self._check_fence(conn, key, "state write")
+            _run, token = self._check_fence(conn, key, "state write")
             conn.execute("UPDATE sfguard_profiles SET last_login_check = %s, last_login_ok = %s, "
                          "written_generation = %s WHERE scope = %s AND name = %s",
                          (time.time(), logged_in, token, key.scope, key.name))
@@ -341,7 +342,7 @@ class PgProfileStore:
             conn.execute("DELETE FROM sfguard_blob_chunks WHERE blob_id = %s", (row[0],))
             self._audit(conn, "profile_deleted", key, note)
 
-    def delete_scope(self, scope: str) -> list[ProfileKey]:
+    def delete_scope(self, scope: str) -> builtins.list[ProfileKey]:
         """Delete every profile of `scope` (rows, chunks, local working copies) and its key."""
         validate_name(scope, "scope")
         with self.backend.conn() as conn:
@@ -362,7 +363,7 @@ class PgProfileStore:
         finally:
             self._discard(sealed)
 
-    def unsealed(self) -> list[ProfileKey]:
+    def unsealed(self) -> builtins.list[ProfileKey]:
         """Profiles with a working copy on this host (after a crash: for the start-up sweep)."""
         root = self._runtime_path() / "profiles"
         out = []

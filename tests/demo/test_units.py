@@ -69,7 +69,8 @@ def test_demo_policy_allows_only_the_fixture_on_loopback(tmp_path):
     d = pol.decide("127.0.0.1", 41234, allow)
     assert d.allowed and pol.check_address(d, "127.0.0.1").allowed
     # the shipped blocks are still there, other ports are still refused
-    assert pol.decide("www.linkedin.com", 443, policy.compile_patterns(["*.linkedin.com"])).reason == "blocked_by_policy"
+    linkedin = policy.compile_patterns(["*.linkedin.com"])
+    assert pol.decide("www.linkedin.com", 443, linkedin).reason == "blocked_by_policy"
     assert pol.decide("127.0.0.1", 41235, allow).reason == "port_not_allowed"
 
 
