@@ -30,12 +30,10 @@ sys.path.insert(0, str(ROOT))
 from sfguard.supervisor.profiles.keys import FileKeyProvider  # noqa: E402
 from sfguard.supervisor.profiles.lease import LocalProfileLease  # noqa: E402
 from sfguard.supervisor.profiles.local_store import LocalProfileStore  # noqa: E402
-from sfguard.supervisor.profiles.pg_store import (  # noqa: E402
-    PgBackend,
-    PgKeyProvider,
-    PgProfileLease,
-    PgProfileStore,
-)
+from sfguard.supervisor.profiles.pg_backend import PgBackend  # noqa: E402
+from sfguard.supervisor.profiles.pg_keys import PgKeyProvider  # noqa: E402
+from sfguard.supervisor.profiles.pg_lease import PgProfileLease  # noqa: E402
+from sfguard.supervisor.profiles.pg_store import PgProfileStore  # noqa: E402
 from sfguard.supervisor.protocols import Granted, ProfileKey  # noqa: E402
 from tests.pgserver import PgServer  # noqa: E402
 

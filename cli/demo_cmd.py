@@ -3,7 +3,7 @@
 Starts the fixture login site and a guard of its own (a demo site policy that lets the guarded
 browser reach the fixture on 127.0.0.1), then plays the pipeline runner's part for
 supervisor/demo/login-pipeline.yaml twice: run 1 needs the login, run 2 skips it. The logic lives
-in sfguard.supervisor.demo.run; this module parses, calls and prints.
+in sfguard.supervisor.demo (run.py, runner.py); this module parses, calls and prints.
 """
 from __future__ import annotations
 

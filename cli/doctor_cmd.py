@@ -38,7 +38,7 @@ def _store_checks(args) -> list[tuple[str, str, str]]:
         from sfguard.supervisor.profiles.keys import default_key_provider
         return [("ok", "store", "local home (profiles, leases and audit in the guard home)"),
                 ("ok", "key provider", default_key_provider(home).describe())]
-    from sfguard.supervisor.profiles.pg_store import NoSchema
+    from sfguard.supervisor.profiles.pg_schema import NoSchema
     try:   # read-only: doctor migrates and writes nothing
         stores = open_stores(home, None, getattr(args, "store", None), heartbeat=False,
                              read_only=True)

@@ -3,7 +3,7 @@
 list/show/create/clear work on the guard home directly (sealed at rest). check and login talk
 to the running guard (`sfguard start`) over its control socket: they are short runs of their
 own (`check-<random>`, `login-<random>`), so the profile is leased, unsealed, used through the
-guard's proxy and resealed exactly as in a pipeline run.
+guard's proxy and resealed exactly as in a pipeline run (sfguard.supervisor.client.ops).
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ class _SharedCtx:
         import atexit
 
         from sfguard.supervisor.home import resolve_home
-        from sfguard.supervisor.profiles.pg_store import NoSchema
+        from sfguard.supervisor.profiles.pg_schema import NoSchema
         from sfguard.supervisor.profiles.stores import StoreError, open_stores
         self.read_only = False          # the database answers holders and queues directly
         self.no_schema: str | None = None
@@ -288,8 +288,8 @@ def _login_check_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _guard_op(args):
-    """The CLI's side of a short guard run (sfguard.supervisor.demo.run.ProfileOps), with errors as CliError."""
-    from sfguard.supervisor.demo import run as ops
+    """The CLI's side of a short guard run (sfguard.supervisor.client.ops.ProfileOps), with errors as CliError."""
+    from sfguard.supervisor.client import ops
     from sfguard.supervisor.home import resolve_home
 
     try:
@@ -302,7 +302,7 @@ def _guard_op(args):
 def _op_error(args, exc) -> CliError:
     """An OpError as the CLI's answer: no guard -> 3 with a hint that keeps --home; else 2."""
     from sfguard.cli.guardhint import no_guard
-    from sfguard.supervisor.demo import run as ops
+    from sfguard.supervisor.client import ops
     from sfguard.supervisor.home import resolve_home
     if isinstance(exc, ops.GuardNotRunning):
         return no_guard(resolve_home(args.home), args.home)
@@ -329,7 +329,7 @@ def _print_check(name: str, result: dict) -> int:
 
 
 def cmd_check(args) -> int:
-    from sfguard.supervisor.demo import run as ops
+    from sfguard.supervisor.client import ops
     _key(args.name)
     spec = _check_spec(args)
     profile_ops = _guard_op(args)
@@ -341,7 +341,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_login(args) -> int:
-    from sfguard.supervisor.demo import run as ops
+    from sfguard.supervisor.client import ops
     _key(args.name)
     spec = _check_spec(args)
     profile_ops = _guard_op(args)

@@ -52,4 +52,5 @@ class GuardClient:
         try:
             return resp.status, json.loads(raw) if raw else None
         except ValueError:
-            return resp.status, {"error": {"code": "bad_answer", "message": raw[:200].decode(errors="replace"), "field": None}}
+            message = raw[:200].decode(errors="replace")
+            return resp.status, {"error": {"code": "bad_answer", "message": message, "field": None}}

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from sfguard.supervisor.home import FILE_MODE, atomic_write, ensure_home
+from sfguard.supervisor.profiles.keys import KeyMissing
 from sfguard.supervisor.protocols import validate_name, validate_run_id
 
 LOG_FILE = "audit.log"
@@ -215,7 +216,7 @@ class LocalAuditSink:
         """Why this home must have audit records, or None (a fresh home)."""
         profiles = self.home / "profiles"
         try:
-            for _n, path in zip(range(10_000), profiles.rglob("profile.sealed")):
+            if next(profiles.rglob("profile.sealed"), None) is not None:
                 return "the home holds sealed profiles"
         except OSError:
             pass
@@ -282,6 +283,8 @@ class LocalAuditSink:
             # Continue the chain from the head file (the truth), else from the log's last line.
             last = self._head() or self._last_line_record() or (0, GENESIS)
             key = self._audit_key(create=True)
+            if key is None:         # a provider asked to create the key returns it
+                raise KeyMissing("the key provider gave no audit key to write with")
             rec = chain_record(key, last[0], last[1], event, clean)
             line = canonical(rec) + b"\n"
             fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
@@ -299,8 +302,7 @@ class LocalAuditSink:
     def _iter_lines(self) -> Iterator[tuple[int, bytes]]:
         try:
             with open(self.log_path, "rb") as fh:
-                for n, line in enumerate(fh, 1):
-                    yield n, line
+                yield from enumerate(fh, 1)
         except FileNotFoundError:
             return
 
@@ -402,7 +404,7 @@ def check_head(end: ChainEnd, head: tuple[int, str, str | None], key: bytes | No
         if key is not None and not end.keyed:
             return VerifyResult(False, count, None, "the audit key exists but no record is "
                                 "keyed (log rewritten without the audit key)")
-        if end.keyed and (head[2] is None or not hmac.compare_digest(
+        if end.keyed and (key is None or head[2] is None or not hmac.compare_digest(
                 head[2], head_mac(key, head[0], head[1]))):
             return VerifyResult(False, count, None, f"{what} MAC does not "
                                 "match (rewritten without the audit key)")

@@ -177,7 +177,7 @@ class LocalProfileLease:
 
     def sweep_stale(self) -> list[tuple[ProfileKey, str]]:
         """Release leases whose guard process is gone and drop its queue entries."""
-        out = []
+        out: list[tuple[ProfileKey, str]] = []
         for key in self._keys():
             with self._locked(key) as st:
                 out.extend((key, run) for run in self._drop_dead(st))

@@ -15,6 +15,7 @@ Names are validated by `ProfileKey` (see protocols.validate_name), so a name is 
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import os
@@ -142,7 +143,7 @@ class LocalProfileStore:
         finally:
             shutil.rmtree(empty, ignore_errors=True)
             self._prune_runtime(self._runtime_root())
-        meta = {"created": time.time(), "last_used": None}
+        meta: dict[str, object] = {"created": time.time(), "last_used": None}
         if identity is not None:
             meta["identity"] = identity
         self._write_meta(key, meta)
@@ -220,7 +221,7 @@ class LocalProfileStore:
             raise ProfileBusy(f"profile {key.name!r} is open (leased): close it first")
         shutil.rmtree(self._profile_dir(key))
 
-    def delete_scope(self, scope: str) -> list[ProfileKey]:
+    def delete_scope(self, scope: str) -> builtins.list[ProfileKey]:
         """Delete every profile of `scope` (sealed and unsealed copies) and the scope's key."""
         removed = [info.key for info in self.list(scope)]
         shutil.rmtree(self._scope_dir(scope), ignore_errors=True)
@@ -235,7 +236,7 @@ class LocalProfileStore:
         sealing.verify_sealed(self._require(key), self.keys.get_key(key.scope, create=False),
                               key.scope, key.name)
 
-    def unsealed(self) -> list[ProfileKey]:
+    def unsealed(self) -> builtins.list[ProfileKey]:
         """Profiles with an unsealed working copy (after a crash: for the start-up sweep)."""
         root = self._runtime_root() / "profiles"
         out = []

@@ -23,8 +23,8 @@ copy: a crash at any point keeps the previous sealed copy intact.
 Left out of the seal: browser caches (they are large and hold no login) and Chromium's
 `Singleton*` lock files and sockets (they name a live process and must not be restored).
 Symlinks, sockets, fifos and devices are never sealed, and sealing never follows a link (it
-reads through folder descriptors: under a root guard the folder is the browser user's); on unseal, tar members with absolute
-paths, `..`, links, devices or fifos are refused.
+reads through folder descriptors: under a root guard the folder is the browser user's); on
+unseal, tar members with absolute paths, `..`, links, devices or fifos are refused.
 """
 from __future__ import annotations
 
@@ -291,7 +291,8 @@ def seal_dir(src: Path, dest: Path, scope_key: bytes, scope: str, name: str,
         out.write(header)
         writer = _SealWriter(out, aes, bytes.fromhex(hdr["prefix"]),
                              hashlib.sha256(header).digest(), chunk_size)
-        with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT,
+        # copybufsize: a TarFile keyword that open() passes on; typeshed's overloads omit it
+        with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT,  # type: ignore[call-overload]
                           bufsize=1 << 20, copybufsize=1 << 20) as tf:
             for rel, st, dfd, leaf in _iter_sources(src):
                 # Built by hand (no owner names, no pwd/grp lookups): only what unsealing needs.
@@ -405,4 +406,6 @@ def _extract_all(tf: tarfile.TarFile, root: Path) -> None:
         with os.fdopen(fd, "wb") as out:
             os.fchmod(fd, FILE_MODE)
             src = tf.extractfile(member)
+            if src is None:             # not a regular file: _check_member let only those by
+                raise SealError(f"sealed archive member {ascii(rel)[:100]} has no data: refused")
             shutil.copyfileobj(src, out, 1 << 20)

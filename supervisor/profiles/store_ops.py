@@ -2,10 +2,10 @@
 daemon calls the seams without blocking its event loop.
 
 - Audited operations (`grant`, `release_run`, `create_profile`, `delete_profile`): a seam that
-  `audits_changes` (the shared PostgreSQL store, supervisor/profiles/pg_store.py) writes the record in
-  the database transaction of the change, so a crash or a refused write can never leave one
-  without the other. The local home writes the change, then the record (two files, no common
-  transaction), as it always did.
+  `audits_changes` (the shared PostgreSQL store, supervisor/profiles/pg_store.py and
+  pg_lease.py) writes the record in the database transaction of the change, so a crash or a
+  refused write can never leave one without the other. The local home writes the change, then
+  the record (two files, no common transaction), as it always did.
 - `StoreCalls`: the daemon's event loop also relays every browser's CDP traffic and answers
   the control API, so seam calls (a database that is slow or away, a 50 MB reseal) run in
   worker threads; `bounded` gives up waiting after a bound (the call finishes in its thread,

@@ -1,8 +1,9 @@
 """Which store a guard and the CLI use: the local home (default) or a shared PostgreSQL.
 
 `--store URL` wins over `$SFGUARD_STORE`; neither (or `local`) means the local home, as
-before. A `postgresql://` (or `postgres://`) URL selects supervisor/profiles/pg_store.py; the key is
-then the operator's shared key (`$SFGUARD_KEY_FILE` or `$SFGUARD_KEY`), never a per-host one.
+before. A `postgresql://` (or `postgres://`) URL selects the shared store
+(supervisor/profiles/pg_*.py, described in pg_backend.py); the key is then the operator's
+shared key (`$SFGUARD_KEY_FILE` or `$SFGUARD_KEY`), never a per-host one.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def describe_store(flag: str | None = None) -> str:
     url = store_url(flag)
     if url is None:
         return "local home"
-    from sfguard.supervisor.profiles.pg_store import redact_url  # noqa: PLC0415
+    from sfguard.supervisor.profiles.pg_backend import redact_url  # noqa: PLC0415
     return f"PostgreSQL {redact_url(url)}"
 
 
@@ -63,7 +64,7 @@ def open_stores(home: Path, runtime: Path | None = None, flag: str | None = None
                 read_only: bool = False, heartbeat: bool = True) -> Stores:
     """Build keys, store, lease and audit for the setting. `read_only` (`audit verify|show`,
     `profiles list|show`, `doctor`): create nothing in the home; on a shared store, migrate
-    nothing, register no guard and open read-only sessions (pg_store.NoSchema on a database
+    nothing, register no guard and open read-only sessions (pg_schema.NoSchema on a database
     no guard has started on, SchemaTooNew / SchemaTooOld on another version's schema)."""
     url = store_url(flag)
     if url is None:
@@ -77,16 +78,20 @@ def open_stores(home: Path, runtime: Path | None = None, flag: str | None = None
                           LocalAuditSink(home, keys, read_only=True))
         return Stores("local", "local home", keys, LocalProfileStore(home, keys, runtime=runtime),
                       LocalProfileLease(home), LocalAuditSink(home, keys))
-    from sfguard.supervisor.profiles import pg_store  # noqa: PLC0415
-    master, source = pg_store.load_master_key()
-    backend = pg_store.PgBackend(url, heartbeat=heartbeat, read_only=read_only)
+    from sfguard.supervisor.profiles.pg_audit import PgAuditSink  # noqa: PLC0415
+    from sfguard.supervisor.profiles.pg_backend import PgBackend  # noqa: PLC0415
+    from sfguard.supervisor.profiles.pg_keys import PgKeyProvider, load_master_key  # noqa: PLC0415
+    from sfguard.supervisor.profiles.pg_lease import PgProfileLease  # noqa: PLC0415
+    from sfguard.supervisor.profiles.pg_store import PgProfileStore  # noqa: PLC0415
+    master, source = load_master_key()
+    backend = PgBackend(url, heartbeat=heartbeat, read_only=read_only)
     try:
-        keys = pg_store.PgKeyProvider(backend, master, source)
+        keys = PgKeyProvider(backend, master, source)
     except BaseException:
         backend.close()
         raise
-    audit = pg_store.PgAuditSink(backend, keys)
+    audit = PgAuditSink(backend, keys)
     backend.audit = audit
     return Stores("postgresql", f"PostgreSQL {backend.url_shown}", keys,
-                  pg_store.PgProfileStore(backend, keys, home, runtime=runtime, audit=audit),
-                  pg_store.PgProfileLease(backend, audit), audit, backend)
+                  PgProfileStore(backend, keys, home, runtime=runtime, audit=audit),
+                  PgProfileLease(backend, audit), audit, backend)

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
 from sfguard import policy
+from sfguard.supervisor.client import ops
 from sfguard.supervisor.demo import run as demo
+from sfguard.supervisor.demo.runner import _cond_fires
 from sfguard.supervisor.pipeline.spec import validate_pipeline
 from tests.demo.conftest import ROOT, SFGUARD, cli_env, leftovers, sfguard
 
@@ -19,15 +22,32 @@ from tests.demo.conftest import ROOT, SFGUARD, cli_env, leftovers, sfguard
     ("http://[::1]:9000/", "[::1]:9000"),
     ("http://site-a.test/", "site-a.test"),
 ])
-def test_host_pattern(url, pattern):
-    assert demo.host_pattern(url) == pattern
-    policy.compile_patterns([pattern])  # and it is a valid allow_domains entry
+def test_profile_ops_allow_the_url_host_first(tmp_path, url, pattern):
+    # the run's allow list: the --url host (policy.allow_pattern_for_url), then the --allow extras
+    got = ops.ProfileOps(tmp_path, "acct", url, allow=[" extra.test ", ""]).allow
+    assert got == [pattern, "extra.test"]
+    policy.compile_patterns(got)  # and they are valid allow_domains entries
 
 
 @pytest.mark.parametrize("url", ["ftp://example.com/", "example.com", "http:///x", "http://a.com:99999/"])
-def test_host_pattern_refuses_non_http(url):
-    with pytest.raises(demo.OpError):
-        demo.host_pattern(url)
+def test_profile_ops_refuse_a_url_that_is_not_http(tmp_path, url):
+    with pytest.raises(ops.OpError) as err:
+        ops.ProfileOps(tmp_path, "acct", url)
+    assert err.value.code == "invalid_url" and "not an http:// or https:// address" in str(err.value)
+
+
+def test_the_client_loads_no_demo_fixture_or_cli_module():
+    # runner-side operations stand alone: importing them pulls in neither the demo, the fixture
+    # site nor the CLI (imports point one way: cli and demo -> client, never back)
+    code = ("import sys, sfguard.supervisor.client.ops\n"
+            "print('\\n'.join(m for m in sys.modules if m.startswith('sfguard.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=cli_env())
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.split()
+    assert "sfguard.supervisor.client.ops" in loaded
+    assert [m for m in loaded if m.startswith(("sfguard.supervisor.demo", "sfguard.fixtures",
+                                               "sfguard.cli"))] == []
 
 
 @pytest.mark.parametrize("cond, output, fires", [
@@ -39,7 +59,7 @@ def test_host_pattern_refuses_non_http(url):
     ("logged_in eq true", {}, False),
 ])
 def test_route_conditions(cond, output, fires):
-    assert demo._cond_fires(cond, output) is fires
+    assert _cond_fires(cond, output) is fires
 
 
 def test_demo_policy_allows_only_the_fixture_on_loopback(tmp_path):
@@ -49,7 +69,8 @@ def test_demo_policy_allows_only_the_fixture_on_loopback(tmp_path):
     d = pol.decide("127.0.0.1", 41234, allow)
     assert d.allowed and pol.check_address(d, "127.0.0.1").allowed
     # the shipped blocks are still there, other ports are still refused
-    assert pol.decide("www.linkedin.com", 443, policy.compile_patterns(["*.linkedin.com"])).reason == "blocked_by_policy"
+    linkedin = policy.compile_patterns(["*.linkedin.com"])
+    assert pol.decide("www.linkedin.com", 443, linkedin).reason == "blocked_by_policy"
     assert pol.decide("127.0.0.1", 41235, allow).reason == "port_not_allowed"
 
 

@@ -18,7 +18,8 @@ import time
 import psycopg
 import pytest
 
-from sfguard.supervisor.profiles.pg_store import PgBackend, PgProfileLease, StoreRefused
+from sfguard.supervisor.profiles.pg_backend import PgBackend, StoreRefused
+from sfguard.supervisor.profiles.pg_lease import PgProfileLease
 from sfguard.supervisor.protocols import Granted, ProfileKey, Waiting
 from tests.pg.conftest import ROOT
 from tests.pg.test_pg_store import Host
@@ -197,7 +198,7 @@ def test_changes_of_two_guards_interleaved_keep_one_valid_chain(pg_url, host, tm
         except BaseException as exc:           # reported by the test thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(g, t)) for g, t in zip(guards, "ab")]
+    threads = [threading.Thread(target=worker, args=(g, t)) for g, t in zip(guards, "ab", strict=True)]
     for t in threads:
         t.start()
     for t in threads:

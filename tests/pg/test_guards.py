@@ -97,7 +97,7 @@ class Watcher:
 
     def _holders(self) -> tuple[str, ...]:
         out = []
-        for d, client in zip(self.daemons, self.clients):
+        for d, client in zip(self.daemons, self.clients, strict=True):
             if d.proc.poll() is not None:
                 continue                       # a dead guard holds nothing it can use
             try:

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from collections import defaultdict
+from itertools import pairwise
 
 from tests.pg.conftest import ROOT
 
@@ -21,7 +22,8 @@ PROCS, RUNS, PROFILES, THREADS = 4, 50, 5, 5
 
 CLIENT = r"""
 import json, random, sys, threading, time
-from sfguard.supervisor.profiles.pg_store import PgBackend, PgProfileLease
+from sfguard.supervisor.profiles.pg_backend import PgBackend
+from sfguard.supervisor.profiles.pg_lease import PgProfileLease
 from sfguard.supervisor.protocols import Granted, ProfileKey
 
 url, name, runs, profiles, threads, out = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]), sys.argv[6]
@@ -82,7 +84,7 @@ def test_four_guards_fifty_runs_five_profiles(pg_url, tmp_path):
         procs.append((out, subprocess.Popen(
             [sys.executable, "-c", CLIENT, pg_url, f"g{n}", str(RUNS), str(PROFILES), str(THREADS),
              str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-    for out, p in procs:
+    for _out, p in procs:
         try:
             stdout, stderr = p.communicate(timeout=600)
         finally:
@@ -100,7 +102,7 @@ def test_four_guards_fifty_runs_five_profiles(pg_url, tmp_path):
     assert len(per_profile) == PROFILES
     for profile, spans in per_profile.items():
         spans.sort(key=lambda s: s[0])
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        for (_, end, a), (start, _, b) in pairwise(spans):
             assert start >= end, f"{profile}: {b['run']} granted while {a['run']} held it"
         tokens = [s[2]["token"] for s in spans]
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), profile

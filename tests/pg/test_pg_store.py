@@ -12,20 +12,14 @@ import time
 import psycopg
 import pytest
 
-from sfguard.supervisor.profiles import pg_store
 from sfguard.supervisor.profiles.keys import KeyMissing
-from sfguard.supervisor.profiles.pg_store import (
-    BLOB_CHUNK,
-    PgAuditSink,
-    PgBackend,
-    PgKeyProvider,
-    PgProfileLease,
-    PgProfileStore,
-    SchemaTooNew,
-    StaleLease,
-    StoreUnavailable,
-)
-from sfguard.supervisor.protocols import Granted, ProfileKey, Waiting
+from sfguard.supervisor.profiles.pg_audit import PgAuditSink
+from sfguard.supervisor.profiles.pg_backend import PgBackend, StaleLease
+from sfguard.supervisor.profiles.pg_keys import PgKeyProvider, load_master_key
+from sfguard.supervisor.profiles.pg_lease import PgProfileLease
+from sfguard.supervisor.profiles.pg_schema import SchemaTooNew
+from sfguard.supervisor.profiles.pg_store import BLOB_CHUNK, PgProfileStore
+from sfguard.supervisor.protocols import Granted, ProfileKey, StoreUnavailable, Waiting
 from tests.pg.conftest import ROOT
 
 P = ProfileKey("local", "shop")
@@ -229,15 +223,15 @@ def test_master_key_sources(tmp_path):
     key.write_text("bm90IDMyIGJ5dGVz\n")
     key.chmod(0o600)
     with pytest.raises(KeyMissing, match="not base64 of 32 bytes"):
-        pg_store.load_master_key({"SFGUARD_KEY_FILE": str(key)})
+        load_master_key({"SFGUARD_KEY_FILE": str(key)})
     key.chmod(0o644)
     with pytest.raises(KeyMissing, match="readable by others"):
-        pg_store.load_master_key({"SFGUARD_KEY_FILE": str(key)})
+        load_master_key({"SFGUARD_KEY_FILE": str(key)})
     with pytest.raises(KeyMissing, match="SFGUARD_KEY_FILE"):
-        pg_store.load_master_key({})
+        load_master_key({})
     import base64
     raw = os.urandom(32)
-    got, source = pg_store.load_master_key({"SFGUARD_KEY": base64.b64encode(raw).decode()})
+    got, source = load_master_key({"SFGUARD_KEY": base64.b64encode(raw).decode()})
     assert got == raw and source == "shared key from $SFGUARD_KEY"
 
 

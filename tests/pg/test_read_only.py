@@ -9,7 +9,7 @@ import sys
 import psycopg
 import pytest
 
-from sfguard.supervisor.profiles.pg_store import PgBackend, StoreRefused
+from sfguard.supervisor.profiles.pg_backend import PgBackend, StoreRefused
 from tests.pg.conftest import ROOT
 
 

@@ -19,9 +19,9 @@ from sfguard.supervisor.testing import FakeKeyProvider, FakeProfileLease, FakePr
 ROOT = Path(__file__).resolve().parents[2]
 SCOPE_A, SCOPE_B = "alpha", "beta"
 
-# The `sfguard` console script's own entry (cli.main:main). Not `-m sfguard.cli.main`: run that way,
-# cli.main is loaded twice (__main__ and cli.main) and CliError raised by a command module is
-# not caught as CliError (fixed since in cli/main.py).
+# The `sfguard` console script's own entry (sfguard.cli.main:main, as pyproject's [project.scripts]
+# names it). Not the old top-level `cli.main`: importing the CLI under a second name loads every
+# module twice, and a CliError of one copy is not caught by the other.
 SFGUARD = [sys.executable, "-c", "import sys; from sfguard.cli.main import main; sys.exit(main())"]
 
 
@@ -117,7 +117,8 @@ PG_TTL = 3.0   # seconds: a killed "other process" loses its lease this long aft
 
 PG_HOLDER_SCRIPT = r"""
 import sys
-from sfguard.supervisor.profiles.pg_store import PgBackend, PgProfileLease
+from sfguard.supervisor.profiles.pg_backend import PgBackend
+from sfguard.supervisor.profiles.pg_lease import PgProfileLease
 from sfguard.supervisor.protocols import ProfileKey
 lease = PgProfileLease(PgBackend(sys.argv[1], ttl=float(sys.argv[5])))
 got = lease.try_acquire(ProfileKey(sys.argv[2], sys.argv[3]), sys.argv[4])
@@ -132,7 +133,10 @@ class PgHarness:
     kind = "pg"
 
     def __init__(self, tmp: Path, url: str):
-        from sfguard.supervisor.profiles.pg_store import PgBackend, PgKeyProvider, PgProfileLease, PgProfileStore
+        from sfguard.supervisor.profiles.pg_backend import PgBackend
+        from sfguard.supervisor.profiles.pg_keys import PgKeyProvider
+        from sfguard.supervisor.profiles.pg_lease import PgProfileLease
+        from sfguard.supervisor.profiles.pg_store import PgProfileStore
         self.url = url
         self.backend = PgBackend(url, ttl=PG_TTL)
         self.keys = PgKeyProvider(self.backend, os.urandom(32), "test key")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from itertools import pairwise
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_intact_log_verifies_and_is_private(sink):
     assert oct(os.stat(sink.head_path).st_mode & 0o777) == "0o600"
     recs = [json.loads(x) for x in lines(sink)]
     assert [r["seq"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    assert all(b["prev"] == a["hash"] for a, b in zip(recs, recs[1:]))
+    assert all(b["prev"] == a["hash"] for a, b in pairwise(recs))
 
 
 def _edit(ls):
@@ -134,8 +135,10 @@ def test_append_after_truncation_keeps_break_visible(sink):
 def test_concurrent_appenders_keep_chain(tmp_path):
     home = tmp_path / "home"
     LocalAuditSink(home)
-    code = ("import sys\nfrom sfguard.supervisor.profiles.audit import LocalAuditSink\ns=LocalAuditSink(sys.argv[1])\n"
-            "for i in range(50): s.record('denials_aggregated', run='run-'+sys.argv[2], hosts={'a.example': i}, count=i)\n")
+    code = ("import sys\nfrom sfguard.supervisor.profiles.audit import LocalAuditSink\n"
+            "s=LocalAuditSink(sys.argv[1])\n"
+            "for i in range(50): s.record('denials_aggregated', run='run-'+sys.argv[2], "
+            "hosts={'a.example': i}, count=i)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(home), str(w)], cwd=ROOT, env=env)
              for w in range(4)]

@@ -210,7 +210,7 @@ def test_local_modes(tmp_path):
     h.lease.try_acquire(A, "run-1")
     h.store.close(A)
     for root in (h.home, h.runtime):
-        for base, dirs, files in os.walk(root):
+        for base, _dirs, files in os.walk(root):
             assert stat.S_IMODE(os.stat(base).st_mode) == 0o700, base
             for f in files:
                 assert stat.S_IMODE(os.stat(os.path.join(base, f)).st_mode) == 0o600, f

@@ -13,7 +13,7 @@ from tests.profiles.conftest import HOLDER_SCRIPT, run_python, sfguard
 
 def modes(root):
     out = {}
-    for base, dirs, files in os.walk(root):
+    for base, _dirs, files in os.walk(root):
         out[base] = stat.S_IMODE(os.stat(base).st_mode)
         for f in files:
             out[os.path.join(base, f)] = stat.S_IMODE(os.stat(os.path.join(base, f)).st_mode)
@@ -101,6 +101,9 @@ def test_home_flag_wins_over_env(tmp_path):
     flag_home, env_home = tmp_path / "flag", tmp_path / "env"
     assert sfguard("profiles", "create", "one", env_home=env_home).returncode == 0
     assert sfguard("profiles", "create", "two", home=flag_home, env_home=env_home).returncode == 0
-    names = lambda **kw: [p["name"] for p in json.loads(sfguard("profiles", "list", "--json", **kw).stdout)["profiles"]]
+
+    def names(**kw):
+        return [p["name"] for p in json.loads(sfguard("profiles", "list", "--json", **kw).stdout)["profiles"]]
+
     assert names(env_home=env_home) == ["one"]
     assert names(home=flag_home, env_home=env_home) == ["two"]

@@ -85,7 +85,7 @@ def test_chromium_profile_round_trip(store, chromium_profile, tmp_path):
     names = [r[0] for r in sqlite3.connect(again / "Default" / "Cookies").execute(
         "select name from cookies")]
     assert names == ["sid"]
-    for base, dirs, files in os.walk(again):
+    for base, _dirs, files in os.walk(again):
         assert stat.S_IMODE(os.stat(base).st_mode) == 0o700
         for f in files:
             assert stat.S_IMODE(os.lstat(os.path.join(base, f)).st_mode) == 0o600

@@ -30,7 +30,8 @@ def test_findings_are_sorted_by_line(name):
     ("- id: a\n- id: b\n", "p.yaml:1:1: (top): the pipeline must be a mapping, not a list (hint:"),
     ("stages: check\n", "p.yaml:1:9: stages: stages must be a non-empty list (hint:"),
     ("stages:\n  - id: s\n    browser: {headed: false, allow_domains: example.com}\n",
-     "p.yaml:3:45: stages[0].browser.allow_domains: must be a list, not a single text (hint: write a list: [example.com])"),
+     "p.yaml:3:45: stages[0].browser.allow_domains: must be a list, not a single text "
+     "(hint: write a list: [example.com])"),
     ("stages:\n  - id: s\n    browser: {headed: \"true\"}\n",
      "p.yaml:3:23: stages[0].browser.headed: must be true or false, not 'true'"),
 ])

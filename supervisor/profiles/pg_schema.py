@@ -1,0 +1,148 @@
+"""The shared store's schema: versioned migrations and the version check of read-only commands.
+
+`sfguard start --store postgresql://...` migrates the database (supervisor/profiles/pg_backend.py
+calls `migrate` when it opens); read-only commands only check the version (`check_schema`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from sfguard.supervisor.profiles import audit as audit_mod
+from sfguard.supervisor.protocols import ProfileError
+
+log = logging.getLogger("sfguard.pg_store")     # one logger for the whole shared store
+
+__all__ = ["MIGRATIONS", "NoSchema", "SchemaTooNew", "SchemaTooOld", "check_schema", "migrate"]
+
+
+class SchemaTooNew(ProfileError):
+    """The database schema is newer than this sfguard knows: refuse to start."""
+
+
+class SchemaTooOld(ProfileError):
+    """A read-only command on a database an older sfguard migrated: `sfguard start` of this
+    version migrates it; read-only commands never do."""
+
+
+class NoSchema(ProfileError):
+    """A read-only command on a database no guard has started on yet (no sfguard tables)."""
+
+
+#: Versioned migrations, applied in order at start inside one transaction under an advisory
+#: lock (so two guards starting at once apply them once). Never edit a released step: add one.
+MIGRATIONS: list[str] = [
+    # 1: profiles, blobs, guards, leases, queue, audit, scope keys
+    f"""
+    CREATE TABLE sfguard_meta (
+        id int PRIMARY KEY CHECK (id = 1),
+        key_check text NOT NULL
+    );
+    CREATE TABLE sfguard_scope_keys (
+        scope text PRIMARY KEY,
+        wrapped bytea NOT NULL
+    );
+    CREATE SEQUENCE sfguard_blob_ids;
+    CREATE TABLE sfguard_profiles (
+        scope text NOT NULL,
+        name text NOT NULL,
+        identity text,
+        created double precision NOT NULL,
+        updated double precision NOT NULL,
+        last_used double precision,
+        last_login_check double precision,
+        last_login_ok boolean,
+        size bigint NOT NULL,
+        blob_id bigint NOT NULL,
+        written_generation bigint NOT NULL DEFAULT 0,
+        PRIMARY KEY (scope, name)
+    );
+    CREATE TABLE sfguard_blob_chunks (
+        blob_id bigint NOT NULL,
+        idx int NOT NULL,
+        data bytea NOT NULL,
+        PRIMARY KEY (blob_id, idx)
+    );
+    CREATE TABLE sfguard_guards (
+        guard_id text PRIMARY KEY,
+        host text NOT NULL,
+        pid int NOT NULL,
+        started double precision NOT NULL,
+        ttl double precision NOT NULL,
+        expires_at timestamptz NOT NULL
+    );
+    CREATE TABLE sfguard_leases (
+        scope text NOT NULL,
+        name text NOT NULL,
+        holder_run text,
+        holder_guard text,
+        holder_since double precision,
+        generation bigint NOT NULL DEFAULT 0,
+        PRIMARY KEY (scope, name)
+    );
+    CREATE TABLE sfguard_queue (
+        scope text NOT NULL,
+        name text NOT NULL,
+        run text NOT NULL,
+        guard_id text NOT NULL,
+        since double precision NOT NULL,
+        seq bigserial,
+        PRIMARY KEY (scope, name, run, guard_id)
+    );
+    CREATE INDEX sfguard_queue_order ON sfguard_queue (scope, name, seq);
+    CREATE TABLE sfguard_audit (
+        seq bigint PRIMARY KEY,
+        body text NOT NULL
+    );
+    CREATE TABLE sfguard_audit_head (
+        id int PRIMARY KEY CHECK (id = 1),
+        seq bigint NOT NULL,
+        hash text NOT NULL,
+        mac text
+    );
+    INSERT INTO sfguard_audit_head (id, seq, hash, mac) VALUES (1, 0, '{audit_mod.GENESIS}', NULL);
+    """,
+]
+
+_MIGRATION_LOCK = 0x5F6775617264    # advisory lock id for schema changes ("_guard")
+
+
+def migrate(conn, migrations: list[str] = MIGRATIONS) -> int:
+    """Apply the missing migrations; returns the schema version. SchemaTooNew when the
+    database was migrated by a newer sfguard (nothing is changed then)."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute("CREATE TABLE IF NOT EXISTS sfguard_schema_version ("
+                     "version int PRIMARY KEY, applied double precision NOT NULL)")
+        row = conn.execute("SELECT coalesce(max(version), 0) FROM sfguard_schema_version").fetchone()
+        current = int(row[0])
+        if current > len(migrations):
+            raise SchemaTooNew(
+                f"the database schema is version {current}, newer than this sfguard knows "
+                f"(up to {len(migrations)}): upgrade sfguard on this host; nothing was changed")
+        for version in range(current + 1, len(migrations) + 1):
+            conn.execute(migrations[version - 1])
+            conn.execute("INSERT INTO sfguard_schema_version (version, applied) VALUES (%s, %s)",
+                         (version, time.time()))
+            log.info("database schema migrated to version %d", version)
+        return len(migrations)
+
+
+def check_schema(conn, url_shown: str, migrations: list[str] = MIGRATIONS) -> int:
+    """The schema version for a read-only command, changing nothing: NoSchema on a database
+    without sfguard tables, SchemaTooNew / SchemaTooOld when it is not this sfguard's."""
+    if conn.execute("SELECT to_regclass('sfguard_schema_version')").fetchone()[0] is None:
+        raise NoSchema(f"the database {url_shown} has no sfguard schema: start a guard with "
+                       "--store on it first (`sfguard start` creates the tables)")
+    current = int(conn.execute("SELECT coalesce(max(version), 0) FROM "
+                               "sfguard_schema_version").fetchone()[0])
+    if current > len(migrations):
+        raise SchemaTooNew(
+            f"the database schema is version {current}, newer than this sfguard knows "
+            f"(up to {len(migrations)}): upgrade sfguard on this host; nothing was changed")
+    if current < len(migrations):
+        raise SchemaTooOld(
+            f"the database schema is version {current}, older than this sfguard "
+            f"({len(migrations)}): start a guard of this version (`sfguard start --store ...`) "
+            "to migrate it; read-only commands change nothing")
+    return current
