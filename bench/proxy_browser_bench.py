@@ -5,7 +5,7 @@
 
 Both browsers are started the way the daemon starts an anchor: `LocalBrowserHost.launch_anchor`
 (Chromium with `--remote-debugging-pipe`, a throw-away profile). The guarded one gets the run
-proxy the daemon would start for a run (`sfguard.supervisor.daemon.guard.RunProxy`: `python -m
+proxy the daemon would start for a run (`sfguard.supervisor.daemon.run_proxy.RunProxy`: `python -m
 sfguard.supervisor.daemon.proxy_child`, its client over stdin, decisions to a log file) and answers the proxy's
 credential challenge through the pipe (CDP Fetch), exactly as a run's anchor does. The direct
 one is the same launch without a proxy (`allow_direct`, for tests and this benchmark only).
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from sfguard.supervisor.browsers import tools  # noqa: E402
 from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost  # noqa: E402
-from sfguard.supervisor.daemon.guard import RunProxy  # noqa: E402
+from sfguard.supervisor.daemon.run_proxy import RunProxy  # noqa: E402
 from sfguard.supervisor.gate.cdp_pipe import FETCH_ENABLE  # noqa: E402
 
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")

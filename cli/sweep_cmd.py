@@ -21,7 +21,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from sfguard import policy
-    from sfguard.supervisor.daemon.guard import Guard, GuardAlreadyRunning, release_runtime, sweep
+    from sfguard.supervisor.daemon.crash import release_runtime, sweep
+    from sfguard.supervisor.daemon.guard import Guard, GuardAlreadyRunning
     from sfguard.supervisor.home import existing_home
     try:
         guard = Guard(existing_home(args.home), args.policy)

@@ -29,7 +29,7 @@ from sfguard import policy
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.console.liveview import LiveView
 from sfguard.supervisor.daemon import models
-from sfguard.supervisor.daemon.api import ApiError
+from sfguard.supervisor.daemon.errors import BadRequest, Conflict, GuardError, NotFound, Unavailable
 
 log = logging.getLogger("sfguard.console.handoff")
 
@@ -86,31 +86,31 @@ def _registry(guard) -> dict[str, LiveHandoff]:
     return guard.console.handoffs
 
 
-async def open_live(guard, run, body: models.HandoffRequest) -> tuple[int, dict]:
+async def open_live(guard, run, body: models.HandoffRequest) -> dict:
     console = getattr(guard, "console", None)
     if console is None:
-        raise ApiError(409, "handoff_impossible", "a live_view handoff needs the guard's console, "
+        raise Conflict("handoff_impossible", "a live_view handoff needs the guard's console, "
                        "which is off (start the guard without --no-console)", None)
     if not body.url:
-        raise ApiError(400, "invalid_request", "url: a live_view handoff needs the page to open",
-                       "url")
+        raise BadRequest("invalid_request", "url: a live_view handoff needs the page to open",
+                         "url")
     try:
         page_pattern = policy.allow_pattern_for_url(body.url)
     except (policy.MalformedHost, ValueError) as exc:
-        raise ApiError(400, "invalid_request", f"url: not an http:// or https:// address with a "
-                       f"valid host ({exc})", "url") from None
+        raise BadRequest("invalid_request", f"url: not an http:// or https:// address with a "
+                         f"valid host ({exc})", "url") from None
     stage = None
     if body.stage_id is not None:
         stage = run.stages.get(body.stage_id)
         if stage is None:
-            raise ApiError(404, "stage_not_found", f"no stage {body.stage_id!r} in run "
+            raise NotFound("stage_not_found", f"no stage {body.stage_id!r} in run "
                            f"{run.run_id!r}", "stage_id")
     for old in _registry(guard).values():   # one open live view per run and profile
         if old.run_id == run.run_id and old.profile == body.profile and old.state == "open":
             await finish(guard, old, "ended", by="guard")
-    browser = await guard._leased_browser(run, body.profile, headed=False)
+    browser = await guard.leased_browser(run, body.profile, headed=False)
     host = urlsplit(body.url).hostname or ""
-    allow = sorted(set(guard._browser_allow(run, browser)) | {page_pattern})
+    allow = sorted(set(guard.browser_allow(run, browser)) | {page_pattern})
     patterns = policy.compile_patterns(allow)
     await run.proxy.set_allow(browser.client, allow)
 
@@ -128,8 +128,8 @@ async def open_live(guard, run, body: models.HandoffRequest) -> tuple[int, dict]
     except Exception as exc:
         with contextlib.suppress(Exception):
             await view.close()
-        raise ApiError(503, "browser_failed", f"could not open the login tab for the live view "
-                       f"({type(exc).__name__})", None) from None
+        raise Unavailable("browser_failed", f"could not open the login tab for the live view "
+                          f"({type(exc).__name__})", None) from None
     check = body.login_check or (stage.browser_req.login_check if stage is not None else None)
     h = LiveHandoff(hid, run.run_id, body.profile, body.stage_id, body.site, host, check,
                     time.monotonic() + float(body.timeout_s or HANDOFF_TIMEOUT), view)
@@ -139,7 +139,7 @@ async def open_live(guard, run, body: models.HandoffRequest) -> tuple[int, dict]
     guard.audit.record("handoff_opened", scope=guard.scope, profile=browser.key, run=run.run_id,
                        host=body.site if _plain_host(body.site) else host, mode="live_view")
     url = f"{console.base_url}/live/{hid}?t={token}"
-    return 200, {"kind": "live_view", "site": body.site, "reason": body.reason, "url": url}
+    return {"kind": "live_view", "site": body.site, "reason": body.reason, "url": url}
 
 
 def _plain_host(site: str) -> bool:
@@ -182,19 +182,19 @@ async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
     result = None
     if outcome == "done" and h.login_check is not None and run is not None and run.state == "active":
         try:
-            _, result = await guard.api_login_check(h.run_id, models.LoginCheckRequest(
+            result = await guard.login_check(h.run_id, models.LoginCheckRequest(
                 profile=h.profile, login_check=h.login_check))
-        except ApiError as exc:
+        except GuardError as exc:
             result = {"logged_in": False, "url": "", "error": exc.code}
     elif outcome == "cancelled" and h.stage_id and run is not None and run.state == "active":
-        with contextlib.suppress(ApiError):
-            await guard.api_end_stage(h.run_id, h.stage_id, models.StageEnd(outcome="failed"))
+        with contextlib.suppress(GuardError):
+            await guard.end_stage(h.run_id, h.stage_id, models.StageEnd(outcome="failed"))
     if run is not None and run.state == "active" and run.proxy is not None:
         # the page's host was added for the handoff only: back to what the stages allow
         with contextlib.suppress(Exception):
-            browser = run.browsers.get(guard._profile_key(run, h.profile).name)
+            browser = run.browsers.get(guard.profile_key(run, h.profile).name)
             if browser is not None and browser.client in run.proxy.clients:
-                await run.proxy.set_allow(browser.client, guard._browser_allow(run, browser))
+                await run.proxy.set_allow(browser.client, guard.browser_allow(run, browser))
     h.result = result
     h.state = outcome
     fields = dict(scope=guard.scope, profile=h.profile, run=h.run_id, by=by)
@@ -222,19 +222,19 @@ def viewed(guard, h: LiveHandoff, session_id: str) -> None:
                            by=session_id)
 
 
-async def state(guard, run_id: str, wait: float = 0.0) -> tuple[int, dict]:
+async def state(guard, run_id: str, wait: float = 0.0) -> dict:
     """The run's latest live handoff; with `wait`, held until it is no longer open."""
-    guard._run(run_id)
+    guard.run_of(run_id)
     console = getattr(guard, "console", None)
     mine = [h for h in (console.handoffs.values() if console else []) if h.run_id == run_id]
     if not mine:
-        raise ApiError(404, "handoff_not_found", f"run {run_id!r} has no live_view handoff", "run_id")
+        raise NotFound("handoff_not_found", f"run {run_id!r} has no live_view handoff", "run_id")
     h = mine[-1]
     if h.state == "open" and wait > 0:
         h.changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(h.changed.wait(), min(wait, MAX_WAIT))
-    return 200, h.public()
+    return h.public()
 
 
 async def close_all(guard) -> None:

@@ -264,7 +264,7 @@ class ConsoleServer:
         return self._audit()
 
     async def _overview(self) -> dict[str, Any]:
-        _, status = await self.guard.api_status()
+        status = await self.guard.status()
         handoffs = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
                     for h in self.handoffs.values() if h.state == "open"]
         return {"gs": status, "handoffs": handoffs}
@@ -312,7 +312,7 @@ class ConsoleServer:
         return shlex.join(argv)
 
     async def _profiles(self) -> dict[str, Any]:
-        _, answer = await self.guard.api_list_profiles()
+        answer = await self.guard.list_profiles()
         checks: dict[str, dict] = {}
         with contextlib.suppress(Exception):
             for rec in self.guard.audit.records():

@@ -19,6 +19,15 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from sfguard.supervisor.daemon import models as m
+from sfguard.supervisor.daemon.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    GuardError,
+    NotFound,
+    Unavailable,
+    Unprocessable,
+)
 
 log = logging.getLogger("sfguard.api")
 #: path parameters are validated like body fields (the same patterns as the models)
@@ -27,7 +36,22 @@ PATH_PARAMS = {"run_id": re.compile(m.RUN_ID), "stage_id": re.compile(m.STAGE_ID
 MAX_BODY = 256 * 1024
 
 
+#: The one mapping of the guard's domain errors (supervisor/daemon/errors.py) to HTTP.
+ERROR_STATUS: dict[type[GuardError], int] = {
+    BadRequest: 400, Forbidden: 403, NotFound: 404, Conflict: 409, Unprocessable: 422,
+    Unavailable: 503,
+}
+
+
+def status_of(exc: GuardError) -> int:
+    """The HTTP status of a domain error (its kind's; a kind not listed is a bug: 500)."""
+    return next((status for kind, status in ERROR_STATUS.items() if isinstance(exc, kind)), 500)
+
+
 class ApiError(Exception):
+    """An error that already carries its HTTP status. Only supervisor/stage/stage_exec.py still
+    raises it (its refusals are 409s); the daemon raises domain errors."""
+
     def __init__(self, status: int, code: str, message: str, field: str | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
@@ -42,12 +66,12 @@ def _loc(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if p not in ("function-after", "function-before"))
 
 
-def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+def validation_error(exc: ValidationError, model: type[BaseModel]) -> BadRequest:
     """The first error, worded as `sfguard validate` words it (sfguard.supervisor.daemon.models.error_message)."""
     first = exc.errors()[0]
     field = m.field_path(first["loc"]) or None
     msg = m.error_message(first, model)
-    return ApiError(400, "invalid_request", f"{field}: {msg}" if field else msg, field)
+    return BadRequest("invalid_request", f"{field}: {msg}" if field else msg, field)
 
 
 #: the longest a stage GET may wait for a change (`?wait=SECONDS`)
@@ -70,13 +94,26 @@ STATUS_TEXT = {400: "bad input", 401: "no or a wrong bearer token (TCP listener 
 class Route:
     method: str
     path: str
-    handler: str  # name of the Supervisor coroutine
+    handler: str  # "api_" + the name of the Guard's service method (and the operationId)
     summary: str
     body: type[BaseModel] | None = None
     answers: tuple[tuple[int, Any], ...] = ()     # (status, model or tuple of models)
     errors: tuple[tuple[int, tuple[str, ...]], ...] = ()   # beyond the edge, body and path errors
     description: str = ""
     query: tuple[str, ...] = ()                   # accepted query parameters
+
+    @property
+    def operation(self) -> str:
+        """The Guard's service method for this route."""
+        return self.handler.removeprefix("api_")
+
+    def success_status(self, answer: Any) -> int:
+        """The status of a plain answer: 202 for a stage that is still waiting, else the
+        route's first documented success status (201 for a created run, 200 otherwise)."""
+        statuses = [status for status, _model in self.answers]
+        if 202 in statuses and isinstance(answer, dict) and answer.get("state") == "waiting":
+            return 202
+        return statuses[0]
 
     def error_codes(self) -> dict[int, tuple[str, ...]]:
         """status -> error codes this route can answer (edge, body, path and its own)."""
@@ -273,23 +310,25 @@ def openapi_document() -> dict[str, Any]:
 
 def _wait_seconds(values: list[str]) -> float:
     if len(values) != 1:
-        raise ApiError(400, "invalid_request", "wait: give it once", "wait")
+        raise BadRequest("invalid_request", "wait: give it once", "wait")
     try:
         wait = float(values[0])
     except ValueError:
         wait = -1.0
     if not 0 <= wait <= MAX_WAIT:  # also refuses nan and inf
-        raise ApiError(400, "invalid_request", f"wait: seconds from 0 to {MAX_WAIT:.0f}", "wait")
+        raise BadRequest("invalid_request", f"wait: seconds from 0 to {MAX_WAIT:.0f}", "wait")
     return wait
 
 
-Handler = Callable[..., Awaitable[tuple[int, Any]]]
+Handler = Callable[..., Awaitable[Any]]
 
 
 def build_app(target: Any, token: str | None = None) -> web.Application:
-    """The aiohttp app. `target` has one coroutine per route (Route.handler), called with the
-    path parameters and, for routes with a body, the validated model; it returns
-    (status, json-able) or raises ApiError. `token`: bearer token required (TCP listener)."""
+    """The aiohttp app. `target` (the Guard) has one service coroutine per route
+    (Route.operation), called with the path parameters and, for routes with a body, the
+    validated model; it returns a plain json-able answer or raises a GuardError. The status
+    is decided here: Route.success_status for answers, ERROR_STATUS for domain errors.
+    `token`: bearer token required (TCP listener)."""
 
     @web.middleware
     async def errors(request: web.Request, handler):
@@ -299,6 +338,8 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                 return error_response(401, "unauthorized", "a valid bearer token is required")
         try:
             return await handler(request)
+        except GuardError as exc:
+            return error_response(status_of(exc), exc.code, exc.message, exc.field)
         except ApiError as exc:
             return error_response(exc.status, exc.code, exc.message, exc.field)
         except web.HTTPRequestEntityTooLarge:
@@ -320,13 +361,13 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
             kwargs: dict[str, Any] = dict(request.match_info)
             for name, value in kwargs.items():
                 if not PATH_PARAMS[name].fullmatch(value):
-                    raise ApiError(400, "invalid_request", f"{name}: not a valid {name} "
-                                   f"(pattern {PATH_PARAMS[name].pattern})", name)
+                    raise BadRequest("invalid_request", f"{name}: not a valid {name} "
+                                     f"(pattern {PATH_PARAMS[name].pattern})", name)
             for name in request.query:
                 if name not in route.query:
-                    raise ApiError(400, "invalid_request", f"{name}: unknown query parameter"
-                                   + (f" (this route takes: {', '.join(route.query)})" if route.query else ""),
-                                   name)
+                    raise BadRequest("invalid_request", f"{name}: unknown query parameter"
+                                     + (f" (this route takes: {', '.join(route.query)})" if route.query else ""),
+                                     name)
             if "wait" in request.query:
                 kwargs["wait"] = _wait_seconds(request.query.getall("wait"))
             if route.body is not None:
@@ -334,15 +375,15 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                 try:
                     data = json.loads(raw or b"null")
                 except (ValueError, UnicodeDecodeError, RecursionError):
-                    raise ApiError(400, "invalid_json", "the body is not valid JSON") from None
+                    raise BadRequest("invalid_json", "the body is not valid JSON") from None
                 if not isinstance(data, dict):
-                    raise ApiError(400, "invalid_request", "the body must be a JSON object")
+                    raise BadRequest("invalid_request", "the body must be a JSON object")
                 try:
                     kwargs["body"] = route.body.model_validate(data)
                 except ValidationError as exc:
                     raise validation_error(exc, route.body) from None
-            status, answer = await getattr(target, route.handler)(**kwargs)
-            return web.json_response(answer, status=status)
+            answer = await getattr(target, route.operation)(**kwargs)
+            return web.json_response(answer, status=route.success_status(answer))
         return handle
 
     for r in ROUTES:

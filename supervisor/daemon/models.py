@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import re
 import typing
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
@@ -80,6 +81,16 @@ def _one_pattern(text: str) -> str:
 AllowPattern = Annotated[str, StringConstraints(min_length=1, max_length=300), AfterValidator(_one_pattern)]
 
 
+def check_profile_name(v: str | None) -> str | None:
+    """A profile field: a profile name, '@pipeline', or None (a throw-away browser)."""
+    if v is None or v == PIPELINE_PROFILE:
+        return v
+    if not re.fullmatch(PROFILE_NAME, v):
+        raise ValueError("profile names are 1-64 of a-z 0-9 _ - and start with a letter or "
+                         "digit (never a path)")
+    return v
+
+
 class BrowserField(StrictTypes):
     """A stage's `browser` field, as in the spec: profile, headed, allow_domains, login_check."""
 
@@ -93,12 +104,7 @@ class BrowserField(StrictTypes):
     @field_validator("profile")
     @classmethod
     def _profile_name(cls, v: str | None) -> str | None:
-        if v is None or v == PIPELINE_PROFILE:
-            return v
-        if not re.fullmatch(PROFILE_NAME, v):
-            raise ValueError("profile names are 1-64 of a-z 0-9 _ - and start with a letter or "
-                             "digit (never a path)")
-        return v
+        return check_profile_name(v)
 
 
 class CreateRun(Strict):
@@ -369,7 +375,10 @@ class LoginCheckRequest(Strict):
     profile: str
     login_check: LoginCheck
 
-    _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+    @field_validator("profile")
+    @classmethod
+    def _profile_name(cls, v: str) -> str | None:
+        return check_profile_name(v)
 
 
 class LoginReported(Strict):
@@ -381,7 +390,10 @@ class LoginVerifyRequest(Strict):
     profile: str
     reported: LoginReported
 
-    _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+    @field_validator("profile")
+    @classmethod
+    def _profile_name(cls, v: str) -> str | None:
+        return check_profile_name(v)
 
 
 class LoginResultAnswer(Answer):
@@ -406,7 +418,10 @@ class HandoffRequest(Strict):
         None, description="live_view: the link and the handoff end after this many seconds "
         "(default 900)")
 
-    _profile = field_validator("profile")(BrowserField._profile_name.__func__)
+    @field_validator("profile")
+    @classmethod
+    def _profile_name(cls, v: str) -> str | None:
+        return check_profile_name(v)
 
 
 # --------------------------------------------------------------------------- error wording
@@ -449,7 +464,7 @@ def field_path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if p not in ("function-after", "function-before"))
 
 
-def error_message(err: dict, model: type[BaseModel]) -> str:
+def error_message(err: Mapping[str, Any], model: type[BaseModel]) -> str:
     """A readable message, with a hint where one helps, for one pydantic error of `model`."""
     kind, loc, value = err.get("type"), tuple(err.get("loc", ())), err.get("input")
     name = loc[-1] if loc else ""
@@ -468,7 +483,8 @@ def error_message(err: dict, model: type[BaseModel]) -> str:
     if kind == "bool_type":
         return f"must be true or false, not {_shown(value)} (hint: write true or false without quotes)"
     if kind == "string_type":
-        return f"must be text, not {_shown(value)}" + (" (hint: put it in quotes)" if isinstance(value, (int, float, bool)) else "")
+        quote = " (hint: put it in quotes)" if isinstance(value, (int, float, bool)) else ""
+        return f"must be text, not {_shown(value)}{quote}"
     if kind in ("int_type", "int_parsing"):
         return f"must be a whole number, not {_shown(value)}"
     if kind in ("model_type", "dict_type"):

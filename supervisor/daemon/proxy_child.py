@@ -104,7 +104,7 @@ async def _serve(config: GuardConfig, clients: Iterable[Client], control: bool,
     except OSError as exc:
         raise ProxyProcessError(f"{exc.filename or ''}: {exc.strerror}") from None
     try:
-        await proxy.start()
+        address = await proxy.start()
     except GuardStartError as exc:
         raise ProxyProcessError(str(exc)) from None
     except OSError as exc:  # e.g. the decision log file cannot be opened
@@ -117,7 +117,7 @@ async def _serve(config: GuardConfig, clients: Iterable[Client], control: bool,
     if credential is not None:
         # The one place a secret is printed: the operator's own stdout (`sfguard proxy`
         # without any client made one).
-        sys.stdout.write(f"http://{credential}@{policy.join_host_port(*proxy.address)}\n")
+        sys.stdout.write(f"http://{credential}@{policy.join_host_port(*address)}\n")
     sys.stdout.flush()
     control_task = loop.create_task(_control(registry, stop)) if control else None
     try:

@@ -182,7 +182,6 @@ def daemon(tmp_path, fake_cdp):
            "PYTHONPATH": str(ROOT)}
     if os.environ.get("XDG_RUNTIME_DIR"):
         env["XDG_RUNTIME_DIR"] = os.environ["XDG_RUNTIME_DIR"]
-    old = os.environ.get("XDG_RUNTIME_DIR")
     rt = runtime_dir(home.absolute())   # the fake agent-browser reads its control file there
     ab = rt / "ab"
     ab.mkdir(mode=0o700, exist_ok=True)
@@ -200,3 +199,20 @@ def daemon(tmp_path, fake_cdp):
             continue
         if str(home) in cmd or str(rt) in cmd:
             p.kill()
+
+
+@pytest.fixture
+def real_daemon(tmp_path, site):
+    """A real `sfguard start` (real Chromium and agent-browser) whose policy lets the browser
+    reach the fixture site as site-a.test and site-b.test."""
+    home = (tmp_path / "home").absolute()
+    pol = tmp_path / "sites.yaml"
+    pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
+                   "private_networks:\n  allow: [127.0.0.1/32]\n")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
+           "PYTHONPATH": str(ROOT), "HTTP_PROXY": "http://leak.invalid:1"}
+    d = Daemon(home, env, tmp_path / "daemon.log")
+    d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
+            "--resolve", "site-b.test=127.0.0.1")
+    yield d
+    d.finish()

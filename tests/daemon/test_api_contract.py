@@ -14,7 +14,7 @@ import stat
 import time
 
 from sfguard.supervisor.daemon import models as m
-from sfguard.supervisor.daemon.api import MAX_BODY, ROUTES, build_app, openapi_document
+from sfguard.supervisor.daemon.api import ERROR_STATUS, MAX_BODY, ROUTES, build_app, openapi_document
 from tests.conftest import free_port
 from tests.daemon.conftest import ROOT
 
@@ -152,19 +152,21 @@ def test_document_covers_exactly_the_served_routes(daemon):
     used = {c for ops in DOC["paths"].values() for op in ops.values()
             for resp in op["responses"].values() for c in resp.get("x-error-codes", [])}
     assert set(m.ERROR_CODES) - used == {"not_found", "http_error"}   # no route: any path
-    assert DOC["components"]["securitySchemes"]["bearer"] == {
-        "type": "http", "scheme": "bearer", "description": DOC["components"]["securitySchemes"]["bearer"]["description"]}
+    bearer = DOC["components"]["securitySchemes"]["bearer"]
+    assert bearer == {"type": "http", "scheme": "bearer", "description": bearer["description"]}
 
 
 def test_every_error_code_in_the_source_is_in_the_enum():
-    """Each code the guard can answer (ApiError(...) and error_response(...) in supervisor/)
-    is listed in ErrorBody.code, and documented for some route with that status."""
+    """Each code the guard can answer (a domain error such as Conflict("code", ...), whose
+    status is api.ERROR_STATUS's, and ApiError(...) / error_response(...) with their own, in
+    supervisor/ and its rooms) is listed in ErrorBody.code, and documented for some route with
+    that status."""
+    kinds = {kind.__name__: status for kind, status in ERROR_STATUS.items()}
     found: set[tuple[int, str]] = set()
-    for path in (ROOT / "supervisor").glob("*.py"):
+    for path in (ROOT / "supervisor").rglob("*.py"):
         text = path.read_text()
         found |= {(int(s), c) for s, c in re.findall(r'(?:ApiError|error_response)\(\s*(\d{3}),\s*"([a-z_]+)"', text)}
-        for a, b, c in re.findall(r'ApiError\(\s*(\d{3}) if [^,]+? else (\d{3}),\s*"([a-z_]+)"', text):
-            found |= {(int(a), c), (int(b), c)}
+        found |= {(kinds[k], c) for k, c in re.findall(rf'\b({"|".join(kinds)})\(\s*"([a-z_]+)"', text)}
     assert found, "no error codes found in supervisor/"
     codes = {c for _, c in found}
     assert codes <= set(m.ERROR_CODES), codes - set(m.ERROR_CODES)
@@ -225,7 +227,8 @@ def test_a_runner_session_gets_only_documented_answers(daemon):
     assert call("POST", "/v1/runs/r1/login-check",
                 {"profile": "acct", "login_check": {"url": "http://elsewhere.test/", "logged_in": "*/in"}})[0] == 403
     assert call("POST", "/v1/runs/r1/login-check",
-                {"profile": "@pipeline", "login_check": {"url": "http://site-a.test/", "logged_in": "*/in"}})[0] in (200, 422, 503)
+                {"profile": "@pipeline",
+                 "login_check": {"url": "http://site-a.test/", "logged_in": "*/in"}})[0] in (200, 422, 503)
     assert call("POST", "/v1/runs/r2/login-check/verify",
                 {"profile": "acct", "reported": {"logged_in": True, "url": "http://site-a.test/in"}})[0] == 409
     assert call("POST", "/v1/runs/nope/login-check/verify",

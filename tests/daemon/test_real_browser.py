@@ -14,7 +14,6 @@ import pytest
 
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.home import runtime_path
-from tests.daemon.conftest import ROOT, Daemon
 
 pytestmark = pytest.mark.browser
 
@@ -23,21 +22,6 @@ def hits(port, host):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/hits.json", timeout=10) as r:
         rows = json.load(r)["hits"]
     return sum(r["count"] for r in rows if r["host"].split(":")[0] == host)
-
-
-@pytest.fixture
-def real_daemon(tmp_path, site):
-    home = (tmp_path / "home").absolute()
-    pol = tmp_path / "sites.yaml"
-    pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
-                   "private_networks:\n  allow: [127.0.0.1/32]\n")
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
-           "PYTHONPATH": str(ROOT), "HTTP_PROXY": "http://leak.invalid:1"}
-    d = Daemon(home, env, tmp_path / "daemon.log")
-    d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
-            "--resolve", "site-b.test=127.0.0.1")
-    yield d
-    d.finish()
 
 
 def as_stage(env: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

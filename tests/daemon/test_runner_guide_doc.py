@@ -26,7 +26,7 @@ def test_every_request_and_answer_in_the_guide_is_documented():
     blocks = BLOCK.findall(GUIDE.read_text())
     assert len(blocks) >= 30
     pairs = 0
-    for req, ans in zip(blocks[0::2], blocks[1::2]):
+    for req, ans in zip(blocks[0::2], blocks[1::2], strict=False):
         first, _, body = req.partition("\n")
         method, path = first.split()
         route = route_for(method, path)

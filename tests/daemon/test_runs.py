@@ -139,7 +139,6 @@ def test_stage_end_closes_its_session_and_refuses_its_token(daemon, outcome):
 def test_run_end_closes_anchor_reseals_and_releases(daemon, outcome):
     daemon.call("POST", "/v1/runs", {"run_id": "r1"})
     stage(daemon, "r1", "s1")
-    pids = [c["pid"] for c in daemon.calls()]
     status, body = daemon.call("POST", "/v1/runs/r1/end", {"outcome": outcome})
     assert status == 200 and body["ok"], body
     profiles = daemon.call("GET", "/v1/profiles")[1]["profiles"]

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from sfguard.supervisor.home import runtime_path
-from tests.daemon.test_real_browser import as_stage, browser_processes, guard_processes, real_daemon, request_stage  # noqa: F401
+from tests.daemon.test_real_browser import as_stage, browser_processes, request_stage
 from tests.netscan import listening_ports_of_tree
 
 pytestmark = pytest.mark.browser

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sfguard.supervisor.home import runtime_path
-from tests.daemon.test_real_browser import as_stage, browser_processes, real_daemon, request_stage  # noqa: F401
+from tests.daemon.test_real_browser import as_stage, browser_processes, request_stage
 
 pytestmark = pytest.mark.browser
 

@@ -1,0 +1,140 @@
+"""Crash records and the sweep that reads them.
+
+While a run lives, `RunRecords.save` keeps `runs/<id>.json` (no secrets): the processes, session
+names and runtime paths the run started, and the daemon that owns it. After a crash of the
+daemon, `sweep()` (at `sfguard start`, or `sfguard sweep`) ends those processes (by pid AND start
+time), removes the files, reseals unsealed profiles and releases the leases.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sfguard.supervisor.browsers import agent_browser
+from sfguard.supervisor.daemon.runs import Run, StageState
+from sfguard.supervisor.daemon.stage_sessions import StageSessions
+from sfguard.supervisor.daemon.sweep import ProcRecord, scan_orphans, terminate_recorded
+from sfguard.supervisor.home import atomic_write
+from sfguard.supervisor.profiles import store_ops
+from sfguard.supervisor.profiles.lease import current_process, process_alive
+from sfguard.supervisor.protocols import ProcessIdentity
+from sfguard.supervisor.stage import sandbox
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.daemon.guard import Guard
+
+log = logging.getLogger("sfguard.guard")
+
+
+class RunRecords:
+    """The crash records of this guard's runs (`<home>/runs/<id>.json`, 0600, atomic)."""
+
+    def __init__(self, runs_dir: Path, scope: str, sessions: StageSessions):
+        self.runs_dir, self.scope, self.sessions = runs_dir, scope, sessions
+
+    def save(self, run: Run) -> None:
+        """The crash record: what to clean if this daemon dies. No secrets."""
+        procs: list[dict[str, Any]] = []
+        paths: list[str] = [str(run.workdir)] if run.workdir else []
+        unsealed: list[str] = []
+        for b in run.browsers.values():
+            if b.anchor is not None:
+                procs += [p.to_json() for p in b.anchor.processes]
+                if b.anchor.temp_profile:
+                    paths.append(str(b.anchor.profile_dir))
+            if b.profile is not None:
+                unsealed.append(b.profile.name)
+        spare_sessions: list[str] = []
+        for b in run.browsers.values():
+            if b.anchor is not None:   # a session started ahead for the anchor's next stage
+                spare_procs, spare_sessions_b = self.sessions.spare_records(b.anchor)
+                procs += [p.to_json() for p in spare_procs]
+                spare_sessions += spare_sessions_b
+        for st in run.stages.values():
+            if st.state == StageState.READY:
+                procs += [p.to_json() for p in st.processes]
+        if run.proxy and run.proxy.record:
+            procs.append(run.proxy.record.to_json())
+        rec = {"run_id": run.run_id, "daemon": {"pid": os.getpid(), "start_time": current_process().start_time},
+               "scope": self.scope, "processes": procs, "paths": paths, "profiles": sorted(set(unsealed)),
+               "sessions": [s.env["AGENT_BROWSER_SESSION"] for s in run.stages.values()
+                            if s.env and s.state == StageState.READY] + spare_sessions}
+        atomic_write(self.runs_dir / f"{run.run_id}.json", json.dumps(rec).encode())
+
+    def drop(self, run_id: str) -> None:
+        """The run ended cleanly: nothing of it is left to sweep."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.runs_dir / f"{run_id}.json").unlink()
+
+
+def release_runtime(guard: Guard) -> bool:
+    """Remove the guard's runtime folder (memory-backed: sockets, config, throw-away profiles)
+    when nothing in it still matters, i.e. no profile is left unsealed (a failed reseal keeps
+    its working copy for the next sweep). True when it was removed."""
+    if guard.store.unsealed():
+        log.error("an unsealed profile is left in the runtime folder; the next start reseals it")
+        return False
+    shutil.rmtree(guard.runtime, ignore_errors=True)
+    return not guard.runtime.exists()
+
+
+def sweep(guard: Guard) -> dict:
+    """Clean what dead runs left: processes (by pid AND start time), session files, temp dirs,
+    unsealed profiles (resealed), stale leases. Returns a report of what was done."""
+    report: dict[str, Any] = {"runs": [], "processes": 0, "resealed": [], "leases": [], "orphans": 0}
+    for path in sorted(guard.runs_dir.glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            daemon = rec.get("daemon", {})
+            owner = ProcessIdentity(int(daemon["pid"]), float(daemon["start_time"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("run record %s is unreadable (%s); left in place for inspection", path.name, exc)
+            report.setdefault("unreadable", []).append(path.name)
+            continue
+        if process_alive(owner) and owner.pid != os.getpid():
+            continue  # a live guard owns it
+        records = [ProcRecord.from_json(p) for p in rec.get("processes", [])]
+        report["processes"] += len(terminate_recorded(records, timeout=5))
+        for sess in rec.get("sessions", []):
+            with contextlib.suppress(Exception):
+                agent_browser.remove_session_files(guard.socket_dir, sess)
+        for p in rec.get("paths", []):
+            pp = Path(p)
+            if pp.is_relative_to(guard.runtime):
+                shutil.rmtree(pp, ignore_errors=True)
+        run_id = rec.get("run_id")
+        report["runs"].append(run_id)
+        try:
+            released, problems = store_ops.release_run(guard.stores, run_id, "abandoned")
+        except ValueError:
+            released, problems = [], []  # a record without a valid run id holds no lease
+        for problem in problems:
+            log.error("sweep of run %s: %s", run_id, problem)
+        report["leases"] += [key.name for key in released]
+        path.unlink()
+    # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)
+    # ... of the guard's user and of its browser user (`sfguard sweep` looks that one up)
+    user = guard.browser_user or (sandbox.lookup_user(guard.browser_user_name)
+                                  if os.geteuid() == 0 else None)
+    orphans = scan_orphans([str(guard.runtime)], (user.uid,) if user is not None else ())
+    report["orphans"] = len(terminate_recorded(orphans, timeout=5))
+    for key in guard.store.unsealed():
+        try:
+            guard.store.close(key, save=True)
+            report["resealed"].append(key.name)
+        except Exception as exc:
+            log.error("profile %s could not be resealed after a crash (%s); the previous sealed "
+                      "copy is kept", key.name, exc)
+            with contextlib.suppress(Exception):
+                guard.store.close(key, save=False)
+    for key, run_id in guard.lease.sweep_stale():
+        if not store_ops.audited(guard.lease):    # the shared store audits it as it drops it
+            guard.audit.record("profile_released", scope=key.scope, profile=key.name,
+                               run=run_id, outcome="abandoned")
+        report["leases"].append(key.name)
+    return report

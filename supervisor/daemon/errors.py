@@ -1,0 +1,43 @@
+"""The guard's domain errors: what went wrong, in the guard's words, without HTTP.
+
+The Guard and its services raise these; supervisor/daemon/api.py alone turns them into an HTTP
+status (its ERROR_STATUS table) and the {"error": {"code", "message", "field"}} body. `code` is
+one of models.ERROR_CODES; `field` names the offending input (e.g. `browser.profile`) or is None.
+"""
+from __future__ import annotations
+
+
+class GuardError(Exception):
+    """A refusal the caller can act on: a stable code, a message for people, the input field."""
+
+    def __init__(self, code: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.field = code, message, field
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code!r}, {self.message!r}, {self.field!r})"
+
+
+class BadRequest(GuardError):
+    """The input itself is wrong (or asks for something this guard cannot give, e.g. a window
+    without a display)."""
+
+
+class Forbidden(GuardError):
+    """Refused by the site policy."""
+
+
+class NotFound(GuardError):
+    """No such run, stage, profile or handoff."""
+
+
+class Conflict(GuardError):
+    """Conflicts with the current state (a run that ended, a leased profile, ...)."""
+
+
+class Unprocessable(GuardError):
+    """The input was fine but the check could not decide (e.g. a login check's page)."""
+
+
+class Unavailable(GuardError):
+    """Something the guard needs is away: a browser that would not start, the shared store."""

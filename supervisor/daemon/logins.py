@@ -1,0 +1,118 @@
+"""Login checks, envelope verification and the human handoff, in a run's leased browser."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from sfguard import policy
+from sfguard.supervisor.browsers.handoff import HandoffImpossible
+from sfguard.supervisor.browsers.login import LoginCheckError, check_login
+from sfguard.supervisor.console import handoff as live
+from sfguard.supervisor.daemon import models
+from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
+from sfguard.supervisor.daemon.runs import Run
+from sfguard.supervisor.protocols import ProfileError
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.daemon.guard import Guard
+
+#: Bound of one login check (its own tab; never affects the anchor or other stages).
+LOGIN_CHECK_TIMEOUT = 30.0
+
+
+def run_allow(run: Run, profile: str) -> list[str]:
+    """Every allow_domains pattern this run's stages asked for with this profile."""
+    out: set[str] = set()
+    for st in run.stages.values():
+        if st.browser_req.profile == profile:
+            out.update(st.browser_req.allow_domains)
+    return sorted(out)
+
+
+class Logins:
+    def __init__(self, guard: Guard):
+        self.g = guard
+
+    async def check(self, run_id: str, body: models.LoginCheckRequest) -> dict[str, Any]:
+        g = self.g
+        run = g.active_run(run_id)
+        parts = urlsplit(body.login_check.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        allow = run_allow(run, body.profile)
+        decision = g.site_policy.decide(parts.hostname or "", port, policy.compile_patterns(allow))
+        if not decision.allowed:
+            raise Forbidden("login_check_not_allowed", f"the check address's host is refused "
+                            f"for this run: {decision.explanation}", "login_check.url")
+        browser = await g.leased_browser(run, body.profile, headed=False)
+        assert run.proxy is not None and browser.anchor is not None
+        check_pattern = policy.allow_pattern_for_url(body.login_check.url)
+        try:
+            await run.proxy.set_allow(browser.client, g.browser_allow(run, browser) + [check_pattern])
+            # its own tab and window, its own bound; a failed check leaves the anchor as it was
+            result = await check_login(browser.anchor.pipe, body.login_check,
+                                       timeout=LOGIN_CHECK_TIMEOUT)
+        except LoginCheckError as exc:
+            raise Unprocessable("login_check_failed", str(exc), "login_check") from None
+        except ValueError as exc:
+            raise BadRequest("invalid_pattern", str(exc), "login_check") from None
+        finally:
+            if browser.client in run.proxy.clients:
+                await run.proxy.set_allow(browser.client, g.browser_allow(run, browser))
+        run.login_results[body.profile] = result
+
+        def record_check() -> None:
+            g.audit.record("login_checked", scope=g.scope, profile=browser.key,
+                           run=run.run_id, host=decision.normalized_host,
+                           logged_in=result.logged_in,
+                           result="logged_in" if result.logged_in else "logged_out")
+            note = getattr(g.store, "record_login_check", None)  # shared: a fenced state write
+            if note is not None:
+                with contextlib.suppress(ProfileError):  # a stale lease is refused and logged there
+                    note(browser.profile, result.logged_in)
+        await g.store_call(record_check)
+        return {"logged_in": result.logged_in, "url": result.url}
+
+    async def verify(self, run_id: str, body: models.LoginVerifyRequest) -> dict[str, Any]:
+        run = self.g.run_of(run_id)
+        mine = run.login_results.get(body.profile)
+        if mine is None:
+            raise Conflict("no_login_check", f"the guard has not checked profile "
+                           f"{body.profile!r} in this run; call login-check first", "profile")
+        for field_name in ("logged_in", "url"):
+            theirs, ours = getattr(body.reported, field_name), getattr(mine, field_name)
+            if theirs != ours:
+                raise Conflict("envelope_mismatch",
+                               f"the stage reported {field_name}={theirs!r} but the guard's own check "
+                               f"found {field_name}={ours!r}", f"reported.{field_name}")
+        return {"ok": True}
+
+    async def handoff(self, run_id: str, body: models.HandoffRequest) -> dict[str, Any]:
+        g = self.g
+        run = g.active_run(run_id)
+        if live.wants_live_view(g, body):   # no screen here: a live view in the console
+            return await live.open_live(g, run, body)
+        handoff = g.new_handoff()
+        try:
+            handoff.check_possible(profile=body.profile, url=body.url)
+        except HandoffImpossible as exc:
+            raise Conflict("handoff_impossible", str(exc), None) from None
+        browser = await g.leased_browser(run, body.profile, headed=True)
+        assert run.proxy is not None and browser.anchor is not None
+        if not browser.headed:  # reopen the anchor headed, same profile, same proxy client
+            async with browser.lock:
+                await g.host.close_anchor(browser.anchor)
+                browser.headed = True
+                browser.anchor = await g.stages.launch(run, browser, browser.anchor.profile_dir)
+                await g.watchdog.reattach(run, browser)
+        if body.url:
+            host = urlsplit(body.url).hostname or ""
+            await run.proxy.set_allow(browser.client, g.browser_allow(run, browser) + [host])
+            try:
+                await browser.anchor.pipe.call("Target.createTarget", {"url": body.url, "newWindow": True})
+            except Exception as exc:
+                raise Unavailable("browser_failed", f"could not open the page in the browser "
+                                  f"({type(exc).__name__})", None) from None
+        await g.store_call(g.audit.record, "handoff_opened", scope=g.scope,
+                           profile=browser.key, run=run.run_id, host=body.site)
+        return handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()

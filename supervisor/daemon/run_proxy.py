@@ -1,0 +1,197 @@
+"""The guard proxy of a run, and the pool that keeps one started ahead.
+
+Each run gets its own `python -m sfguard.supervisor.daemon.proxy_child` process (its own port
+and clients); starting one takes ~0.7 s, so `ProxyPool` keeps one spare started ahead and hands
+it to the next run.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from sfguard.supervisor import redaction
+from sfguard.supervisor.daemon.sweep import ProcRecord, end_child
+
+log = logging.getLogger("sfguard.guard")
+
+PROXY_START_TIMEOUT = 20.0
+
+
+def short_id() -> str:
+    return secrets.token_hex(4)
+
+
+class RunProxy:
+    """The guard proxy child of one run (`python -m sfguard.supervisor.daemon.proxy_child`).
+
+    Clients (one per browser, each with its own credentials and allowlist) are sent over the
+    child's stdin and acknowledged once live, so an allowlist change is in force before the
+    daemon answers; tokens are never in argv, files or logs. If the child dies it is restarted
+    on the same port with the same clients, so browsers only ever see connection errors."""
+
+    ACK_TIMEOUT = 10.0
+
+    def __init__(self, run_id: str | None, policy_path: Path, decision_log: Path,
+                 resolve: dict[str, str] | None = None):
+        self.run_id = run_id
+        self.policy_path = policy_path
+        self.decision_log = decision_log
+        self.resolve = dict(resolve or {})
+        self.port = 0
+        self.proc: asyncio.subprocess.Process | None = None
+        self.record: ProcRecord | None = None
+        self.clients: dict[str, tuple[str, list[str]]] = {}  # name -> (token, allow patterns)
+        self.restarts = 0
+        self._seq = 0
+        self._acks: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    async def _push(self) -> None:
+        """Send the whole client set and wait until the proxy has it live."""
+        if self.proc is None or self.proc.returncode is not None:
+            return  # the watchdog restarts it with the current set
+        async with self._lock:
+            self._seq += 1
+            fut = asyncio.get_running_loop().create_future()
+            self._acks[self._seq] = fut
+            msg = {"id": self._seq, "clients": [
+                {"name": n, "token": t, "allow": a, "run": self.run_id}
+                for n, (t, a) in sorted(self.clients.items())]}
+            stdin = self.proc.stdin
+            assert stdin is not None  # started with stdin=PIPE
+            try:
+                stdin.write(json.dumps(msg).encode() + b"\n")
+                await stdin.drain()
+                await asyncio.wait_for(fut, self.ACK_TIMEOUT)
+            except (TimeoutError, ConnectionError) as exc:
+                raise RuntimeError("the run's guard proxy did not take the new allowlist "
+                                   f"({type(exc).__name__})") from None
+            finally:
+                self._acks.pop(self._seq, None)
+
+    async def add_client(self, allow: list[str]) -> str:
+        name = f"b-{short_id()}"
+        token = secrets.token_urlsafe(24)
+        redaction.register_secret(token)
+        self.clients[name] = (token, sorted(set(allow)))
+        await self._push()
+        return name
+
+    async def set_allow(self, name: str, allow: list[str]) -> None:
+        token, old = self.clients[name]
+        new = sorted(set(allow))
+        if new != old:
+            self.clients[name] = (token, new)
+            await self._push()
+
+    async def remove_client(self, name: str) -> None:
+        if self.clients.pop(name, None) is not None:
+            await self._push()
+
+    def url_for(self, name: str) -> str:
+        return f"http://{name}:{self.clients[name][0]}@127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        argv = [sys.executable, "-m", "sfguard.supervisor.daemon.proxy_child", "--listen-port", str(self.port),
+                "--policy", str(self.policy_path), "--decision-log", str(self.decision_log)]
+        for host, ip in self.resolve.items():
+            argv += ["--resolve", f"{host}={ip}"]
+        env = {k: v for k, v in os.environ.items()
+               if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH")}
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=None, env=env, start_new_session=True)
+        self.record = ProcRecord.of(self.proc.pid, "proxy")
+        assert self.proc.stdout is not None  # started with stdout=PIPE
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), PROXY_START_TIMEOUT)
+        except TimeoutError:
+            line = b""
+        text = line.decode(errors="replace").strip()
+        if not text.startswith("ready http://127.0.0.1:"):
+            await self.stop()
+            raise RuntimeError("the run's guard proxy did not start")
+        self.port = int(text.rsplit(":", 1)[1])
+        self._reader = asyncio.get_running_loop().create_task(self._read_acks(self.proc))
+        if self.clients:
+            await self._push()
+
+    async def _read_acks(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        with contextlib.suppress(Exception):
+            while line := await proc.stdout.readline():
+                msg = json.loads(line)
+                fut = self._acks.get(msg.get("ack"))
+                if fut is not None and not fut.done():
+                    fut.set_result(True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None and (
+            self.record is None or self.record.alive())
+
+    async def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if proc is None:
+            return
+        await end_child(proc, 5)
+
+
+class ProxyPool:
+    """Run proxies for new runs: the warm spare when one is ready, else a new one; at most one
+    spare is kept, started in the background."""
+
+    def __init__(self, make: Callable[[], RunProxy]):
+        self._make = make
+        self._spare: RunProxy | None = None      # a started proxy child not yet given to a run
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def take(self, run_id: str) -> RunProxy:
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.alive():
+            proxy = spare
+        else:
+            if spare is not None:
+                await spare.stop()
+            proxy = self._make()
+            await proxy.start()
+        proxy.run_id = run_id
+        return proxy
+
+    def refill(self) -> None:
+        if self._spare is not None or self._stopping:
+            return  # one warm spare at most
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._make_spare())
+
+    async def _make_spare(self) -> None:
+        proxy = self._make()
+        try:
+            await proxy.start()
+        except Exception as exc:
+            log.warning("could not start a spare run proxy: %s", exc)
+            return
+        if self._stopping or self._spare is not None:
+            await proxy.stop()   # never overwrite (and so lose) a spare that is still running
+        else:
+            self._spare = proxy
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+        if self._spare is not None:
+            await self._spare.stop()
+            self._spare = None

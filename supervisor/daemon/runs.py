@@ -1,0 +1,184 @@
+"""The guard's records of runs, stages and browsers, and the stage state machine.
+
+  run ──┬─ one guard proxy (supervisor/daemon/run_proxy.py)
+        ├─ one anchor per profile (leased, unsealed, launched through the proxy)
+        │    └─ one tab + one CDP-gate token per stage
+        └─ one throw-away browser per profile-less stage
+
+`StageState` is the single list of stage states and `STAGE_TRANSITIONS` the single list of
+the moves between them; `Stage.move` refuses any other. Records hold no HTTP: a failed
+stage keeps a domain error (supervisor/daemon/errors.py) that api.py maps.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sfguard.supervisor.browsers.host import Anchor
+from sfguard.supervisor.browsers.login import LoginResult
+from sfguard.supervisor.daemon import models
+from sfguard.supervisor.daemon.errors import GuardError
+from sfguard.supervisor.daemon.sweep import ProcRecord
+from sfguard.supervisor.protocols import ProfileKey, Waiting
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.daemon.run_proxy import RunProxy
+
+
+class StageState(StrEnum):
+    PENDING = "pending"            # asked for, not yet leased or launched
+    WAITING = "waiting"            # queued behind another run's lease (or the store is away)
+    READY = "ready"                # its env works: browser, tab, gate token, session
+    RELAUNCHING = "relaunching"    # its browser died; the watchdog is restarting it
+    ENDED = "ended"                # torn down with an outcome
+    FAILED = "failed"              # its browser could not be had; it keeps the error
+
+
+#: Every move the guard makes. A stage is re-attached (READY/RELAUNCHING -> PENDING -> READY)
+#: when its browser was replaced; any stage not yet ended can be ended.
+STAGE_TRANSITIONS: dict[StageState, frozenset[StageState]] = {
+    StageState.PENDING: frozenset({StageState.WAITING, StageState.READY, StageState.FAILED,
+                                   StageState.ENDED}),
+    StageState.WAITING: frozenset({StageState.WAITING, StageState.READY, StageState.FAILED,
+                                   StageState.ENDED}),
+    StageState.READY: frozenset({StageState.RELAUNCHING, StageState.PENDING, StageState.ENDED}),
+    StageState.RELAUNCHING: frozenset({StageState.PENDING, StageState.WAITING, StageState.READY,
+                                       StageState.FAILED, StageState.ENDED}),
+    StageState.FAILED: frozenset({StageState.ENDED}),
+    StageState.ENDED: frozenset(),
+}
+#: a stage answer that may still change (answered 202 `waiting`)
+WAITING_STATES = frozenset({StageState.PENDING, StageState.WAITING, StageState.RELAUNCHING})
+
+
+class StageOutcome(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+class RunState(StrEnum):
+    ACTIVE = "active"
+    ENDING = "ending"
+    ENDED = "ended"
+
+
+class RunOutcome(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    ABANDONED = "abandoned"
+
+
+class IllegalTransition(RuntimeError):
+    """A move STAGE_TRANSITIONS does not list: a bug in the guard."""
+
+
+def now_iso(ts: float | None = None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts if ts is not None else time.time()))
+
+
+def holder_where(host: str | None, guard: str | None) -> dict[str, Any]:
+    """Where a holder runs, for shared stores (local leases name only the run)."""
+    return {"holder_host": host, "holder_guard": guard} if guard else {}
+
+
+@dataclass
+class Browser:
+    """An anchor (profile) or a throw-away browser, with its proxy client."""
+    key: str                                  # profile name, or "tmp-<stage>" for throw-aways
+    profile: ProfileKey | None
+    headed: bool
+    client: str
+    anchor: Anchor | None = None
+    stages: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    restarts: int = 0
+    closing: bool = False          # being closed: the watchdog must not restart it
+
+
+@dataclass
+class Stage:
+    run_id: str
+    stage_id: str
+    attempt: int
+    browser_req: models.BrowserField
+    headed: bool
+    state: StageState = StageState.PENDING
+    browser_key: str | None = None
+    gate_key: str | None = None
+    env_full: dict[str, str] | None = None    # with inherited vars; used to close the session
+    env: dict[str, str] | None = None         # what the stage gets
+    waiting: Waiting | None = None
+    store_wait: str | None = None             # why it waits when no holder is known (store away)
+    outcome: StageOutcome | None = None
+    error: GuardError | None = None
+    processes: list[ProcRecord] = field(default_factory=list)  # the stage session's daemon
+    events: list[dict[str, Any]] = field(default_factory=list)  # what happened to it (browser restarts)
+
+    def move(self, to: StageState) -> None:
+        if to not in STAGE_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"stage {self.run_id}/{self.stage_id}: {self.state} -> {to}")
+        self.state = to
+
+    def answer(self) -> dict[str, Any]:
+        """The stage as the runner sees it: ready (env), waiting (holder, place) or ended; a
+        failed stage raises its error."""
+        if self.state == StageState.READY:
+            return {"state": "ready", "env": self.env}
+        if self.state == StageState.WAITING and self.waiting is not None:
+            w = self.waiting
+            since = w.holder_since if w.holder_since is not None else w.queued_since
+            return {"state": "waiting", "holder_run": w.holder_run or "", "since": now_iso(since),
+                    "position": w.position, **holder_where(w.holder_host, w.holder_guard)}
+        if self.state == StageState.WAITING and self.store_wait is not None:
+            return {"state": "waiting", "holder_run": "", "since": now_iso(), "position": None,
+                    "reason": "store_unreachable", "message": self.store_wait}
+        if self.state in WAITING_STATES:
+            return {"state": "waiting", "holder_run": "", "since": now_iso(), "position": None}
+        if self.state == StageState.FAILED and self.error is not None:
+            raise self.error
+        return {"state": "ended", "outcome": self.outcome or ""}
+
+
+@dataclass
+class Run:
+    run_id: str
+    pipeline: str | None
+    created: float
+    state: RunState = RunState.ACTIVE
+    outcome: RunOutcome | None = None
+    stages: dict[str, Stage] = field(default_factory=dict)
+    browsers: dict[str, Browser] = field(default_factory=dict)
+    proxy: RunProxy | None = None
+    workdir: Path | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    problems: list[str] = field(default_factory=list)
+    login_results: dict[str, LoginResult] = field(default_factory=dict)  # profile -> last check
+
+    def public(self) -> dict[str, Any]:
+        """The run as API answers and run state show it: names and states, no secrets."""
+        return {
+            "run_id": self.run_id, "state": self.state, "outcome": self.outcome,
+            "created": now_iso(self.created), "pipeline": bool(self.pipeline),
+            "stages": [{"stage_id": s.stage_id, "attempt": s.attempt, "state": s.state,
+                        "profile": s.browser_req.profile, "outcome": s.outcome,
+                        "holder_run": s.waiting.holder_run
+                        if s.state == StageState.WAITING and s.waiting else None,
+                        "events": list(s.events)}
+                       for s in self.stages.values()],
+            "browsers": [{"profile": b.profile.name if b.profile else None, "throwaway": b.profile is None,
+                          "headed": b.headed, "alive": b.anchor is not None, "stages": sorted(b.stages),
+                          "restarts": b.restarts} for b in self.browsers.values()],
+            "proxy": None if self.proxy is None else {"port": self.proxy.port, "alive": self.proxy.alive(),
+                                                       "restarts": self.proxy.restarts},
+            "problems": list(self.problems),
+        }
+
+    def waiting_stages(self) -> list[Stage]:
+        return [st for st in self.stages.values() if st.state == StageState.WAITING]

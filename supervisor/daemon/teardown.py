@@ -1,0 +1,132 @@
+"""Teardown: one path per level, each with a named outcome.
+
+`end_stage(run, stage, outcome)`, `close_browser(run, browser)` and `end_run(run, outcome)`.
+Every step runs even when an earlier one failed; failures are collected and reported.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from typing import TYPE_CHECKING
+
+from sfguard.supervisor.daemon.runs import (
+    Browser,
+    Run,
+    RunOutcome,
+    RunState,
+    Stage,
+    StageOutcome,
+    StageState,
+)
+from sfguard.supervisor.daemon.sweep import terminate_recorded
+from sfguard.supervisor.profiles import store_ops
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.daemon.guard import Guard
+
+log = logging.getLogger("sfguard.guard")
+
+
+class Teardown:
+    def __init__(self, guard: Guard):
+        self.g = guard
+
+    async def end_stage(self, run: Run, stage: Stage, outcome: StageOutcome) -> list[str]:
+        """Close the stage's tabs and session (with its own env), revoke its token, then drop
+        its domains from its browser's allowlist; a throw-away browser is closed."""
+        g = self.g
+        problems: list[str] = []
+        if stage.state == StageState.ENDED:
+            return problems
+        was_ready = stage.state == StageState.READY
+        stage.move(StageState.ENDED)
+        stage.outcome = StageOutcome(outcome)
+        if stage.gate_key:  # a stage-exec sandbox loses its gate and proxy at once
+            await g.bridges.close(stage.gate_key, run.proxy)
+        if stage.gate_key and was_ready:
+            # 1. the stage's session closes its tab and itself, through its still valid token
+            if stage.env_full:
+                try:
+                    await g.host.close_stage_session(stage.env_full)
+                except Exception as exc:
+                    log.debug("stage session close: %s", exc)
+            # 2. any other tab of the stage, over the raw connection
+            with contextlib.suppress(Exception):
+                await g.gate.close_stage_tabs(stage.gate_key)
+            # 3. only then the token: revoking first would leave a session nobody can close
+            await g.gate.revoke(stage.gate_key)
+            # in a thread: the event loop also answers every browser's paused requests
+            await asyncio.to_thread(terminate_recorded, stage.processes, 3)
+        browser = run.browsers.get(stage.browser_key or "")
+        if browser is not None:
+            browser.stages.discard(stage.stage_id)
+            if browser.profile is None:
+                problems += await self.close_browser(run, browser)
+            elif run.proxy is not None and browser.client in run.proxy.clients:
+                try:
+                    await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser))
+                except RuntimeError as exc:
+                    problems.append(str(exc))
+        with contextlib.suppress(Exception):
+            g.records.save(run)
+        return problems
+
+    async def close_browser(self, run: Run, browser: Browser) -> list[str]:
+        g = self.g
+        problems: list[str] = []
+        browser.closing = True
+        if browser.anchor is not None:
+            await g.sessions.drop(browser.anchor)   # a spare no stage took
+            try:
+                await g.host.close_anchor(browser.anchor)
+            except Exception as exc:
+                problems.append(f"closing the browser of {browser.key}: {exc}")
+                await asyncio.to_thread(terminate_recorded, browser.anchor.processes)
+            browser.anchor = None
+        if browser.profile is not None:
+            try:
+                await g.calls.run(g.store.close, browser.profile, save=True)
+            except Exception as exc:
+                problems.append(f"resealing profile {browser.profile.name} failed: {exc}; "
+                                "the previous sealed copy is kept")
+                with contextlib.suppress(Exception):
+                    await g.calls.run(g.store.close, browser.profile, save=False)
+        if run.proxy is not None:
+            with contextlib.suppress(RuntimeError):
+                await run.proxy.remove_client(browser.client)
+        run.browsers.pop(browser.key, None)
+        return problems
+
+    async def end_run(self, run: Run, outcome: RunOutcome) -> None:
+        g = self.g
+        outcome = RunOutcome(outcome)
+        async with run.lock:
+            if run.state != RunState.ACTIVE:
+                return
+            run.state, run.outcome = RunState.ENDING, outcome
+        stage_outcome = (StageOutcome.SUCCEEDED if outcome == RunOutcome.SUCCEEDED
+                         else StageOutcome.CANCELLED)
+        for stage in list(run.stages.values()):
+            if stage.state != StageState.ENDED:
+                run.problems += await self.end_stage(run, stage, stage_outcome)
+        for browser in list(run.browsers.values()):
+            run.problems += await self.close_browser(run, browser)
+        if run.proxy is not None:
+            await run.proxy.stop()
+        _released, problems = await g.calls.run(store_ops.release_run, g.stores,
+                                                run.run_id, outcome.value)
+        run.problems += problems
+        if run.workdir is not None:
+            shutil.rmtree(run.workdir, ignore_errors=True)
+        run.state = RunState.ENDED
+        g.records.drop(run.run_id)
+        # hand the released profiles over at once, not at the next watchdog tick
+        for other in list(g.runs.values()):
+            if other.state == RunState.ACTIVE:
+                for st in other.waiting_stages():
+                    asyncio.get_running_loop().create_task(g.stages.advance(other, st))
+        g.flush_refusals()
+        log.info("run %s ended: %s%s", run.run_id, outcome,
+                 f" ({len(run.problems)} problem(s))" if run.problems else "")

@@ -1,0 +1,95 @@
+"""The watchdog: every WATCH_INTERVAL it re-reads the site policy, moves waiting stages on,
+restarts a run proxy that died (same port, same clients) and a browser that died (then its
+stages get new gate tokens and sessions: the next GET of a stage answers the new env)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from sfguard.supervisor.daemon.runs import Browser, Run, RunState, StageState, now_iso
+from sfguard.supervisor.daemon.sweep import terminate_recorded
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.daemon.guard import Guard
+
+log = logging.getLogger("sfguard.guard")
+
+WATCH_INTERVAL = 0.25
+
+
+class Watchdog:
+    def __init__(self, guard: Guard):
+        self.g = guard
+
+    async def loop(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            try:
+                await self.once()
+            except Exception:
+                log.exception("watchdog pass failed")
+
+    async def once(self) -> None:
+        g = self.g
+        g.check_policy()
+        for run in list(g.runs.values()):
+            if run.state != RunState.ACTIVE:
+                continue
+            for stage in run.waiting_stages():
+                await g.stages.advance(run, stage)
+            if run.proxy is not None and run.proxy.proc is not None and not run.proxy.alive():
+                log.warning("run %s: guard proxy died; restarting it on the same port", run.run_id)
+                run.proxy.restarts += 1
+                with contextlib.suppress(Exception):
+                    await run.proxy.stop()
+                await run.proxy.start()
+                g.records.save(run)
+            for browser in list(run.browsers.values()):
+                if (browser.anchor is not None and not browser.closing and not browser.lock.locked()
+                        and not g.host.alive(browser.anchor)):
+                    await self.restart_browser(run, browser)
+
+    async def restart_browser(self, run: Run, browser: Browser) -> None:
+        g = self.g
+        async with browser.lock:
+            if browser.closing or run.state != RunState.ACTIVE:
+                return
+            log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key)
+            dead = browser.anchor
+            assert dead is not None
+            await g.sessions.drop(dead)
+            await asyncio.to_thread(terminate_recorded, dead.processes, 3)
+            await dead.pipe.close()
+            browser.restarts += 1
+            for sid in browser.stages:  # answer 202 until the new env works
+                st = run.stages[sid]
+                st.events.append({"ts": now_iso(), "event": "browser_restarted",
+                                  "message": "the stage's browser stopped and was restarted: its "
+                                  "tabs are gone and its gate URL changed; GET the stage for the "
+                                  "new env"})
+                if st.state == StageState.READY:
+                    st.move(StageState.RELAUNCHING)
+            browser.anchor = await g.stages.launch(run, browser,
+                                                   dead.profile_dir if browser.profile else None)
+            await self.reattach(run, browser)
+
+    async def reattach(self, run: Run, browser: Browser) -> None:
+        """After the browser was replaced: new gate tokens for its stages; the next GET of a
+        stage returns the refreshed env."""
+        g = self.g
+        for sid in sorted(browser.stages):
+            stage = run.stages[sid]
+            if stage.state in (StageState.READY, StageState.RELAUNCHING) and stage.gate_key:
+                await g.gate.revoke(stage.gate_key)
+                # the old session's daemon served the dead browser: end it with its files (a
+                # new session is started below), so no agent-browser outlives the guard
+                if stage.env_full:
+                    with contextlib.suppress(Exception):
+                        await g.host.close_stage_session(stage.env_full, graceful=False)
+                await asyncio.to_thread(terminate_recorded, stage.processes, 3)
+                stage.move(StageState.PENDING)
+                async with run.lock:
+                    await g.stages.attach(run, browser, stage)
+        g.records.save(run)
