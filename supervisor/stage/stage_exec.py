@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from sfguard.supervisor.browsers import tools
-from sfguard.supervisor.daemon.api import ApiError
+from sfguard.supervisor.daemon.errors import Conflict
 from sfguard.supervisor.stage import sandbox
 
 log = logging.getLogger("sfguard.stage_exec")
@@ -60,17 +60,17 @@ def exec_prefix(guard, run_id: str, stage_id: str) -> list[str]:
 
 def exec_answer(guard, run, stage) -> dict[str, Any]:
     if stage.state == "ended":
-        raise ApiError(409, "stage_ended", f"stage {stage.stage_id!r} of run {run.run_id!r} has "
+        raise Conflict("stage_ended", f"stage {stage.stage_id!r} of run {run.run_id!r} has "
                        f"ended ({stage.outcome}); its gate and proxy are closed", "stage_id")
     if stage.state == "failed":
-        raise ApiError(409, "stage_failed", f"stage {stage.stage_id!r} has no browser "
+        raise Conflict("stage_failed", f"stage {stage.stage_id!r} has no browser "
                        "(its request failed)", "stage_id")
     bridges = guard.bridges.get(stage.gate_key or "") if stage.state == "ready" else None
     if stage.state != "ready" or bridges is None:
-        raise ApiError(409, "stage_not_ready", f"stage {stage.stage_id!r} is {stage.state}: "
+        raise Conflict("stage_not_ready", f"stage {stage.stage_id!r} is {stage.state}: "
                        "request it until it is ready, then run stage-exec", "stage_id")
     if not guard.sandbox_ok:
-        raise ApiError(409, "sandbox_unavailable", "this machine cannot build the stage sandbox "
+        raise Conflict("sandbox_unavailable", "this machine cannot build the stage sandbox "
                        f"({guard.sandbox_detail}); stage-exec refuses to run a stage unconfined")
     env = dict(stage.env)
     env["AGENT_BROWSER_SOCKET_DIR"] = sandbox.INSIDE_SOCKET_DIR
