@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from sfguard import policy
 from sfguard.cli.main import CliError
@@ -188,7 +189,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
                                      new_p, _read_text(args.new, "policy"))
     res = casefile.replay(_read_log(args.log), new_p, extra, baseline=old_p) if args.log else None
     if args.json:
-        out = {"rules": [c.as_dict() for c in changes]}
+        out: dict[str, Any] = {"rules": [c.as_dict() for c in changes]}
         if res is not None:
             out["effect"] = res.as_dict()
         print(json.dumps(out, ensure_ascii=False))

@@ -26,7 +26,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import yaml
 
@@ -69,6 +69,22 @@ class CaseFile:
     cases: tuple[Case, ...]
 
 
+class CaseResultRecord(TypedDict):
+    """`CaseResult.as_dict()`: one result of `sfguard policy test --json`."""
+
+    file: str
+    line: int
+    host: str
+    allow: list[str]
+    name: str | None
+    expect: str
+    expect_reason: str | None
+    ok: bool
+    decision: str
+    reason: str
+    rule: str | None
+
+
 @dataclass(frozen=True)
 class CaseResult:
     case: Case
@@ -82,7 +98,7 @@ class CaseResult:
         label = f" [{c.name}]" if c.name else ""
         return f"{c.file}:{c.line}: {printable_host(c.host)}{label}: expected {want}, got {got}"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> CaseResultRecord:
         c = self.case
         return {"file": c.file, "line": c.line, "host": c.host, "allow": list(c.allow),
                 "name": c.name, "expect": c.expect, "expect_reason": c.reason, "ok": self.ok,
@@ -146,7 +162,7 @@ def parse_case_file(text: str, source: str) -> CaseFile:
     if root is None:
         raise CaseFileError([f"{source}: the file is empty (write a list of cases: "
                              "- {host: example.com, expect: deny})"])
-    items_node = root
+    items_node: yaml.Node | None = root
     if isinstance(root, yaml.MappingNode):
         items_node = None
         for k, v in root.value:
@@ -235,7 +251,7 @@ def _case(node: yaml.Node, i: int, source: str, problems: list[str]) -> Case | N
             for issue in exc.issues:
                 problems.append(f"{where}.allow: {issue.message}" + (f" (hint: {issue.hint})" if issue.hint else ""))
             bad = True
-    if bad:
+    if bad or not isinstance(host, str) or not isinstance(expect, str):
         return None
     return Case(source, line, host.strip(), expect, tuple(allow), reason, name)
 
@@ -323,6 +339,33 @@ def read_decision_log(lines: Iterable[str]) -> DecisionLog:
     return log
 
 
+class ChangeRecord(TypedDict):
+    """`Change.as_dict()`."""
+
+    host: str
+    port: int | None
+    change: str
+    before: str
+    after: str
+    count: int
+
+
+class SkippedRecord(TypedDict):
+    line: int
+    why: str
+
+
+class ReplayRecord(TypedDict):
+    """`Replay.as_dict()`: the shape of `sfguard policy replay --json`."""
+
+    total: int
+    unchanged: int
+    kept: int
+    counts: dict[str, int]
+    changes: list[ChangeRecord]
+    skipped: list[SkippedRecord]
+
+
 @dataclass(frozen=True)
 class Change:
     host: str
@@ -332,7 +375,7 @@ class Change:
     after: str           # reason after
     count: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> ChangeRecord:
         return {"host": self.host, "port": self.port, "change": self.kind, "before": self.before,
                 "after": self.after, "count": self.count}
 
@@ -352,7 +395,7 @@ class Replay:
         return {"allow->deny": c["allow->deny"], "deny->allow": c["deny->allow"],
                 "reason": c["reason"]}
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> ReplayRecord:
         return {"total": self.total, "unchanged": self.unchanged, "kept": self.kept,
                 "counts": self.counts(), "changes": [c.as_dict() for c in self.changes],
                 "skipped": [{"line": n, "why": why} for n, why in self.skipped]}
@@ -418,6 +461,16 @@ def _same_reason(a: str, b: str) -> bool:
 
 # --------------------------------------------------------------------------- policy diffs
 
+class RuleChangeRecord(TypedDict):
+    """`RuleChange.as_dict()`: one rule of `sfguard policy diff --json`."""
+
+    section: str
+    op: str
+    entry: str
+    where: str
+    detail: str
+
+
 @dataclass(frozen=True)
 class RuleChange:
     section: str         # mode, ports, tab_quota, allow_always, block, quiet, private_networks.allow
@@ -430,7 +483,7 @@ class RuleChange:
         return f"{self.op} {self.section}: {self.entry}" + (f"  ({self.detail})" if self.detail else "") \
             + f"  [{self.where}]"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> RuleChangeRecord:
         return {"section": self.section, "op": self.op, "entry": self.entry, "where": self.where,
                 "detail": self.detail}
 

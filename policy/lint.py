@@ -59,7 +59,7 @@ def lint_text(site: SitePolicy, text: str) -> list[PolicyIssue]:
             _items(networks.get("allow"), "private_networks.allow"))
 
     for name, items in lists.items():
-        seen: dict[tuple, str] = {}
+        seen: dict[tuple[str | int | None, ...], str] = {}
         for text_, pos, field in items:
             key = _key(text_, allow_list=name != "block" and name != "quiet")
             if key is None:
@@ -113,7 +113,7 @@ def _pattern(text: Any, allow_list: bool = True) -> Pattern | None:
         return None
 
 
-def _key(text: Any, allow_list: bool) -> tuple | None:
+def _key(text: Any, allow_list: bool) -> tuple[str | int | None, ...] | None:
     if isinstance(text, str) and len(text) <= 253 and _FAST_PATTERN(text) is not None \
             and "xn--" not in text:
         return ("fast", text)  # already canonical: the text is the key (no parse per entry)

@@ -38,6 +38,7 @@ import socket
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sfguard.policy.errors import MalformedHost, PolicyError, PolicyIssue
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, parse_port, split_host_port_raw
@@ -131,7 +132,7 @@ class _PublicSuffixes:
             if not line or line.startswith("//"):
                 continue
             rule = line.split()[0]
-            table = self.exact
+            table: dict[str, str] | None = self.exact
             if rule.startswith("!"):
                 table, rule = None, rule[1:]
             elif rule.startswith("*."):
@@ -223,7 +224,7 @@ def _parse_network(body: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     return net
 
 
-def _inside_special_block(net) -> bool:
+def _inside_special_block(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
     from sfguard.policy.engine import exempting_network  # noqa: PLC0415 (engine imports this module)
 
     return exempting_network(net)
@@ -245,7 +246,8 @@ def parse_pattern(text: object, *, allow_list: bool = True) -> Pattern:
     try:
         body, port_text = split_host_port_raw(text)
     except MalformedHost as exc:
-        raise PatternError(f"not a valid pattern: {exc.reason}", "IPv6 with a port is written [2001:db8::1]:443") from None
+        raise PatternError(f"not a valid pattern: {exc.reason}",
+                           "IPv6 with a port is written [2001:db8::1]:443") from None
     port = None
     if port_text is not None:
         try:
@@ -344,6 +346,8 @@ class Match:
         return f"Match({self.rule!r}, reason={self.reason!r})"
 
 
+_K = TypeVar("_K")
+
 _V4_MASKS = [((1 << 32) - 1) ^ ((1 << (32 - p)) - 1) for p in range(33)]
 _V6_MASKS = [((1 << 128) - 1) ^ ((1 << (128 - p)) - 1) for p in range(129)]
 
@@ -378,8 +382,8 @@ class RuleSet:
         self._wild_p: dict[tuple[str, int], int] = {}
         self._depth = [255, 0]                    # fewest and most labels of wildcard domains
         # CIDRs: {version: {prefixlen: {network int: rule id}}}; with a port: {(int, port): id}
-        self._cidr: dict[int, dict[int, dict]] = {4: {}, 6: {}}
-        self._cidr_p: dict[int, dict[int, dict]] = {4: {}, 6: {}}
+        self._cidr: dict[int, dict[int, dict[int, int]]] = {4: {}, 6: {}}
+        self._cidr_p: dict[int, dict[int, dict[tuple[int, int], int]]] = {4: {}, 6: {}}
         self._plens: dict[int, list[int]] = {4: [], 6: []}
         self._plens_p: dict[int, list[int]] = {4: [], 6: []}
         self._lines = array("l")
@@ -393,22 +397,35 @@ class RuleSet:
 
     def add(self, pattern: Pattern, line: int | None = None, reason: str | None = None) -> bool:
         """Add a pattern; False if the same pattern was already there (the first one is kept)."""
+        port = pattern.port
         if pattern.kind in ("name", "ip"):
-            table, key = (self._exact, pattern.key) if pattern.port is None else (self._exact_p, (pattern.key, pattern.port))
-        elif pattern.kind == "wild":
-            table, key = (self._wild, pattern.key) if pattern.port is None else (self._wild_p, (pattern.key, pattern.port))
+            if port is None:
+                return self._insert(self._exact, pattern.key, line, reason)
+            return self._insert(self._exact_p, (pattern.key, port), line, reason)
+        if pattern.kind == "wild":
             self.note_depth(pattern.key.count(".") + 1)
-        else:
-            net = ipaddress.ip_network(pattern.key)
-            plen, version = net.prefixlen, net.version
-            tables, plens = (self._cidr, self._plens) if pattern.port is None else (self._cidr_p, self._plens_p)
-            table = tables[version].get(plen)
-            if table is None:
-                table = tables[version][plen] = {}
-                plens[version].append(plen)
-                plens[version].sort(reverse=True)  # longest prefix first
-            base = int(net.network_address)
-            key = base if pattern.port is None else (base, pattern.port)
+            if port is None:
+                return self._insert(self._wild, pattern.key, line, reason)
+            return self._insert(self._wild_p, (pattern.key, port), line, reason)
+        net = ipaddress.ip_network(pattern.key)
+        base = int(net.network_address)
+        if port is None:
+            return self._insert(self._cidr_table(self._cidr, self._plens, net), base, line, reason)
+        return self._insert(self._cidr_table(self._cidr_p, self._plens_p, net), (base, port), line, reason)
+
+    @staticmethod
+    def _cidr_table(tables: dict[int, dict[int, dict[_K, int]]], plens: dict[int, list[int]],
+                    net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> dict[_K, int]:
+        """The table of `net`'s IP version and prefix length (made on first use)."""
+        plen, version = net.prefixlen, net.version
+        table = tables[version].get(plen)
+        if table is None:
+            table = tables[version][plen] = {}
+            plens[version].append(plen)
+            plens[version].sort(reverse=True)  # longest prefix first
+        return table
+
+    def _insert(self, table: dict[_K, int], key: _K, line: int | None, reason: str | None) -> bool:
         if key in table:
             return False
         table[key] = len(self._lines)
@@ -468,7 +485,7 @@ class RuleSet:
         # parents[i] has n - i labels; keep those with fewest <= labels <= most.
         start = n - most if n > most else 0
         stop = n - fewest + 1
-        if wild_p:
+        if wild_p and port is not None:
             wild = None if port_only else self._wild
             for i in range(start, stop):
                 domain = parents[i]
@@ -524,12 +541,12 @@ class RuleSet:
         out += [pattern_text("name", k, p) for k, p in self._exact_p]
         out += [pattern_text("wild", k, None) for k in self._wild]
         out += [pattern_text("wild", k, p) for k, p in self._wild_p]
-        for version, tables in self._cidr.items():
+        for tables in self._cidr.values():
             for plen, table in tables.items():
                 out += [str(ipaddress.ip_network((b, plen))) for b in table]
-        for version, tables in self._cidr_p.items():
-            for plen, table in tables.items():
-                out += [pattern_text("cidr", str(ipaddress.ip_network((b, plen))), p) for b, p in table]
+        for tables_p in self._cidr_p.values():
+            for plen, table_p in tables_p.items():
+                out += [pattern_text("cidr", str(ipaddress.ip_network((b, plen))), p) for b, p in table_p]
         return out
 
 

@@ -30,6 +30,7 @@ import gc
 import os
 import re
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -40,13 +41,14 @@ from sfguard.policy.engine import DEFAULT_PORTS, SitePolicy
 from sfguard.policy.errors import PolicyError, PolicyIssue
 from sfguard.policy.patterns import PatternError, RuleSet, parse_pattern
 from sfguard.policy.patterns import psl_tables as _psl_tables
-from sfguard.policy.yamlpos import loc_path, mark_place, validate_at, yaml_error_mark
+from sfguard.policy.yamlpos import Loc, Mark, loc_path, mark_place, validate_at, yaml_error_mark
 
 MAX_POLICY_BYTES = 64 * 1024 * 1024
 MAX_ISSUES = 200
 _COL_BITS = 20
 _COL_MASK = (1 << _COL_BITS) - 1
 
+_Loader: type[yaml.CSafeLoader | yaml.SafeLoader]
 try:
     _Loader = yaml.CSafeLoader
 except AttributeError:  # PyYAML without libyaml: slower, same results
@@ -56,19 +58,24 @@ except AttributeError:  # PyYAML without libyaml: slower, same results
 # ---------------------------------------------------------------------------------------------
 # Step 1: YAML with positions
 
-class YMap(dict):
+class YMap(dict[str, Any]):
     """A mapping that remembers where it, its keys and its values stood (packed positions)."""
 
     __slots__ = ("pos", "keypos", "valpos")
+    pos: int
+    keypos: dict[str, int]
+    valpos: dict[str, int]
 
 
-class YSeq(list):
+class YSeq(list[Any]):
     """A sequence that remembers where it and each item stood (packed positions)."""
 
     __slots__ = ("pos", "itempos")
+    pos: int
+    itempos: array[int]
 
 
-def _pack(mark) -> int:
+def _pack(mark: Mark) -> int:
     return ((mark.line + 1) << _COL_BITS) | min(mark.column + 1, _COL_MASK)
 
 
@@ -94,7 +101,9 @@ def _resolve(value: str) -> Any:
             return int(value, 0) if value[:2] in ("0x", "0o") else int(value)
         if _FLOAT_RE.fullmatch(value):
             # YAML spells infinity and NaN ".inf" / ".nan", which Python's float() refuses
-            return float(value.replace(".", "", 1)) if value.lstrip("+-")[1:].lower() in ("inf", "nan") else float(value)
+            if value.lstrip("+-")[1:].lower() in ("inf", "nan"):
+                return float(value.replace(".", "", 1))
+            return float(value)
     return value
 
 
@@ -103,8 +112,9 @@ class _Composer:
         self.source = source
         self.issues: list[PolicyIssue] = []
 
-    def fail(self, mark, field: str, message: str, hint: str | None = None) -> PolicyError:
-        return PolicyError([PolicyIssue(self.source, mark.line + 1, mark.column + 1, field, message, hint)])
+    def fail(self, mark: Mark | None, field: str, message: str, hint: str | None = None) -> PolicyError:
+        line, col = mark_place(mark)
+        return PolicyError([PolicyIssue(self.source, line, col, field, message, hint)])
 
     def compose(self, text: str) -> Any:
         loader = _Loader(text)
@@ -126,8 +136,10 @@ class _Composer:
         finally:
             loader.dispose()
 
-    def _run(self, loader) -> Any:
-        get = loader.get_event
+    def _run(self, loader: yaml.CSafeLoader | yaml.SafeLoader) -> Any:
+        # Events are told apart by class identity (faster than isinstance on millions of
+        # events), which a type checker cannot narrow: an event is Any here.
+        get: Callable[[], Any] = loader.get_event
         ScalarEvent, AliasEvent = yaml.ScalarEvent, yaml.AliasEvent
         MappingStartEvent, SequenceStartEvent = yaml.MappingStartEvent, yaml.SequenceStartEvent
         MappingEndEvent, SequenceEndEvent = yaml.MappingEndEvent, yaml.SequenceEndEvent
@@ -135,7 +147,7 @@ class _Composer:
         root: Any = None
         documents = 0
         # Each frame: [container, pending key or _NOKEY, field path text]
-        stack: list[list] = []
+        stack: list[list[Any]] = []
         nokey = _NOKEY
         resolve = _resolve
         while True:
@@ -164,12 +176,13 @@ class _Composer:
             elif cls is MappingStartEvent or cls is SequenceStartEvent:
                 if ev.anchor is not None or ev.tag is not None:
                     self._refuse_anchor_or_tag(ev)
-                node = YMap() if cls is MappingStartEvent else YSeq()
-                node.pos = _pack(ev.start_mark)
                 if cls is MappingStartEvent:
+                    node = YMap()
                     node.keypos, node.valpos = {}, {}
                 else:
+                    node = YSeq()
                     node.itempos = array("q")
+                node.pos = _pack(ev.start_mark)
                 if stack:
                     frame = stack[-1]
                     parent = frame[0]
@@ -199,7 +212,7 @@ class _Composer:
             elif cls is StreamEndEvent:
                 return root
 
-    def _key(self, frame: list, key: Any, mark) -> None:
+    def _key(self, frame: list[Any], key: Any, mark: Mark) -> None:
         node: YMap = frame[0]
         if not isinstance(key, str):
             raise self.fail(mark, "(key)", f"a key must be a name, not {key!r}", "write key: value")
@@ -211,7 +224,7 @@ class _Composer:
         node.keypos[key] = _pack(mark)
         frame[1] = key
 
-    def _refuse_anchor_or_tag(self, ev) -> None:
+    def _refuse_anchor_or_tag(self, ev: yaml.ScalarEvent | yaml.CollectionStartEvent) -> None:
         if ev.anchor is not None:
             raise self.fail(ev.start_mark, "(yaml)", f"YAML anchors (&{ev.anchor}) are not allowed",
                             "write every value out; anchors and aliases are refused")
@@ -291,14 +304,14 @@ class PolicyFile(_Strict):
     private_networks: PrivateNetworks = PrivateNetworks()
 
 
-_KEYS = {
+_KEYS: dict[tuple[str, ...], list[str]] = {
     (): list(PolicyFile.model_fields),
     ("block",): list(BlockEntry.model_fields),
     ("private_networks",): list(PrivateNetworks.model_fields),
 }
 
 
-def _field_text(loc: tuple) -> str:
+def _field_text(loc: Loc) -> str:
     return loc_path(loc) or "(top level)"
 
 
@@ -317,7 +330,7 @@ def _root(root: Any) -> tuple[Any, int]:
     return root, getattr(root, "pos", (1 << _COL_BITS) | 1)
 
 
-def _schema_issue(err: dict, at: tuple[Any, int], source: str) -> PolicyIssue:
+def _schema_issue(err: dict[str, Any], at: tuple[Any, int], source: str) -> PolicyIssue:
     loc = tuple(err["loc"])
     kind = err["type"]
     field = _field_text(loc)
@@ -334,7 +347,8 @@ def _schema_issue(err: dict, at: tuple[Any, int], source: str) -> PolicyIssue:
     elif kind == "missing":
         msg = f"'{name}' is required"
         hint = {"version": "start the file with: version: 1",
-                "reason": 'every block entry needs a reason a reviewer can read, e.g. reason: "terms forbid automation"',
+                "reason": ('every block entry needs a reason a reviewer can read, '
+                           'e.g. reason: "terms forbid automation"'),
                 }.get(name)
         field = _field_text(loc)
     elif kind == "literal_error":
@@ -474,12 +488,12 @@ def default_policy_path() -> Path:
     return Path(__file__).resolve().parent / "sites.yaml"
 
 
-def load_policy(path: str | os.PathLike | None = None) -> SitePolicy:
+def load_policy(path: str | os.PathLike[str] | None = None) -> SitePolicy:
     """Read and validate a policy file (default: the shipped one). Raises PolicyError."""
-    path = Path(path) if path is not None else default_policy_path()
-    source = str(path)
+    file = Path(path) if path is not None else default_policy_path()
+    source = str(file)
     try:
-        size = path.stat().st_size
+        size = file.stat().st_size
         if size > MAX_POLICY_BYTES:
             raise PolicyError([PolicyIssue(
                 source, None, None, "(file)",
@@ -487,8 +501,9 @@ def load_policy(path: str | os.PathLike | None = None) -> SitePolicy:
                 "split the block list or remove entries")])
         # Read in chunks: the cap holds even if the file grows after the stat (or is a pipe),
         # and no cap-sized buffer is allocated up front.
-        chunks, total = [], 0
-        with open(path, "rb") as fh:
+        chunks: list[bytes] = []
+        total = 0
+        with open(file, "rb") as fh:
             while chunk := fh.read(1 << 20):
                 total += len(chunk)
                 if total > MAX_POLICY_BYTES:
