@@ -34,7 +34,7 @@ from typing import Any, TypedDict
 
 from sfguard.policy.errors import MalformedHost
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, printable_host
-from sfguard.policy.patterns import Match, RuleSet, suffixes
+from sfguard.policy.index import Match, RuleSet, suffixes
 
 DEFAULT_PORTS = frozenset({80, 443})
 #: The only reasons that report mode turns into "would_deny": the allow and block lists.

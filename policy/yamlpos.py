@@ -5,7 +5,8 @@ Two readers use it over their own trees: the policy reader (policy/schema.py, a 
 `YMap`/`YSeq` built from YAML events, aliases refused) and pipeline validation
 (supervisor/pipeline/spec.py, PyYAML nodes, merge keys allowed). Each passes a `child` function that
 steps one part of an error location into its tree; the walk, the field text and the mapping of
-pydantic errors to tree places are here, once.
+pydantic errors to tree places are here, once. `node_line` and `node_value` read PyYAML nodes
+(the case files and policy diffs).
 """
 from __future__ import annotations
 
@@ -80,3 +81,17 @@ def mark_place(mark: Mark | None) -> tuple[int | None, int | None]:
     if mark is None:
         return None, None
     return mark.line + 1, mark.column + 1
+
+
+def node_line(node: yaml.Node | None) -> int:
+    """The 1-based line a PyYAML node starts on (1 without a node)."""
+    return node.start_mark.line + 1 if node is not None else 1
+
+
+def node_value(node: yaml.Node) -> Any:
+    """The plain value of a PyYAML node (safe constructors only)."""
+    loader = yaml.SafeLoader("")
+    try:
+        return loader.construct_object(node, deep=True)
+    finally:
+        loader.dispose()
