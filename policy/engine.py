@@ -294,7 +294,8 @@ class SitePolicy:
                             f"{normalized} is allowed by {where} ({match.pattern}).", False, match)
 
     # -- second stage: the resolved address ---------------------------------------------------
-    def check_address(self, decision: Decision, address: str) -> Decision:
+    def check_address(self, decision: Decision,
+                      address: str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> Decision:
         """Judge one resolved address of an allowed host. Returns `decision` unchanged when the
         address is fine (or the decision is already a denial or a report-mode would-deny), or a
         private_address denial (in every mode). A report-mode would-deny decision is checked
