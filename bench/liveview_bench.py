@@ -54,13 +54,15 @@ async def main(rounds: int) -> None:
     await page_runner.setup()
     site = web.TCPSite(page_runner, "127.0.0.1", 0)
     await site.start()
-    page_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/"
+    page_url = f"http://127.0.0.1:{page_runner.addresses[0][1]}/"
 
     tmp = Path(tempfile.mkdtemp(prefix="lvb-"))
     host = LocalBrowserHost()
+    browser = tools.find_browser().path
+    assert browser is not None, "no browser: run ./dev setup"
     anchor = await host.launch_anchor(AnchorSpec(
         session="lvbench", socket_dir=tmp / "s", config_path=tmp / "c.json",
-        browser_path=tools.find_browser().path, temp_root=tmp, allow_direct=True))
+        browser_path=browser, temp_root=tmp, allow_direct=True))
     view = LiveView(anchor.pipe, lambda url: url.startswith(page_url), name="bench")
     guard_frames: list[float] = []
     orig_frame = view._frame
@@ -68,7 +70,7 @@ async def main(rounds: int) -> None:
     async def frame_hook(params):
         guard_frames.append(time.perf_counter())
         await orig_frame(params)
-    view._frame = frame_hook
+    view._frame = frame_hook  # type: ignore[method-assign]  # the benchmark times each frame
     await view.start(page_url)
 
     console = ConsoleServer(types.SimpleNamespace(), "127.0.0.1", 0)
@@ -142,6 +144,7 @@ async def main(rounds: int) -> None:
                 effects.get_nowait()
             t0 = time.perf_counter()
             if direct:
+                assert view.cdp is not None
                 await view.cdp.call("Input.insertText", {"text": "a"}, session=view.session)
             else:
                 await ws.send_json({"t": "text", "text": "a"})

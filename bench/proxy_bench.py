@@ -220,6 +220,7 @@ def start_guard_run(upstream_port: int, tmp: Path) -> Target:
          "--run", "bench-run", "--resolve", f"{HOST}=127.0.0.1"],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True, env=env)
+    assert proc.stdin is not None and proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("ready "):
         proc.kill()
@@ -309,6 +310,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="sfg-bench-"))
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM_CODE], stdout=subprocess.PIPE,
                                 text=True)
+    assert upstream.stdout is not None
     upstream_port = int(upstream.stdout.readline())
     notes: list[str] = []
     rounds: list[dict[str, dict]] = []

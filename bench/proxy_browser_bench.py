@@ -144,6 +144,7 @@ class Tab:
 
 async def bench(args, tmp: Path, ports: list[int], direct_origins, named_origins, origin_state):
     browser = tools.find_browser().path
+    assert browser is not None  # main() checked
     (tmp / "cfg.json").write_text("{}")
     host = LocalBrowserHost()
     policy = tmp / "sites.yaml"
@@ -238,7 +239,7 @@ def main() -> int:
     print()
     for name in ("direct-fetch", "guard"):
         ratios = sorted(statistics.median(g) / statistics.median(d)
-                        for d, g in zip(times["direct"], times[name]))
+                        for d, g in zip(times["direct"], times[name], strict=True))
         target = " (target <= 1.15)" if name == "guard" else ""
         print(f"{name} / direct, median per round: {statistics.median(ratios):.2f}x "
               f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]{target}; rounds: "

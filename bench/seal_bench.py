@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -106,7 +107,7 @@ def main() -> int:
             src = case / "src"
             src.mkdir(parents=True)
             make_profile(src, mb)
-            rows = {"seal": [], "tar-c": [], "unseal": [], "tar-x": []}
+            rows: dict[str, list[dict[str, Any]]] = {"seal": [], "tar-c": [], "unseal": [], "tar-x": []}
             for r in range(args.repeat):
                 sealed, tarball = case / f"p{r}.sealed", case / f"p{r}.tar"
                 rows["seal"].append(measure("seal", src, sealed))

@@ -62,6 +62,7 @@ def main() -> int:
     sfguard = shutil.which("sfguard", path=str(Path(sys.executable).parent)) or "sfguard"
     guard = subprocess.Popen([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(home)],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert guard.stdout is not None
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -107,7 +108,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(ws, ignore_errors=True)
     b50 = statistics.median(base) * 1000
-    print(f"samples {args.samples}, cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, as {'root (stage dropped to sfguard-stage)' if os.geteuid() == 0 else 'user'}")
+    who = "root (stage dropped to sfguard-stage)" if os.geteuid() == 0 else "user"
+    print(f"samples {args.samples}, cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, as {who}")
     for name, v in (("baseline   true", base), ("python     -c pass", pyt), ("python -IS -c pass", pyis),
                     ("bwrap      sandbox + true", bwrap), ("prefix     exec_prefix true", se),
                     ("console    sfguard ... true", cons)):

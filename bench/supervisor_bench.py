@@ -85,7 +85,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="first/second-stage samples")
     args = ap.parse_args()
     ab, br = tools.find_agent_browser(), tools.find_browser()
-    if not (ab.found and br.found):
+    ab_path, br_path = ab.path, br.path
+    if not (ab.found and br.found and ab_path and br_path):
         print("agent-browser or browser missing: run ./dev setup")
         return 1
     work = Path(tempfile.mkdtemp(prefix="sfg-bench-"))
@@ -93,34 +94,35 @@ def main() -> int:
     daemon = subprocess.Popen([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(home)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               env={"PATH": os.environ["PATH"], "HOME": str(work), "LANG": "C.UTF-8"})
+    assert daemon.stdout is not None
     try:
         for line in iter(daemon.stdout.readline, b""):
             if line.strip() == b"sfguard: ready":
                 break
         client = GuardClient(home, timeout=180)
-        bare = [bare_launch(ab.path, br.path, work, i) for i in range(args.repeat)]
+        bare = [bare_launch(ab_path, br_path, work, i) for i in range(args.repeat)]
         first, second = [], []
         for i in range(args.repeat):
             run = f"bench-{i}"
             client.call("POST", "/v1/runs", {"run_id": run})
             body = {"attempt": 1, "browser": {"profile": f"p{i}", "headed": False, "allow_domains": []}}
             t = time.perf_counter()
-            s, a = client.call("POST", f"/v1/runs/{run}/stages", {**body, "stage_id": "one"})
+            st, a = client.call("POST", f"/v1/runs/{run}/stages", {**body, "stage_id": "one"})
             first.append(time.perf_counter() - t)
             t = time.perf_counter()
-            s2, a2 = client.call("POST", f"/v1/runs/{run}/stages", {**body, "stage_id": "two"})
+            st2, a2 = client.call("POST", f"/v1/runs/{run}/stages", {**body, "stage_id": "two"})
             second.append(time.perf_counter() - t)
-            assert s == 200 and s2 == 200, (a, a2)
-            check_ready(ab.path, a["env"], work)
-            check_ready(ab.path, a2["env"], work)
+            assert st == 200 and st2 == 200, (a, a2)
+            check_ready(ab_path, a["env"], work)
+            check_ready(ab_path, a2["env"], work)
             client.call("POST", f"/v1/runs/{run}/end", {"outcome": "succeeded"})
         # N runs open at once, each with an anchor
         for i in range(args.runs):
             client.call("POST", "/v1/runs", {"run_id": f"open-{i}"})
-            s, a = client.call("POST", f"/v1/runs/open-{i}/stages",
-                               {"stage_id": "s", "attempt": 1,
-                                "browser": {"profile": f"q{i}", "headed": False, "allow_domains": []}})
-            assert s == 200, a
+            st, a = client.call("POST", f"/v1/runs/open-{i}/stages",
+                                {"stage_id": "s", "attempt": 1,
+                                 "browser": {"profile": f"q{i}", "headed": False, "allow_domains": []}})
+            assert st == 200, a
         guard = psutil.Process(daemon.pid)
         guard_rss = guard.memory_info().rss
         proxies = [c for c in guard.children(recursive=True) if "proxy" in " ".join(c.cmdline())]
@@ -144,8 +146,8 @@ def main() -> int:
           f"   target <= 1.50: {'met' if f / b <= 1.5 else 'NOT met'}")
     print(f"{'second stage ready (shared anchor)':44} {spread(second):>20} {s/b:7.2f}"
           f"   target < 150 ms: {'met' if s < 0.150 else 'NOT met'}")
-    print(f"{'guard daemon RSS with %d runs open' % args.runs:44} {guard_rss/2**20:8.1f}MB")
-    print(f"{'its %d run proxies, RSS in all' % len(proxies):44} {proxy_rss/2**20:8.1f}MB "
+    print(f"{f'guard daemon RSS with {args.runs} runs open':44} {guard_rss/2**20:8.1f}MB")
+    print(f"{f'its {len(proxies)} run proxies, RSS in all':44} {proxy_rss/2**20:8.1f}MB "
           f"({proxy_rss/2**20/max(1, len(proxies)):.1f} MB each)")
     return 0
 

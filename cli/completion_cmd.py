@@ -137,8 +137,8 @@ def zsh_script(parser: argparse.ArgumentParser) -> str:
                       "        args)",
                       "            case $words[1] in"]
             for n in sorted(subs):
-                child = fname + "_" + n.replace("-", "_")
-                lines.append(f"                {n}) {child} ;;")
+                sub_fname = fname + "_" + n.replace("-", "_")
+                lines.append(f"                {n}) {sub_fname} ;;")
             lines += ["            esac ;;", "    esac", "}"]
         else:
             lines += ["    _arguments " + " ".join(specs + ["'*:file:_files'"]), "}"]

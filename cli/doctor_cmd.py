@@ -150,7 +150,8 @@ def run(args) -> int:
         elif status == "warning":
             lines.append(f"WARNING  {what}: {detail}")
         else:
-            lines.append(f"info     {detail}" if what == "display" or what == "keyring" else f"info     {what}: {detail}")
+            bare = what == "display" or what == "keyring"
+            lines.append(f"info     {detail}" if bare else f"info     {what}: {detail}")
     print("\n".join(lines))
     if missing:
         print(f"{missing} required piece(s) missing")

@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     val.add_argument("--strict", action="store_true",
                      help="treat warnings (duplicate entries, shadowed allow_always) as errors")
     val.add_argument("--json", action="store_true",
-                     help="print one JSON object: {file, valid, errors: [{file, line, col, field, message, hint}], warnings, summary}")
+                     help="print one JSON object: {file, valid, errors: [{file, line, col, field, message, "
+                          "hint}], warnings, summary}")
     val.set_defaults(func=cmd_validate)
 
     exp = psub.add_parser(
@@ -223,7 +224,8 @@ def explain_one(p: policy.SitePolicy, text: str, allow: policy.RuleSet | None) -
 
 
 def _human(p: policy.SitePolicy, d: policy.Decision, asked: str) -> str:
-    port = str(d.port) if d.port is not None else f"not given (checked as for ports {', '.join(map(str, sorted(p.ports)))})"
+    ports = ", ".join(map(str, sorted(p.ports)))
+    port = str(d.port) if d.port is not None else f"not given (checked as for ports {ports})"
     lines = [
         printable_host(asked),
         f"  normalised: {d.normalized_host if d.normalized_host is not None else '(malformed)'}",

@@ -4,10 +4,12 @@
         run case files (policy/casefile.py); one line per failing case with its file:line, then
         `N passed, M failed`. Exit 0 all passed, 1 some failed, 2 unusable input.
     sfguard policy replay DECISION_LOG --policy CANDIDATE [--allow P] [--json] [--exit-code]
-        re-decide every logged request under CANDIDATE; what would change, per host.
+        re-decide every logged request under CANDIDATE (policy/replay.py); what would change,
+        per host.
     sfguard policy diff OLD NEW [--log DECISION_LOG] [--allow P] [--json]
-        the rules that differ, and with --log their effect on that traffic. Exit 0 when the
-        policies have the same rules, 1 when they differ, 2 unusable input (like diff(1)).
+        the rules that differ (policy/diff.py), and with --log their effect on that traffic.
+        Exit 0 when the policies have the same rules, 1 when they differ, 2 unusable input
+        (like diff(1)).
 """
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from sfguard import policy
 from sfguard.cli.main import CliError
-from sfguard.policy import casefile
+from sfguard.policy import casefile, diff, replay
 
 MAX_LOG_BYTES = 512 * 1024 * 1024
 
@@ -148,8 +151,8 @@ def cmd_test(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- replay and diff
 
-def _read_log(path: str) -> casefile.DecisionLog:
-    log = casefile.read_decision_log(_read_text(path, "decision log").splitlines())
+def _read_log(path: str) -> replay.DecisionLog:
+    log = replay.read_decision_log(_read_text(path, "decision log").splitlines())
     if not log.requests:
         raise CliError(f"{path}: no decision records in it"
                        + (f" ({len(log.skipped)} line(s) skipped, first at line {log.skipped[0][0]}: "
@@ -157,7 +160,7 @@ def _read_log(path: str) -> casefile.DecisionLog:
     return log
 
 
-def _print_replay(res: casefile.Replay, before: str, after: str) -> None:
+def _print_replay(res: replay.Replay, before: str, after: str) -> None:
     counts = res.counts()
     for ch in res.changes:
         print(f"{ch.kind:<12} {policy.join_host_port(ch.host, ch.port)}  x{ch.count}  {ch.before} -> {ch.after}")
@@ -172,7 +175,7 @@ def _print_replay(res: casefile.Replay, before: str, after: str) -> None:
 def cmd_replay(args: argparse.Namespace) -> int:
     extra = _allow(args.allow)
     candidate = _load_policy(args.policy, "candidate policy")
-    res = casefile.replay(_read_log(args.log), candidate, extra)
+    res = replay.replay(_read_log(args.log), candidate, extra)
     if args.json:
         print(json.dumps(res.as_dict(), ensure_ascii=False))
     else:
@@ -184,11 +187,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     extra = _allow(args.allow)
     old_p = _load_policy(args.old, "policy")
     new_p = _load_policy(args.new, "policy")
-    changes = casefile.diff_policies(old_p, _read_text(args.old, "policy"),
+    changes = diff.diff_policies(old_p, _read_text(args.old, "policy"),
                                      new_p, _read_text(args.new, "policy"))
-    res = casefile.replay(_read_log(args.log), new_p, extra, baseline=old_p) if args.log else None
+    res = replay.replay(_read_log(args.log), new_p, extra, baseline=old_p) if args.log else None
     if args.json:
-        out = {"rules": [c.as_dict() for c in changes]}
+        out: dict[str, Any] = {"rules": [c.as_dict() for c in changes]}
         if res is not None:
             out["effect"] = res.as_dict()
         print(json.dumps(out, ensure_ascii=False))

@@ -74,7 +74,9 @@ def _loads(data: bytes):
         import json
         return json.loads(text)
     try:
-        value, end = make_scanner(_JsonContext())(text, 0)
+        # typeshed types the context as a make_scanner; the C scanner only reads the attributes
+        # _JsonContext has (json.scanner passes a JSONDecoder the same way)
+        value, end = make_scanner(_JsonContext())(text, 0)  # type: ignore[arg-type]
     except StopIteration:
         raise ValueError("not JSON") from None
     if end != len(text):
@@ -88,7 +90,8 @@ def _unix_socket():
     try:
         import _socket
     except ImportError:
-        import socket as _socket
+        import socket
+        return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     return _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
 
 
@@ -219,8 +222,8 @@ def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str
     if os.geteuid() == 0:
         try:
             os.setgroups([])
-            os.setgid(int(run_as["gid"]))
-            os.setuid(int(run_as["uid"]))
+            os.setgid(int(answer["run_as"]["gid"]))  # set: checked above for root
+            os.setuid(int(answer["run_as"]["uid"]))
         except (OSError, KeyError, TypeError, ValueError) as exc:
             raise CliError(f"could not drop to the stage user: {exc}") from None
         if os.geteuid() == 0 or os.getuid() == 0:

@@ -30,14 +30,45 @@ import dataclasses
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from sfguard.policy.errors import MalformedHost
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, printable_host
-from sfguard.policy.patterns import Match, RuleSet, suffixes
+from sfguard.policy.index import Match, RuleSet, suffixes
 
 DEFAULT_PORTS = frozenset({80, 443})
 #: The only reasons that report mode turns into "would_deny": the allow and block lists.
 REPORT_RELAXES = frozenset({"not_allowed", "blocked_by_policy"})
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class DecisionRecord(TypedDict):
+    """`Decision.as_dict()`: the shape of `sfguard policy explain --json`."""
+
+    host: str
+    port: int | None
+    normalized_host: str | None
+    decision: str
+    reason: str
+    rule: str | None
+    allowed_by_ip: bool
+    quiet: bool
+    explanation: str
+    mode: str
+
+
+class PolicySummary(TypedDict):
+    """`SitePolicy.summary()`: what `sfguard policy validate --json` and status show."""
+
+    source: str
+    mode: str
+    ports: list[int]
+    tab_quota: int
+    allow_always: int
+    block: int
+    quiet: int
+    private_networks: list[str]
 
 
 @dataclass(frozen=True)
@@ -65,7 +96,7 @@ class Decision:
         """True in report mode when enforce mode would have denied."""
         return self.reason.startswith("would_deny:")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> DecisionRecord:
         """The fields as a JSON-ready dict (the shape of `sfguard policy explain --json`)."""
         return {
             "host": self.host, "port": self.port, "normalized_host": self.normalized_host,
@@ -77,7 +108,7 @@ class Decision:
 
 # Special-purpose address ranges, most specific first. Addresses that embed an IPv4 address
 # (IPv4-mapped, NAT64, 6to4) are also judged by that IPv4 address.
-_SPECIAL_RANGES: list[tuple[ipaddress._BaseNetwork, str]] = [
+_SPECIAL_RANGES: list[tuple[IPNetwork, str]] = [
     (ipaddress.ip_network(n), label) for n, label in [
         ("169.254.169.254/32", "link-local (cloud metadata)"),
         ("0.0.0.0/8", "unspecified ('this network')"),
@@ -143,13 +174,16 @@ def special_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str 
     return None
 
 
-def exempting_network(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+def exempting_network(net: IPNetwork) -> bool:
     """True when an IP/CIDR pattern for `net` may exempt its addresses from the private-address
     check: the whole range lies inside one special-purpose block (``127.0.0.1``,
     ``10.0.0.0/8``, ``fd00::/8``). A range that spans public space or several blocks
     (``0.0.0.0/1``, ``8.0.0.0/5``) exempts nothing."""
     for block, _label in _SPECIAL_RANGES:
-        if net.version == block.version and net.subnet_of(block):
+        if isinstance(net, ipaddress.IPv4Network):
+            if isinstance(block, ipaddress.IPv4Network) and net.subnet_of(block):
+                return True
+        elif isinstance(block, ipaddress.IPv6Network) and net.subnet_of(block):
             return True
     return False
 
@@ -178,7 +212,7 @@ class SitePolicy:
         return (f"SitePolicy(source={self.source!r}, mode={self.mode!r}, ports={sorted(self.ports)}, "
                 f"block={len(self.block)}, allow_always={len(self.allow_always)}, quiet={len(self.quiet)})")
 
-    def summary(self) -> dict:
+    def summary(self) -> PolicySummary:
         return {"source": self.source, "mode": self.mode, "ports": sorted(self.ports),
                 "tab_quota": self.tab_quota, "allow_always": len(self.allow_always),
                 "block": len(self.block), "quiet": len(self.quiet),
@@ -260,7 +294,8 @@ class SitePolicy:
                             f"{normalized} is allowed by {where} ({match.pattern}).", False, match)
 
     # -- second stage: the resolved address ---------------------------------------------------
-    def check_address(self, decision: Decision, address: str) -> Decision:
+    def check_address(self, decision: Decision,
+                      address: str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> Decision:
         """Judge one resolved address of an allowed host. Returns `decision` unchanged when the
         address is fine (or the decision is already a denial or a report-mode would-deny), or a
         private_address denial (in every mode). A report-mode would-deny decision is checked
@@ -307,8 +342,9 @@ _new = object.__new__
 _set = object.__setattr__
 
 
-def _make(host, port, normalized_host, decision, reason, rule, allowed_by_ip, quiet, explanation,
-          network, mode) -> Decision:
+def _make(host: str, port: int | None, normalized_host: str | None, decision: str, reason: str,
+          rule: str | None, allowed_by_ip: bool, quiet: bool, explanation: str, network: str | None,
+          mode: str) -> Decision:
     """A Decision without the frozen dataclass __init__ (one object.__setattr__ per field was
     the largest cost of a decision); the same object with the same fields."""
     d = _new(Decision)
@@ -319,6 +355,6 @@ def _make(host, port, normalized_host, decision, reason, rule, allowed_by_ip, qu
     return d
 
 
-def replace(decision: Decision, **changes) -> Decision:
+def replace(decision: Decision, **changes: Any) -> Decision:
     """A copy of `decision` with some fields changed."""
     return dataclasses.replace(decision, **changes)

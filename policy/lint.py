@@ -21,8 +21,9 @@ from typing import Any
 from sfguard.policy.engine import SitePolicy
 from sfguard.policy.errors import PolicyIssue
 from sfguard.policy.hosts import join_host_port
-from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
-from sfguard.policy.schema import _FAST_PATTERN, YMap, YSeq, _Composer, load_policy, unpack
+from sfguard.policy.patterns import PLAIN_NAME, Pattern, PatternError, parse_pattern
+from sfguard.policy.schema import load_policy
+from sfguard.policy.yamltree import Composer, YMap, YSeq, unpack
 
 
 def lint_policy(path: str | Path | None = None) -> tuple[SitePolicy, list[PolicyIssue]]:
@@ -34,7 +35,7 @@ def lint_policy(path: str | Path | None = None) -> tuple[SitePolicy, list[Policy
 
 def lint_text(site: SitePolicy, text: str) -> list[PolicyIssue]:
     """Warnings for policy `text`, already accepted as `site`."""
-    root = _Composer(site.source).compose(text)
+    root = Composer(site.source).compose(text)
     if not isinstance(root, YMap):
         return []
     warnings: list[PolicyIssue] = []
@@ -59,7 +60,7 @@ def lint_text(site: SitePolicy, text: str) -> list[PolicyIssue]:
             _items(networks.get("allow"), "private_networks.allow"))
 
     for name, items in lists.items():
-        seen: dict[tuple, str] = {}
+        seen: dict[tuple[str | int | None, ...], str] = {}
         for text_, pos, field in items:
             key = _key(text_, allow_list=name != "block" and name != "quiet")
             if key is None:
@@ -113,8 +114,8 @@ def _pattern(text: Any, allow_list: bool = True) -> Pattern | None:
         return None
 
 
-def _key(text: Any, allow_list: bool) -> tuple | None:
-    if isinstance(text, str) and len(text) <= 253 and _FAST_PATTERN(text) is not None \
+def _key(text: Any, allow_list: bool) -> tuple[str | int | None, ...] | None:
+    if isinstance(text, str) and len(text) <= 253 and PLAIN_NAME(text) is not None \
             and "xn--" not in text:
         return ("fast", text)  # already canonical: the text is the key (no parse per entry)
     pattern = _pattern(text, allow_list)

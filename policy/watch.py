@@ -23,14 +23,14 @@ class PolicyWatcher:
     valid then: a guard must not start without a good policy. A caller that already loaded the
     file passes that policy as `policy`; the file is then only stamped, not read again."""
 
-    def __init__(self, path: str | os.PathLike | None = None, policy: SitePolicy | None = None):
+    def __init__(self, path: str | os.PathLike[str] | None = None, policy: SitePolicy | None = None):
         self.path = Path(path) if path is not None else default_policy_path()
         self._stamp = self._stat()
         self.policy: SitePolicy = policy if policy is not None else load_policy(self.path)
         self.error: PolicyError | None = None  # why the file on disk is not the policy in force
         self.generation = 1  # increases with every policy taken into use
 
-    def _stat(self) -> tuple | None:
+    def _stat(self) -> tuple[int, int, int, int] | None:
         try:
             st = os.stat(self.path)
         except OSError:

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import sys
 import types
+from typing import Any
 
 
 def install() -> None:
@@ -25,9 +26,10 @@ def install() -> None:
     pkg.__spec__ = spec
     pkg.__package__ = "mitmproxy.addons"
     pkg.__file__ = spec.origin
+    loader = spec.loader
     state = {"loaded": False}
 
-    def __getattr__(name: str):
+    def __getattr__(name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         if importlib.util.find_spec(f"mitmproxy.addons.{name}") is not None:
@@ -35,8 +37,8 @@ def install() -> None:
         if state["loaded"]:
             raise AttributeError(name)
         state["loaded"] = True
-        spec.loader.exec_module(pkg)  # the real __init__, on first foreign use
+        loader.exec_module(pkg)  # the real __init__, on first foreign use
         return getattr(pkg, name)
 
-    pkg.__getattr__ = __getattr__
+    pkg.__dict__["__getattr__"] = __getattr__  # a module's __getattr__ (PEP 562)
     sys.modules["mitmproxy.addons"] = pkg

@@ -16,7 +16,9 @@ Protocol plumbing only: which names are acceptable is decided by the caller.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import Final, Literal
 
 #: Largest ClientHello handshake message accepted (post-quantum key shares make ~2 KB common).
 MAX_HELLO = 48 * 1024
@@ -26,12 +28,14 @@ EXT_SERVER_NAME = 0x0000
 EXT_ENCRYPTED = frozenset({0xFE0D, 0xFFCE})
 
 
-class _NeedMore:
+class _NeedMore(enum.Enum):
+    NEED_MORE = "NEED_MORE"
+
     def __repr__(self) -> str:
         return "NEED_MORE"
 
 
-NEED_MORE = _NeedMore()
+NEED_MORE: Final = _NeedMore.NEED_MORE
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def could_be_tls(data: bytes) -> bool:
     return bool(data) and data[0] == 0x16
 
 
-def read_client_hello(data: bytes) -> Hello | BadHello | _NeedMore:
+def read_client_hello(data: bytes) -> Hello | BadHello | Literal[_NeedMore.NEED_MORE]:
     """See the module docstring."""
     handshake = bytearray()
     offset = 0

@@ -145,7 +145,7 @@ def load_clients_text(text: str, source: str, default_allow: Iterable[str] = ())
     return clients
 
 
-def load_clients_file(path: str | os.PathLike) -> str:
+def load_clients_file(path: str | os.PathLike[str]) -> str:
     """Read a clients file, refusing one that group or others may read (it holds tokens)."""
     p = Path(path)
     try:

@@ -17,6 +17,7 @@ import logging
 from mitmproxy import http
 
 from sfguard import policy
+from sfguard.proxy_addons.clients import Client
 from sfguard.proxy_addons.state import GuardState, Target, auth_required_response, deny_response
 
 logger = logging.getLogger("sfguard.proxy.connect")
@@ -26,7 +27,7 @@ class ConnectGuard:
     def __init__(self, state: GuardState) -> None:
         self.s = state
 
-    def _authenticate(self, flow: http.HTTPFlow):
+    def _authenticate(self, flow: http.HTTPFlow) -> Client | None:
         value = flow.request.headers.get("Proxy-Authorization")
         client = self.s.registry.authenticate(value)
         if client is None:
@@ -39,9 +40,11 @@ class ConnectGuard:
                     reason="proxy_auth_failed", rule=None, addr=None)
         return client
 
-    async def _decide(self, flow: http.HTTPFlow, client, host: str, port: int,
-                      host_header: str | None = None, check_host_header: bool = False):
-        """Decide, check addresses, answer denials; return (decision, address) or None."""
+    async def _decide(self, flow: http.HTTPFlow, client: Client, host: str, port: int,
+                      host_header: str | None = None,
+                      check_host_header: bool = False) -> tuple[policy.Decision, str, tuple[str, int]] | None:
+        """Decide, check addresses, answer denials; return (decision, address, (normalised
+        host, port)) or None."""
         site = self.s.policy
         d = site.decide(host, port, client.allow)
         if d.allowed and check_host_header:
@@ -61,22 +64,26 @@ class ConnectGuard:
                 {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
             return None
         self.s.log_decision(d, client=client, method=method, addr=addr)
-        return d, addr
+        host_key, port_key = d.normalized_host, d.port
+        assert host_key is not None and port_key is not None  # checked by check_addresses
+        return d, addr, (host_key, port_key)
 
     @staticmethod
-    def _check_host_header(site, d, host_header: str | None):
-        if host_header is None:
+    def _check_host_header(site: policy.SitePolicy, d: policy.Decision,
+                           host_header: str | None) -> policy.Decision:
+        host = d.normalized_host
+        if host_header is None or host is None:  # host: set on every allowed decision
             return d
         try:
             hh_host, hh_port = policy.split_host_port(host_header, default_port=80)
         except policy.MalformedHost:
             hh_host, hh_port = None, None
-        if (hh_host, hh_port) != (d.normalized_host, d.port):
+        if (hh_host, hh_port) != (host, d.port):
             shown = host_header[:100].encode("ascii", "backslashreplace").decode("ascii")
             return site.refuse(
                 d, "host_header_mismatch",
                 f"The guard refused this request: its Host header ({shown}) does not name "
-                f"the host in the URL ({policy.join_host_port(d.normalized_host, d.port)}).")
+                f"the host in the URL ({policy.join_host_port(host, d.port)}).")
         return d
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -89,8 +96,7 @@ class ConnectGuard:
         result = await self._decide(flow, client, flow.request.host, flow.request.port)
         if result is None:
             return
-        d, addr = result
-        key = (d.normalized_host, d.port)
+        d, addr, key = result
         conn.tunnel = key
         conn.targets[key] = Target(d, addr)
 
@@ -113,14 +119,14 @@ class ConnectGuard:
                                     flow.request.headers.get("Host"), check_host_header=True)
         if result is None:
             return
-        d, addr = result
+        d, addr, key = result
         target = Target(d, addr)
-        conn.targets[(d.normalized_host, d.port)] = target
+        conn.targets[key] = target
         # Connect to the checked address: set the request's target host to it (the Host header
         # is left as it is). mitmproxy then reuses server connections per address and counts
         # them per address (at most 5 open at once), so the address must not change later.
         flow.request.data.host = addr
-        conn.targets[(addr, d.port)] = target
+        conn.targets[(addr, key[1])] = target
         flow.request.stream = True
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
-from mitmproxy import connection
+from mitmproxy import addonmanager, connection
 
 from sfguard.proxy_addons.state import GuardState
+
+if TYPE_CHECKING:  # the module is imported after _lean_import.install() by server.py only
+    from mitmproxy.addons.proxyserver import Proxyserver
 
 logger = logging.getLogger("sfguard.proxy.connections")
 
@@ -22,9 +26,9 @@ logger = logging.getLogger("sfguard.proxy.connections")
 class ConnectionGuard:
     def __init__(self, state: GuardState) -> None:
         self.s = state
-        self._proxyserver = None
+        self._proxyserver: Proxyserver | None = None
 
-    def load(self, loader) -> None:
+    def load(self, loader: addonmanager.Loader) -> None:
         from mitmproxy import ctx
         self._proxyserver = ctx.master.addons.get("proxyserver")
 

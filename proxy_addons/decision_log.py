@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import IO
+from typing import IO, Any
 
 logger = logging.getLogger("sfguard.proxy.decisions")
 
@@ -27,7 +27,7 @@ MAX_QUIET_HOSTS = 256
 MAX_HOST_CHARS = 255
 
 
-_second: list = [None, ""]  # [whole second, its "YYYY-MM-DDTHH:MM:SS" text]
+_second: list[Any] = [None, ""]  # [whole second, its "YYYY-MM-DDTHH:MM:SS" text]
 
 
 def _now() -> str:
@@ -120,7 +120,7 @@ class DecisionLog:
                 "addr": None, "count": other, "hosts": {},
             })
 
-    def _emit(self, record: dict) -> None:
+    def _emit(self, record: dict[str, object]) -> None:
         if self._stream is None:
             return
         line = _encode(record) + "\n"

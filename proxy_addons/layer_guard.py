@@ -36,10 +36,13 @@ mitmproxy's TLS layers would need a certificate authority to intercept, and the 
 """
 from __future__ import annotations
 
+import enum
 import ipaddress
 import logging
 import re
+from typing import Final, Literal, TypeAlias
 
+from mitmproxy.connection import Address
 from mitmproxy.proxy import layer
 from mitmproxy.proxy.layers import TCPLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode
@@ -47,7 +50,7 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from sfguard import policy
 from sfguard.proxy_addons.client_hello import NEED_MORE, BadHello, could_be_tls, read_client_hello
 from sfguard.proxy_addons.layers import BoundedHttpLayer, CloseLayer
-from sfguard.proxy_addons.state import GuardState
+from sfguard.proxy_addons.state import ConnState, GuardState, Target
 
 logger = logging.getLogger("sfguard.proxy.layers")
 
@@ -57,7 +60,18 @@ MAX_FIRST_MESSAGE = 64 * 1024
 _HTTP_PREFIX = re.compile(rb"^[A-Z]{1,10}(?: |\Z)")
 _HTTP_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} [^ \r\n]+ HTTP/1\.[01]\r\n")
 _HOST_LINE = re.compile(rb"\r\nhost[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.IGNORECASE)
-_PASS = object()
+
+
+class _Pass(enum.Enum):
+    PASS = "pass"
+
+
+#: The first message may go through.
+_PASS: Final = _Pass.PASS
+#: (reason, method, explanation) of a tunnel the guard closes.
+Refusal: TypeAlias = tuple[str, str, str]
+#: What a judge says of a first message: pass, refuse, or None to wait for more bytes.
+Verdict: TypeAlias = Refusal | Literal[_Pass.PASS] | None
 
 
 def _is_ip(host: str) -> bool:
@@ -80,7 +94,7 @@ class LayerGuard:
         if nextlayer.layer is not None:
             return
         context = nextlayer.context
-        data = nextlayer.data_client()
+        data: bytes = nextlayer.data_client()
         if context.server.address is None and len(context.layers) == 1 \
                 and isinstance(context.layers[0], modes.HttpProxy):
             if not data:
@@ -104,6 +118,7 @@ class LayerGuard:
             return
         host, port = conn.tunnel
         target = conn.targets[conn.tunnel]
+        verdict: Verdict
         if could_be_tls(data):
             verdict = self._judge_tls(data, host, port)
         elif data[:1].isupper():
@@ -133,7 +148,7 @@ class LayerGuard:
                                   decision="deny", reason=reason, rule=None, addr=None)
 
     # -- the first message of a tunnel -------------------------------------------------------
-    def _judge_tls(self, data: bytes, host: str, port: int):
+    def _judge_tls(self, data: bytes, host: str, port: int) -> Verdict:
         """None: wait; _PASS; or (reason, method, explanation) to refuse."""
         hello = read_client_hello(data)
         if hello is NEED_MORE:
@@ -166,7 +181,7 @@ class LayerGuard:
                     f"different server ({self._shown(name.decode('latin-1'))}).")
         return _PASS
 
-    def _judge_http(self, data: bytes, host: str, port: int):
+    def _judge_http(self, data: bytes, host: str, port: int) -> Verdict:
         """None: wait; _PASS; or a refusal. An HTTP/1 request inside must name the CONNECT
         host in at most one Host header. A first line that mentions HTTP/ but is not a clean
         request line is refused (a server might read it as a request the guard did not
@@ -211,7 +226,7 @@ class LayerGuard:
 
     # -- helpers -----------------------------------------------------------------------------
     @staticmethod
-    def _key(address) -> tuple[str, int] | None:
+    def _key(address: Address) -> tuple[str, int] | None:
         try:
             return policy.normalize_host(str(address[0])), int(address[1])
         except policy.MalformedHost:
@@ -234,7 +249,7 @@ class LayerGuard:
     def _shown(text: str) -> str:
         return text[:100].encode("ascii", "backslashreplace").decode("ascii")
 
-    def _refuse(self, conn, target, reason: str, method: str, explanation: str) -> None:
+    def _refuse(self, conn: ConnState, target: Target, reason: str, method: str, explanation: str) -> None:
         """Record the refusal (enforced in every mode; the caller closes the connection)."""
         d = self.s.policy.refuse(target.decision, reason, explanation)
         self.s.log_decision(d, client=conn.client, method=method, addr=target.address)

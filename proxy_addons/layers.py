@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mitmproxy.proxy import commands, events, layer
+from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import HttpLayer
+from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 
 _HEAD_BODY = b"sfguard: request head too large (too many bytes or headers), connection shut\n"
@@ -30,7 +32,7 @@ class BoundedHttpLayer(HttpLayer):
     """HttpLayer that refuses request heads over `max_head_bytes` or `max_header_count`
     header lines."""
 
-    def __init__(self, context, mode, max_head_bytes: int, max_header_count: int = 128,
+    def __init__(self, context: Context, mode: HTTPMode, max_head_bytes: int, max_header_count: int = 128,
                  on_refuse: Callable[[str], None] | None = None) -> None:
         super().__init__(context, mode)
         self.max_head_bytes = max_head_bytes

@@ -71,7 +71,7 @@ class PolicyReloader:
         self.path = Path(path)
         self.interval = interval
         self.watcher = policy.PolicyWatcher(self.path, policy=status.policy)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def running(self) -> None:
         if self._task is None:

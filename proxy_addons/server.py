@@ -18,6 +18,7 @@ for more).
 """
 from __future__ import annotations
 
+# ruff: noqa: E402 (every import after the first must follow _lean_import.install())
 import asyncio
 import ipaddress
 import logging
@@ -29,9 +30,9 @@ from sfguard.proxy_addons import _lean_import
 
 _lean_import.install()  # before any mitmproxy import: skip mitmproxy's default addon set
 
-from mitmproxy import options  # noqa: E402
-from mitmproxy.addons import proxyserver  # noqa: E402
-from mitmproxy.master import Master  # noqa: E402
+from mitmproxy import options
+from mitmproxy.addons import proxyserver
+from mitmproxy.master import Master
 
 from sfguard import policy
 from sfguard.proxy_addons import dispatch
@@ -105,8 +106,8 @@ class GuardProxy:
         site = policy.load_policy(self.policy_path)  # raises policy.PolicyError
         self.policy_status = PolicyStatus(site, self.policy_path)
         self._master: Master | None = None
-        self._run_task: asyncio.Task | None = None
-        self._flush_task: asyncio.Task | None = None
+        self._run_task: asyncio.Task[None] | None = None
+        self._flush_task: asyncio.Task[None] | None = None
         self.address: tuple[str, int] | None = None
         self.decision_log: DecisionLog | None = None
         self.state: GuardState | None = None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from mitmproxy import http
 
-from sfguard import policy
+from sfguard.policy import Decision, SitePolicy
 from sfguard.proxy_addons.clients import Client, ClientRegistry
 from sfguard.proxy_addons.decision_log import DecisionLog
 from sfguard.proxy_addons.policy_watch import PolicyStatus
@@ -31,7 +31,7 @@ RESOLVE_TIMEOUT = 5.0
 class Target:
     """An allowed destination of one client connection: the decision and the checked address."""
 
-    decision: policy.Decision
+    decision: Decision
     address: str
 
 
@@ -97,7 +97,7 @@ class GuardState:
         self.running = asyncio.Event()  # set once mitmproxy's servers listen
 
     @property
-    def policy(self) -> policy.SitePolicy:
+    def policy(self) -> SitePolicy:
         return self.policy_status.policy
 
     def conn(self, client_id: str) -> ConnState:
@@ -106,7 +106,7 @@ class GuardState:
             state = self.conns[client_id] = ConnState()
         return state
 
-    def log_decision(self, d: policy.Decision, *, client: Client | None, method: str,
+    def log_decision(self, d: Decision, *, client: Client | None, method: str,
                      addr: str | None = None) -> None:
         """Record a decision: one line, or a count for quiet denials."""
         run = client.run if client and client.run else self.run
@@ -118,7 +118,7 @@ class GuardState:
         self.decision_log.write(run=run, client=name, method=method, host=host, port=d.port,
                                 decision=d.decision, reason=d.reason, rule=d.rule, addr=addr)
 
-    async def check_addresses(self, d: policy.Decision) -> tuple[policy.Decision, str | None]:
+    async def check_addresses(self, d: Decision) -> tuple[Decision, str | None]:
         """Resolve an allowed decision's host and check every address.
 
         Returns the final decision and the address to connect to (None when denied or when
@@ -142,7 +142,7 @@ class GuardState:
         return result, addrs[0]
 
 
-def deny_response(d: policy.Decision) -> http.Response:
+def deny_response(d: Decision) -> http.Response:
     """The 403 answer for a denial: decision header and a one-line explanation."""
     body = (d.explanation.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8")
     return http.Response.make(403, body, {

@@ -32,7 +32,7 @@ def browser_env() -> dict[str, str]:
     """Env for real agent-browser + Chromium runs on this machine (root needs --no-sandbox)."""
     from sfguard.supervisor.browsers import tools
     ab, br = tools.find_agent_browser(), tools.find_browser()
-    if not (ab.found and br.found):
+    if not (ab.found and br.found and ab.path and br.path):
         pytest.fail("agent-browser or Chromium missing: run ./dev setup")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
            "AGENT_BROWSER_EXECUTABLE_PATH": br.path, "SFGUARD_AGENT_BROWSER_BIN": ab.path}
@@ -48,6 +48,7 @@ def site():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sfguard.fixtures.login_server", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     assert line.startswith("ready "), line
     yield port
@@ -67,7 +68,7 @@ def chromium_warmed_up(request):
         return
     from sfguard.supervisor.browsers import tools
     br = tools.find_browser()
-    if not br.found:
+    if not br.found or br.path is None:
         return  # the browser tests themselves say what is missing
     import tempfile
     with tempfile.TemporaryDirectory(prefix="sfg-warm-") as profile:

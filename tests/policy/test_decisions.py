@@ -5,6 +5,8 @@ line numbers in the tables are the lines of POLICY (the first line is 1).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sfguard.policy import Decision, compile_patterns, parse_policy
@@ -75,16 +77,19 @@ CASES = [
     ("api.partner.net", 8443, ALLOW, "allowed_by_run", "--allow api.partner.net:8443", "api.partner.net"),
     ("api.partner.net", 443, DENY, "not_allowed", None, "api.partner.net"),
     ("x.api.partner.net", 8443, DENY, "port_not_allowed", None, "x.api.partner.net"),
-    ("intranet.corp.example", 8443, ALLOW, "allowed_by_policy", "sites.yaml:7 intranet.corp.example:8443", "intranet.corp.example"),
+    ("intranet.corp.example", 8443, ALLOW, "allowed_by_policy", "sites.yaml:7 intranet.corp.example:8443",
+     "intranet.corp.example"),
     ("intranet.corp.example", 443, DENY, "not_allowed", None, "intranet.corp.example"),
     # a port-specific block: the run allows the port, the block still wins
-    ("blocked.example.net", 8080, DENY, "blocked_by_policy", "sites.yaml:16 blocked.example.net:8080", "blocked.example.net"),
+    ("blocked.example.net", 8080, DENY, "blocked_by_policy", "sites.yaml:16 blocked.example.net:8080",
+     "blocked.example.net"),
     ("blocked.example.net", 443, DENY, "not_allowed", None, "blocked.example.net"),
     # allow_always, and block beating it
     ("x.always.example", 443, ALLOW, "allowed_by_policy", "sites.yaml:5 *.always.example", "x.always.example"),
     ("always.example", 443, ALLOW, "allowed_by_policy", "sites.yaml:5 *.always.example", "always.example"),
     ("evil.always.example", 443, DENY, "blocked_by_policy", "sites.yaml:12 evil.always.example", "evil.always.example"),
-    ("sub.evil.always.example", 443, ALLOW, "allowed_by_policy", "sites.yaml:5 *.always.example", "sub.evil.always.example"),
+    ("sub.evil.always.example", 443, ALLOW, "allowed_by_policy", "sites.yaml:5 *.always.example",
+     "sub.evil.always.example"),
     ("docs.python.org", 443, ALLOW, "allowed_by_policy", "sites.yaml:6 docs.python.org", "docs.python.org"),
     ("www.docs.python.org", 443, DENY, "not_allowed", None, "www.docs.python.org"),
     # grouped block entries keep their own line numbers
@@ -194,8 +199,8 @@ def test_block_explanation_names_the_reason(site):
 def test_decision_is_a_frozen_value(site):
     d = site.decide("www.linkedin.com", 443)
     assert d == site.decide("www.linkedin.com", 443)
-    with pytest.raises(Exception):
-        d.reason = "allowed_by_run"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.reason = "allowed_by_run"
     assert d.as_dict()["rule"] == "sites.yaml:10 *.linkedin.com"
 
 

@@ -41,8 +41,10 @@ def test_validate_a_good_file(tmp_path):
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("unknown_key.yaml", ["unknown_key.yaml:3:1: alow_always: unknown key 'alow_always' (hint: did you mean 'allow_always'?)"]),
-    ("leading_dot.yaml", ["leading_dot.yaml:4:5: allow_always[1]: a pattern cannot start with a dot", "write *.example.com"]),
+    ("unknown_key.yaml",
+     ["unknown_key.yaml:3:1: alow_always: unknown key 'alow_always' (hint: did you mean 'allow_always'?)"]),
+    ("leading_dot.yaml",
+     ["leading_dot.yaml:4:5: allow_always[1]: a pattern cannot start with a dot", "write *.example.com"]),
     ("port_range.yaml", ["port_range.yaml:2:18: ports[2]:", "hint: ports are 1-65535"]),
     ("block_no_reason.yaml", ["block_no_reason.yaml:5:5: block[1].reason: 'reason' is required"]),
     ("yaml_syntax.yaml", ["yaml_syntax.yaml:3:5: (yaml): not valid YAML"]),

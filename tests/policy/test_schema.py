@@ -58,7 +58,7 @@ def test_broken_file(name):
     issues = info.value.issues
     got = [(i.line, i.col, i.field) for i in issues]
     assert got == [(line, col, field) for line, col, field, _, _ in EXPECTED[name]]
-    for issue, (_, _, _, message, hint) in zip(issues, EXPECTED[name]):
+    for issue, (_, _, _, message, hint) in zip(issues, EXPECTED[name], strict=True):
         assert issue.file == str(path)
         assert message in issue.message
         assert issue.hint and hint in issue.hint

@@ -62,6 +62,7 @@ class ProxyProc:
 
 def _pump(proc: subprocess.Popen, lines: queue.Queue[str | None]) -> None:
     """Reader thread: every stdout line of the proxy into a queue (None at EOF)."""
+    assert proc.stdout is not None
     for line in proc.stdout:
         lines.put(line.rstrip("\n"))
     lines.put(None)
@@ -190,6 +191,12 @@ class Reply:
     headers: dict[str, str]
     body: bytes
     sock: socket.socket | None
+
+    @property
+    def tunnel(self) -> socket.socket:
+        """The open tunnel of a 200 reply to CONNECT (the test fails without one)."""
+        assert self.sock is not None, f"no tunnel: the proxy answered {self.status}"
+        return self.sock
 
 
 def read_head(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:

@@ -71,7 +71,7 @@ def guard(proxies, tmp_path, upstream):
 def tunnel(guard, upstream) -> socket.socket:
     reply = connect(guard.port, f"site-a.test:{upstream.port}", A)
     assert reply.status == 200
-    return reply.sock
+    return reply.tunnel
 
 
 def send_pieces(sock: socket.socket, data: bytes, sizes) -> None:
@@ -322,8 +322,8 @@ def test_report_mode_refuses_foreign_sni(proxies, tmp_path, upstream):
     p.log_path = log
     r = connect(p.port, f"public.example:{upstream.port}", A)
     assert r.status == 200
-    send_pieces(r.sock, records(hello(sni_ext((0, FOREIGN)))), [1, 5])
-    assert_refused(p, upstream, r.sock, "sni_mismatch")
+    send_pieces(r.tunnel, records(hello(sni_ext((0, FOREIGN)))), [1, 5])
+    assert_refused(p, upstream, r.tunnel, "sni_mismatch")
     assert any(x["reason"] == "would_deny:not_allowed" for x in log_lines(log))
 
 
@@ -347,8 +347,8 @@ def test_report_mode_lets_a_not_allowed_public_host_through_with_would_deny(prox
     r = connect(p.port, f"public.example:{upstream.port}", A)
     assert r.status == 200
     data = records(hello(sni_ext((0, b"public.example"))))
-    r.sock.sendall(data)
-    assert_passed(r.sock, data, upstream)
+    r.tunnel.sendall(data)
+    assert_passed(r.tunnel, data, upstream)
     line = wait_for_log(log, lambda x: x["host"] == "public.example")[0]
     assert (line["decision"], line["reason"]) == ("allow", "would_deny:not_allowed")
 

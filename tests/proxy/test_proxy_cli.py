@@ -86,9 +86,9 @@ def test_ready_line_and_generated_credential_work(proxies, site_policy, echo_ser
     name, token = cred.split(":", 1)
     reply = connect(p.port, f"site-a.test:{echo_server.port}", basic(name, token))
     assert reply.status == 200
-    reply.sock.sendall(b"ping")
-    assert reply.sock.recv(100) == b"ping"
-    reply.sock.close()
+    reply.tunnel.sendall(b"ping")
+    assert reply.tunnel.recv(100) == b"ping"
+    reply.tunnel.close()
     assert token not in p.stderr()
 
 
@@ -131,15 +131,15 @@ def test_allowed_tunnel_carries_bytes_both_ways(guard, echo_server):
     reply = connect(guard.port, f"site-a.test:{echo_server.port}", A)
     assert reply.status == 200
     payload = b"\x00" + os.urandom(199_999)   # binary: a first byte 0x16 would be judged as TLS
-    reply.sock.sendall(payload)
+    reply.tunnel.sendall(payload)
     got = b""
-    reply.sock.settimeout(10)
+    reply.tunnel.settimeout(10)
     while len(got) < len(payload):
-        chunk = reply.sock.recv(65536)
+        chunk = reply.tunnel.recv(65536)
         assert chunk
         got += chunk
     assert got == payload
-    reply.sock.close()
+    reply.tunnel.close()
     assert bytes(echo_server.received) == payload
 
 
@@ -184,9 +184,9 @@ def test_private_addresses_denied_unless_allowed_by_ip(proxies, tmp_path, echo_s
     reply = connect(p.port, f"{target}:{echo_server.port}", A)
     if expected == "allow":
         assert reply.status == 200
-        reply.sock.sendall(b"hi")
-        assert reply.sock.recv(10) == b"hi"
-        reply.sock.close()
+        reply.tunnel.sendall(b"hi")
+        assert reply.tunnel.recv(10) == b"hi"
+        reply.tunnel.close()
     else:
         assert reply.status == 403
         assert reply.headers["x-sfguard-decision"] == f"deny; reason={expected}"
@@ -208,9 +208,9 @@ def test_name_with_one_private_address_among_several_is_denied(proxies, tmp_path
 def test_foreign_sni_in_allowed_tunnel_is_killed_and_logged(guard, echo_server):
     reply = connect(guard.port, f"site-a.test:{echo_server.port}", A)
     assert reply.status == 200
-    reply.sock.sendall(client_hello("evil.test"))
-    assert wait_closed(reply.sock)
-    reply.sock.close()
+    reply.tunnel.sendall(client_hello("evil.test"))
+    assert wait_closed(reply.tunnel)
+    reply.tunnel.close()
     assert echo_server.connections == 0 and echo_server.received == b""
     lines = wait_for_log(guard.log_path, lambda x: x["reason"] == "sni_mismatch")
     hits = [x for x in lines if x["reason"] == "sni_mismatch"]
@@ -229,14 +229,14 @@ def test_matching_or_absent_sni_passes_through_untouched(proxies, site_policy, e
     reply = connect(guard.port, f"{connect_host}:{echo_server.port}", A)
     assert reply.status == 200
     hello = client_hello(sni)
-    reply.sock.sendall(hello)
+    reply.tunnel.sendall(hello)
     got = b""
-    reply.sock.settimeout(10)
+    reply.tunnel.settimeout(10)
     while len(got) < len(hello):
-        chunk = reply.sock.recv(65536)
+        chunk = reply.tunnel.recv(65536)
         assert chunk
         got += chunk
-    reply.sock.close()
+    reply.tunnel.close()
     assert got == hello and bytes(echo_server.received) == hello  # not intercepted, byte-exact
 
 
@@ -251,19 +251,19 @@ def test_plain_http_inside_a_tunnel_must_name_the_tunnel_host(guard, echo_server
     assert reply.status == 200
     request = (f"GET /chat HTTP/1.1\r\nHost: {host_header.format(port=echo_server.port)}\r\n"
                "Upgrade: websocket\r\n\r\n").encode()
-    reply.sock.sendall(request)
+    reply.tunnel.sendall(request)
     if passes:
-        reply.sock.settimeout(10)
+        reply.tunnel.settimeout(10)
         got = b""
         while len(got) < len(request):
-            chunk = reply.sock.recv(65536)
+            chunk = reply.tunnel.recv(65536)
             assert chunk
             got += chunk
         assert got == request
     else:
-        assert wait_closed(reply.sock)
+        assert wait_closed(reply.tunnel)
         assert echo_server.connections == 0
-    reply.sock.close()
+    reply.tunnel.close()
 
 
 # --- plain HTTP --------------------------------------------------------------------------------------
@@ -353,7 +353,7 @@ def test_decision_log_fields_mode_and_no_secrets(guard, http_server, echo_server
 def test_decision_log_to_stdout_follows_ready_line(proxies, site_policy, echo_server):
     p = proxies(["--allow", "site-a.test", "--policy", str(site_policy), "--client",
                  f"a:{TOKEN_A}", "--resolve", "site-a.test=127.0.0.1", "--decision-log", "-"])
-    connect(p.port, f"site-a.test:{echo_server.port}", A).sock.close()
+    connect(p.port, f"site-a.test:{echo_server.port}", A).tunnel.close()
     time.sleep(0.3)
     p.stop()
     rest = p.read_stdout_rest()
@@ -387,9 +387,9 @@ def test_report_mode_lets_denials_pass_and_logs_would_deny(proxies, tmp_path, ec
                  "--resolve", "site-b.test=127.0.0.1", "--decision-log", str(log)])
     reply = connect(p.port, f"site-b.test:{echo_server.port}", A)
     assert reply.status == 200
-    reply.sock.sendall(b"r")
-    assert reply.sock.recv(10) == b"r"
-    reply.sock.close()
+    reply.tunnel.sendall(b"r")
+    assert reply.tunnel.recv(10) == b"r"
+    reply.tunnel.close()
     p.stop()
     line = log_lines(log)[0]
     assert (line["decision"], line["reason"]) == ("allow", "would_deny:not_allowed")
@@ -414,7 +414,7 @@ def test_several_clients_have_their_own_allowlists(proxies, site_policy, tmp_pat
         reply = connect(p.port, f"{host}:{echo_server.port}", auth)
         assert reply.status == status, (auth, host)
         if reply.sock:
-            reply.sock.close()
+            reply.tunnel.close()
     p.stop()
     got = [(x["client"], x["run"], x["host"], x["decision"]) for x in log_lines(log)]
     assert got == [("a", "run-a", "site-a.test", "allow"), ("a", "run-a", "site-b.test", "deny"),
@@ -430,7 +430,7 @@ def test_clients_from_environment(proxies, site_policy, echo_server):
     assert connect(p.port, f"site-a.test:{echo_server.port}", A).status == 407
     r = connect(p.port, f"site-a.test:{echo_server.port}", basic("b", TOKEN_B))
     assert r.status == 200
-    r.sock.close()
+    r.tunnel.close()
 
 
 # --- hot reload -------------------------------------------------------------------------------------
@@ -448,7 +448,7 @@ def test_policy_edit_applies_within_a_second_and_bad_edit_keeps_last_good(
         while time.monotonic() < deadline:
             r = connect(p.port, target, A)
             if r.sock:
-                r.sock.close()
+                r.tunnel.close()
             if r.status == want:
                 return True
             time.sleep(0.05)
@@ -498,9 +498,9 @@ def test_bad_input_is_refused_and_others_are_still_served(guard, echo_server, na
     s.close()
     r = connect(guard.port, f"site-a.test:{echo_server.port}", A)
     assert r.status == 200
-    r.sock.sendall(b"still here")
-    assert r.sock.recv(100) == b"still here"
-    r.sock.close()
+    r.tunnel.sendall(b"still here")
+    assert r.tunnel.recv(100) == b"still here"
+    r.tunnel.close()
     assert guard.proc.poll() is None
 
 
@@ -508,14 +508,14 @@ def test_client_closing_mid_handshake_does_not_hurt_others(guard, echo_server):
     hello = client_hello("site-a.test")
     for _ in range(20):
         r = connect(guard.port, f"site-a.test:{echo_server.port}", A)
-        r.sock.sendall(hello[: len(hello) // 2])
-        r.sock.close()
+        r.tunnel.sendall(hello[: len(hello) // 2])
+        r.tunnel.close()
         _raw(guard.port, b"CONNECT site-a.test:443 HTTP/1.1\r\nHo", close=True)
     r = connect(guard.port, f"site-a.test:{echo_server.port}", A)
     assert r.status == 200
-    r.sock.sendall(b"ok")
-    assert r.sock.recv(10) == b"ok"
-    r.sock.close()
+    r.tunnel.sendall(b"ok")
+    assert r.tunnel.recv(10) == b"ok"
+    r.tunnel.close()
     assert echo_server.received == b"ok"  # the half ClientHellos never reached the server
 
 
@@ -526,15 +526,15 @@ def test_slow_client_is_timed_out_without_blocking_others(proxies, site_policy, 
     silent_tunnel = connect(p.port, f"site-a.test:{echo_server.port}", A)  # never sends a byte
     r = connect(p.port, f"site-a.test:{echo_server.port}", A)
     assert r.status == 200
-    r.sock.sendall(b"x")
-    assert r.sock.recv(10) == b"x"
-    r.sock.close()
+    r.tunnel.sendall(b"x")
+    assert r.tunnel.recv(10) == b"x"
+    r.tunnel.close()
     start = time.monotonic()
     assert wait_closed(slow, timeout=5)
-    assert wait_closed(silent_tunnel.sock, timeout=5)
+    assert wait_closed(silent_tunnel.tunnel, timeout=5)
     assert time.monotonic() - start < 5
     slow.close()
-    silent_tunnel.sock.close()
+    silent_tunnel.tunnel.close()
 
 
 def test_memory_stays_bounded_under_oversized_heads(guard):

@@ -31,6 +31,8 @@ class RunChild:
         env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+        assert self.proc.stdin is not None
+        self.stdin = self.proc.stdin
         self.out: queue.Queue = queue.Queue()
         threading.Thread(target=_pump, args=(self.proc, self.out), daemon=True).start()
         line = _readline(self.out, time.monotonic() + 30) or ""
@@ -39,13 +41,13 @@ class RunChild:
             self.proc.wait(10)
             raise AssertionError(f"no ready line: {line!r}")
         self.port = int(line.strip().rsplit(":", 1)[1])
-        self.proc.stdin.write(json.dumps({"id": 7, "clients": [
+        self.stdin.write(json.dumps({"id": 7, "clients": [
             {"name": "a", "token": TOKEN_A, "allow": ["site-a.test"], "run": "r-1"}]}) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.flush()
         assert json.loads(_readline(self.out, time.monotonic() + 30) or "null") == {"ack": 7}
 
     def stop(self) -> int:
-        self.proc.stdin.close()  # the daemon's end: stdin closes, the proxy stops
+        self.stdin.close()  # the daemon's end: stdin closes, the proxy stops
         try:
             return self.proc.wait(15)
         except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Set
 from pathlib import Path
 
 import psutil
@@ -30,7 +31,7 @@ SFGUARD = [sys.executable, "-m", "sfguard.cli.main"]
 
 # --------------------------------------------------------------------------- processes
 
-def guard_processes(home: Path, exclude: set[int] = frozenset()) -> list[psutil.Process]:
+def guard_processes(home: Path, exclude: Set[int] = frozenset()) -> list[psutil.Process]:
     """Live processes whose command line or environment names `home` or its runtime dir."""
     marks = (str(home), str(runtime_path(home)))
     me = os.getpid()
@@ -151,8 +152,17 @@ def base_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-class FakeGuard(Daemon):
+class RealGuard(Daemon):
+    """A daemon with the real agent-browser; `start_args` start it again after a fault."""
+
+    start_args: tuple[str, ...] = ()
+
+
+class FakeGuard(RealGuard):
     """A daemon with the fake agent-browser; `control` writes the fake's control file."""
+
+    port: int     # with --tcp: its port and bearer token (the API fuzz tests)
+    token: str
 
     def __init__(self, home: Path, env: dict, log: Path, cdp: FakeCdp, calls: Path):
         super().__init__(home, env, log)
@@ -237,7 +247,7 @@ def real_guard(tmp_path, site):
     """A daemon with the real agent-browser and Chromium (headless)."""
     home = (tmp_path / "home").absolute()
     pol = write_policy(tmp_path / "sites.yaml", site)
-    d = Daemon(home, base_env(tmp_path), tmp_path / "daemon.log")
+    d = RealGuard(home, base_env(tmp_path), tmp_path / "daemon.log")
     d.start_args = ("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1",
                     "--resolve", "site-b.test=127.0.0.1")
     d.start(*d.start_args)
@@ -250,10 +260,10 @@ def real_guard(tmp_path, site):
 
 def request_stage(d, run: str, sid: str, profile: str | None = "acct", allow=("site-a.test",),
                   attempt: int = 1):
-    body = {"stage_id": sid, "attempt": attempt,
-            "browser": {"headed": False, "allow_domains": list(allow)}}
+    browser: dict[str, object] = {"headed": False, "allow_domains": list(allow)}
     if profile is not None:
-        body["browser"]["profile"] = profile
+        browser["profile"] = profile
+    body = {"stage_id": sid, "attempt": attempt, "browser": browser}
     return d.call("POST", f"/v1/runs/{run}/stages", body)
 
 
@@ -267,6 +277,7 @@ def wait_stage_ready(d, run: str, sid: str, timeout: float = 60) -> dict:
 def as_stage(env: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     from sfguard.supervisor.browsers import tools
     ab = tools.find_agent_browser().path
+    assert ab is not None, "agent-browser missing: run ./dev setup"
     stage_env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **env}
     return subprocess.run([ab, *args], env=stage_env, capture_output=True, text=True, timeout=timeout)
 

@@ -38,6 +38,13 @@ def snapshot(root: Path, skip: set[Path]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def banner_token(d) -> str:
+    """The bearer token the daemon printed in its start banner (--tcp)."""
+    found = re.search(r"bearer token: ([^)\s]+)", d.banner)
+    assert found is not None, "no bearer token in the daemon's banner"
+    return found.group(1)
+
+
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
@@ -55,7 +62,7 @@ def api(tmp_path_factory):
                   root / "daemon.log", cdp, root / "fake-ab.jsonl")
     port = free_port()
     d.start("--tcp", str(port))
-    token = re.search(r"bearer token: ([^)\s]+)", d.banner).group(1)
+    token = banner_token(d)
     skip = {home, root / "daemon.log", root / "fake-ab.jsonl", root / "fake-chromium.jsonl"}
     before = snapshot(root, skip)
     d.port, d.token = port, token
@@ -117,7 +124,7 @@ def test_very_long_id_gets_the_error_shape(make_fake_guard):
     d = make_fake_guard(start=False)
     port = free_port()
     d.start(*d.start_args, "--tcp", str(port))
-    d.port, d.token = port, re.search(r"bearer token: ([^)\s]+)", d.banner).group(1)
+    d.port, d.token = port, banner_token(d)
     status, data = raw(d, "GET", "/v1/runs/" + "A" * 10000)
     assert status == 400
     assert_error_shape_or_ok(status, data, "10000-byte id")
@@ -182,10 +189,11 @@ def test_wrong_types_anywhere(api, route, ident, body):
 try:
     import schemathesis
     from schemathesis.core.failures import FailureGroup  # noqa: F401
+    HAVE_SCHEMATHESIS = True
 except ImportError:  # schemathesis is pinned in requirements.lock; skipped only where it is missing
-    schemathesis = None
+    HAVE_SCHEMATHESIS = False
 
-if schemathesis is not None:
+if HAVE_SCHEMATHESIS:
     schema = schemathesis.openapi.from_dict(openapi_document())
 
     @schema.parametrize()

@@ -27,6 +27,7 @@ def site_mod(tmp_path_factory):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sfguard.fixtures.login_server", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
     assert proc.stdout.readline().decode().startswith("ready ")
     yield port
     proc.terminate()
@@ -44,6 +45,7 @@ def proxy(tmp_path_factory, site_mod):
          "--resolve", "site-a.test=127.0.0.1", "--resolve", "site-b.test=127.0.0.1",
          "--decision-log", str(tmp / "decisions.log")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp / "proxy.err", "wb"))
+    assert proc.stdout is not None
     assert proc.stdout.readline().decode().startswith("ready "), (tmp / "proxy.err").read_text()
     yield port, proc, tmp
     alive = proc.poll() is None
@@ -79,7 +81,8 @@ def requests(draw, port: int):
     version = draw(st.sampled_from(["HTTP/1.1", "HTTP/1.0", "HTTP/2", "HTTP/1.1 extra", ""]))
     headers = []
     if draw(st.booleans()):
-        headers.append(("Proxy-Authorization", draw(st.sampled_from([AUTH, AUTH + "x", "Basic", "", AUTH + "\r\nX: y"]))))
+        auth = draw(st.sampled_from([AUTH, AUTH + "x", "Basic", "", AUTH + "\r\nX: y"]))
+        headers.append(("Proxy-Authorization", auth))
     if draw(st.booleans()):
         headers.append(("Host", draw(hosts(port))))
     headers += draw(st.lists(st.tuples(st.sampled_from(["Host", "Content-Length", "Transfer-Encoding",

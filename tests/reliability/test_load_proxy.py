@@ -105,6 +105,7 @@ def run_load(tmp_path, tunnels: int, seconds: float) -> dict:
          "--listen", f"127.0.0.1:{port}", "--client", "load:load-token-0123456789",
          "--decision-log", str(tmp_path / "decisions.log")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp_path / "proxy.err", "wb"))
+    assert proc.stdout is not None
     try:
         line = proc.stdout.readline().decode()
         assert line.startswith("ready "), line + (tmp_path / "proxy.err").read_text()

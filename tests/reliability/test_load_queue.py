@@ -62,7 +62,7 @@ def run_queue(d, n_runs: int, n_clients: int, budget: float) -> None:
     files = [(open(outdir / f"c{i}.out", "w+"), open(outdir / f"c{i}.err", "w+")) for i in range(n_clients)]
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(d.home), ",".join(g), str(budget)],
                               cwd=ROOT, stdout=o, stderr=e, text=True)
-             for g, (o, e) in zip(groups, files)]
+             for g, (o, e) in zip(groups, files, strict=True)]
     try:
         def all_queued():
             st = d.call("GET", "/v1/status")[1]
@@ -74,7 +74,7 @@ def run_queue(d, n_runs: int, n_clients: int, budget: float) -> None:
         t0 = time.monotonic()
         assert d.call("POST", "/v1/runs/r-hold/end", {"outcome": "succeeded"})[1]["ok"]
         outs = []
-        for p, (o, e) in zip(procs, files):
+        for p, (o, e) in zip(procs, files, strict=True):
             p.wait(timeout=budget + 60)
             o.seek(0), e.seek(0)
             assert p.returncode == 0, e.read()[-2000:]
@@ -86,7 +86,8 @@ def run_queue(d, n_runs: int, n_clients: int, budget: float) -> None:
                 p.kill()
                 p.wait(10)
         for o, e in files:
-            o.close(), e.close()
+            o.close()
+            e.close()
     # every run finished cleanly
     ended = {o["run"] for o in outs if o["event"] == "ended" and o["status"] == 200 and o["ok"]}
     assert ended == set(names)
@@ -99,7 +100,8 @@ def run_queue(d, n_runs: int, n_clients: int, budget: float) -> None:
     leased = [run for ev, run in seq if ev == "profile_leased"]
     assert leased == expected, (leased, expected)
     for i in range(0, len(seq), 2):
-        assert seq[i] == ("profile_leased", expected[i // 2]) and seq[i + 1] == ("profile_released", expected[i // 2]), seq[i:i + 2]
+        run = expected[i // 2]
+        assert seq[i] == ("profile_leased", run) and seq[i + 1] == ("profile_released", run), seq[i:i + 2]
     # every waiting answer named a run that was served before it (the holder at that moment
     # is always earlier in the FIFO order; never itself, never a later run, never empty)
     pos = {r: i for i, r in enumerate(expected)}
