@@ -139,6 +139,15 @@ class Stages:
         except BaseException:
             await g.sessions.end(started)
             raise
+        if stage.state == StageState.ENDED:
+            # ended (POST .../end) while its browser was being made: nothing of it may stay open
+            browser.stages.discard(stage.stage_id)
+            await g.bridges.close(gate_key, run.proxy)
+            await g.sessions.end(started)
+            if browser.profile is not None and browser.client in run.proxy.clients:
+                await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
+            log.info("stage %s/%s ended before it was ready", run.run_id, stage.stage_id)
+            return
         stage.gate_key = gate_key
         # The stage gets exactly the docs/design.md 4.3 variables; the guard started the session, and
         # closes it later, with the same ones (plus PATH/HOME...): both sides carry one env.
