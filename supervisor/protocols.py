@@ -20,7 +20,10 @@ import builtins
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.profiles.audit import VerifyResult
 
 # --------------------------------------------------------------------------- names and keys
 
@@ -182,6 +185,7 @@ class ProfileStore(Protocol):
     def delete(self, key: ProfileKey) -> None: ...
     def delete_scope(self, scope: str) -> builtins.list[ProfileKey]: ...
     def unsealed(self) -> builtins.list[ProfileKey]: ...
+    def verify(self, key: ProfileKey) -> None: ...   # the seal authenticates (start-up check)
 
 
 @runtime_checkable
@@ -213,6 +217,7 @@ class AuditSink(Protocol):
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]: ...
     def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]: ...
+    def verify(self) -> VerifyResult: ...            # the whole chain (start-up check)
 
 
 __all__ = [

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from sfguard.supervisor.profiles import lease_fifo
-from sfguard.supervisor.profiles.audit import GENESIS, chain_record, clean_fields
+from sfguard.supervisor.profiles.audit import (
+    GENESIS,
+    VerifyResult,
+    canonical,
+    chain_record,
+    clean_fields,
+    walk_chain,
+)
 from sfguard.supervisor.profiles.keys import KeyMissing
 from sfguard.supervisor.profiles.lease_fifo import LeaseState
 from sfguard.supervisor.profiles.sealing import is_excluded
@@ -191,6 +198,11 @@ class FakeProfileStore:
     def unsealed(self) -> builtins.list[ProfileKey]:
         return sorted(self._open)
 
+    def verify(self, key: ProfileKey) -> None:
+        """Like the local store's start-up check: absent, or sealed under a scope key that is
+        gone, raises a ProfileError."""
+        self._get(key)
+
 
 @dataclass
 class FakeLeaseState:
@@ -263,6 +275,11 @@ class FakeAuditSink:
         rec = chain_record(self.key, seq, last, event, clean)
         self.entries.append(rec)
         return rec
+
+    def verify(self) -> VerifyResult:
+        """The local sink's chain walk over the records in memory (hash, link, MAC)."""
+        walked = walk_chain(((n, canonical(r) + b"\n") for n, r in enumerate(self.entries, 1)), self.key)
+        return walked if isinstance(walked, VerifyResult) else VerifyResult(True, walked.count)
 
     def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
         return [r for r in self.entries

@@ -207,3 +207,34 @@ async def test_two_runs_queue_for_a_held_profile_in_order(api):
     assert positions == [1, 2]
     st = (await api.call("GET", "/v1/status"))[1]
     assert [[q["run"] for q in row["queue"]] for row in st["leases"]] == [["q1", "q2"]]
+
+
+async def test_start_checks_the_fake_seams_and_reports_damage(tmp_path, monkeypatch):
+    """Guard.start over the fakes: their seals and audit chain are checked like the local ones;
+    a broken chain and a profile whose scope key is gone are reported, never reset."""
+    monkeypatch.setenv("SFGUARD_AGENT_BROWSER", "/nonexistent/agent-browser")
+    keys = FakeKeyProvider()
+    store = FakeProfileStore(scopes=(LOCAL_SCOPE,), keys=keys)
+    audit = FakeAuditSink()
+    store.create(ALPHA)
+    audit.record("profile_created", profile="alpha")
+    audit.record("profile_deleted", profile="beta")
+    audit.entries[0]["fields"]["profile"] = "gamma"          # edited behind the chain's back
+    guard = Guard(tmp_path / "home", stores=Stores("fake", "in-memory (test fakes)", keys, store,
+                                                   FakeProfileLease(), audit))
+    try:
+        report = await guard.start()
+        assert "record content does not match its hash" in report["audit"]
+        assert "damaged_profiles" not in report
+    finally:
+        await guard.stop()
+    keys.delete_key(LOCAL_SCOPE)                              # the seal can no longer open
+    audit.entries[0]["fields"]["profile"] = "alpha"
+    guard = Guard(tmp_path / "home2", stores=Stores("fake", "in-memory (test fakes)", keys, store,
+                                                    FakeProfileLease(), audit))
+    try:
+        report = await guard.start()
+        assert "audit" not in report
+        assert report["damaged_profiles"] == ["alpha"]
+    finally:
+        await guard.stop()

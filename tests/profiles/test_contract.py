@@ -214,3 +214,11 @@ def test_local_modes(tmp_path):
             assert stat.S_IMODE(os.stat(base).st_mode) == 0o700, base
             for f in files:
                 assert stat.S_IMODE(os.stat(os.path.join(base, f)).st_mode) == 0o600, f
+
+
+def test_verify_checks_a_stored_profile(harness):
+    """The guard's start-up check: a stored profile verifies, a missing one is a ProfileError."""
+    harness.store.create(A)
+    harness.store.verify(A)
+    with pytest.raises(ProfileError):
+        harness.store.verify(ProfileKey(SCOPE_A, "absent"))
