@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,7 @@ class Stages:
     async def advance(self, run: Run, stage: Stage) -> None:
         """Move a pending/waiting stage forward: lease, browser, gate token, env."""
         g = self.g
+        t0 = time.monotonic()
         try:
             async with run.lock:
                 if stage.state in (StageState.READY, StageState.ENDED, StageState.FAILED) \
@@ -86,10 +88,18 @@ class Stages:
                         stage.move(StageState.WAITING)
                         stage.waiting = result
                         return
+                    t1 = time.monotonic()
                     browser = await self.ensure_anchor(run, key, stage.headed)
                 else:
+                    t1 = time.monotonic()
                     browser = await self.throwaway(run, stage)
+                t2 = time.monotonic()
                 await self.attach(run, browser, stage)
+                if stage.state == StageState.READY:
+                    # where a stage's start-up time goes (supervisor_bench measures the whole)
+                    log.info("stage %s/%s ready in %.0f ms (lease %.0f, browser %.0f, session %.0f)",
+                             run.run_id, stage.stage_id, (time.monotonic() - t0) * 1000,
+                             (t1 - t0) * 1000, (t2 - t1) * 1000, (time.monotonic() - t2) * 1000)
         except GuardError as exc:
             stage.move(StageState.FAILED)
             stage.error = exc
