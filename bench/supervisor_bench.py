@@ -16,6 +16,8 @@ daemon runs with its stream server off, and its pinned tab is in the browser (`a
 tab list` with the stage's env, through the gate).
   rss        the guard daemon's own RSS, and its proxies' RSS, with N runs open, each with an anchor
 Targets: second stage ready < 150 ms; first stage within 1.5x of the bare launch.
+With SFGUARD_BENCH_LOG=FILE the guard's log goes to FILE: one line per stage, "stage R/S ready
+in N ms (lease a, browser b, session c)", says where a first stage's time goes.
 """
 from __future__ import annotations
 
@@ -91,8 +93,12 @@ def main() -> int:
         return 1
     work = Path(tempfile.mkdtemp(prefix="sfg-bench-"))
     home = work / "home"
+    # the guard's log (stage start-up breakdowns: "stage R/S ready in N ms (lease, browser,
+    # session)") is kept when SFGUARD_BENCH_LOG names a file
+    log_path = os.environ.get("SFGUARD_BENCH_LOG")
+    log_fh = open(log_path, "ab") if log_path else subprocess.DEVNULL
     daemon = subprocess.Popen([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(home)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=log_fh,
                               env={"PATH": os.environ["PATH"], "HOME": str(work), "LANG": "C.UTF-8"})
     assert daemon.stdout is not None
     try:
