@@ -314,12 +314,8 @@ class LocalAuditSink:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            f = rec.get("fields") or {}
-            if profile is not None and f.get("profile") != profile:
-                continue
-            if run is not None and f.get("run") != run:
-                continue
-            out.append(rec)
+            if record_matches(rec, profile, run):
+                out.append(rec)
         return out
 
     def verify(self) -> VerifyResult:
@@ -352,6 +348,12 @@ class ChainEnd:
     seq: int
     count: int
     keyed: bool
+
+
+def record_matches(rec: dict[str, Any], profile: str | None, run: str | None) -> bool:
+    """The `records(profile=, run=)` filter of every AuditSink: unset means any."""
+    f = rec.get("fields") or {}
+    return (profile is None or f.get("profile") == profile) and (run is None or f.get("run") == run)
 
 
 def walk_chain(lines: Iterable[tuple[int, bytes]], key: bytes | None) -> VerifyResult | ChainEnd:

@@ -64,6 +64,21 @@ def pipeline_profile_name(path: str | os.PathLike) -> str:
     return validate_name(f"pipeline-{digest}")
 
 
+def working_copies(runtime: Path) -> list[ProfileKey]:
+    """The profiles with a working copy under `runtime`/profiles/<scope>/<name> (every store
+    unseals there on this host); folders that are no valid key are skipped."""
+    root = runtime / "profiles"
+    out = []
+    if root.is_dir():
+        for scope in sorted(os.listdir(root)):
+            for name in sorted(os.listdir(root / scope)):
+                try:
+                    out.append(ProfileKey(scope, name))
+                except ValueError:
+                    continue
+    return out
+
+
 class LocalProfileStore:
     """ProfileStore on the local disk, sealed with keys from a KeyProvider."""
 
@@ -238,13 +253,4 @@ class LocalProfileStore:
 
     def unsealed(self) -> builtins.list[ProfileKey]:
         """Profiles with an unsealed working copy (after a crash: for the start-up sweep)."""
-        root = self._runtime_root() / "profiles"
-        out = []
-        if root.is_dir():
-            for scope in sorted(os.listdir(root)):
-                for name in sorted(os.listdir(root / scope)):
-                    try:
-                        out.append(ProfileKey(scope, name))
-                    except ValueError:
-                        continue
-        return out
+        return working_copies(self._runtime_root())

@@ -52,12 +52,8 @@ class PgAuditSink:
         out = []
         for _, line in self._rows():
             rec = json.loads(line)
-            f = rec.get("fields") or {}
-            if profile is not None and f.get("profile") != profile:
-                continue
-            if run is not None and f.get("run") != run:
-                continue
-            out.append(rec)
+            if audit_mod.record_matches(rec, profile, run):
+                out.append(rec)
         return out
 
     def verify(self) -> audit_mod.VerifyResult:

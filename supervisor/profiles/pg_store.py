@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sfguard.supervisor.home import private_dir, runtime_path
 from sfguard.supervisor.profiles import sealing
+from sfguard.supervisor.profiles.local_store import working_copies
 from sfguard.supervisor.profiles.pg_audit import PgAuditSink
 from sfguard.supervisor.profiles.pg_backend import GUARD_ALIVE, PgBackend, StaleLease
 from sfguard.supervisor.protocols import (
@@ -365,13 +366,4 @@ class PgProfileStore:
 
     def unsealed(self) -> builtins.list[ProfileKey]:
         """Profiles with a working copy on this host (after a crash: for the start-up sweep)."""
-        root = self._runtime_path() / "profiles"
-        out = []
-        if root.is_dir():
-            for scope in sorted(os.listdir(root)):
-                for name in sorted(os.listdir(root / scope)):
-                    try:
-                        out.append(ProfileKey(scope, name))
-                    except ValueError:
-                        continue
-        return out
+        return working_copies(self._runtime_path())

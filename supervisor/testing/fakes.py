@@ -32,6 +32,7 @@ from sfguard.supervisor.profiles.audit import (
     canonical,
     chain_record,
     clean_fields,
+    record_matches,
     walk_chain,
 )
 from sfguard.supervisor.profiles.keys import KeyMissing
@@ -282,6 +283,4 @@ class FakeAuditSink:
         return walked if isinstance(walked, VerifyResult) else VerifyResult(True, walked.count)
 
     def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
-        return [r for r in self.entries
-                if (profile is None or r["fields"].get("profile") == profile)
-                and (run is None or r["fields"].get("run") == run)]
+        return [r for r in self.entries if record_matches(r, profile, run)]
