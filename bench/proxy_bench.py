@@ -13,8 +13,8 @@ Every proxy is measured once per round, in turn, for `--rounds` rounds (interlea
 noisy spell of the machine hits all of them); ratios against bare mitmdump are taken per round
 and printed as median [min-max]. Targets: CPU/tunnel <= 0.5x (issue 14), set-up p50 <= 0.7x,
 throughput >= 0.8x, RSS < 120 MB. `guard-run` is the process the daemon really runs per run
-(`python -m sfguard.supervisor.daemon.proxy_child`, the one proxy entry point: `sfguard proxy` calls the same
-`serve()`), so this measures what the daemon runs.
+(`python -O -m sfguard.supervisor.daemon.proxy_child`, argv from run_proxy.child_argv, the one
+proxy entry point: `sfguard proxy` calls the same `serve()`), so this measures what the daemon runs.
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from sfguard.supervisor.daemon.run_proxy import child_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -215,9 +217,7 @@ def start_guard_run(upstream_port: int, tmp: Path) -> Target:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sfguard.supervisor.daemon.proxy_child", "--listen-port", str(port),
-         "--policy", str(policy), "--decision-log", str(tmp / "run-decisions.log"),
-         "--run", "bench-run", "--resolve", f"{HOST}=127.0.0.1"],
+        child_argv(port, policy, tmp / "run-decisions.log", {HOST: "127.0.0.1"}, run="bench-run"),
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
@@ -375,7 +375,7 @@ def main() -> int:
     for name in ("guard-run",):
         if name in names:
             print(f"  {name} RSS under load {med(name, 'peak'):.1f} MB (target < 120)")
-    print("guard-run = `python -m sfguard.supervisor.daemon.proxy_child`, the proxy process the daemon starts per "
+    print("guard-run = `python -O -m sfguard.supervisor.daemon.proxy_child`, the proxy process the daemon starts per "
           "run (clients over stdin, decision log on disk); `sfguard proxy` runs the same serve()")
     for note in notes:
         print(f"note: {note}")

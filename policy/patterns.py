@@ -178,13 +178,15 @@ def psl_tables() -> tuple[dict[str, str], dict[str, str]]:
     """The exact and wildcard rule tables, for the bulk loader's inline check (a domain with
     two or more labels can only be a public suffix if it is in one of them)."""
     public_suffix_section("com")
-    assert _PSL is not None
+    if _PSL is None:   # public_suffix_section loads it or raises
+        raise RuntimeError("the public suffix list is not loaded")
     return _PSL.exact, _PSL.wild
 
 
 def public_suffix_source() -> str:
     public_suffix_section("com")
-    assert _PSL is not None
+    if _PSL is None:   # public_suffix_section loads it or raises
+        raise RuntimeError("the public suffix list is not loaded")
     return _PSL.source
 
 

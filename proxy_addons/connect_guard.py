@@ -65,7 +65,8 @@ class ConnectGuard:
             return None
         self.s.log_decision(d, client=client, method=method, addr=addr)
         host_key, port_key = d.normalized_host, d.port
-        assert host_key is not None and port_key is not None  # checked by check_addresses
+        if host_key is None or port_key is None:   # checked by check_addresses
+            raise RuntimeError("an allowed decision without host or port")
         return d, addr, (host_key, port_key)
 
     @staticmethod

@@ -114,7 +114,8 @@ class GuardProxy:
 
     @property
     def url(self) -> str:
-        assert self.address is not None, "not started"
+        if self.address is None:
+            raise RuntimeError("the guard proxy is not started")
         return "http://" + policy.join_host_port(*self.address)
 
     async def start(self) -> tuple[str, int]:
@@ -173,8 +174,8 @@ class GuardProxy:
     async def _flush_quiet(self) -> None:
         while True:
             await asyncio.sleep(self.config.quiet_flush_interval)
-            assert self.decision_log is not None
-            self.decision_log.flush_quiet()
+            if self.decision_log is not None:
+                self.decision_log.flush_quiet()
 
     async def _abort(self) -> None:
         if self._master is not None:

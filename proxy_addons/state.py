@@ -125,7 +125,8 @@ class GuardState:
         the name does not resolve). All addresses must pass; the first one is used.
         """
         host = d.normalized_host
-        assert host is not None and d.port is not None
+        if host is None or d.port is None:   # an allowed decision always has both
+            raise RuntimeError("an allowed decision without host or port")
         try:
             addrs = await self.resolver.resolve(host, d.port)
         except (TimeoutError, OSError, UnicodeError):

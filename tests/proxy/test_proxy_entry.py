@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from sfguard.supervisor.daemon.run_proxy import child_argv
+
 from .conftest import ROOT, TOKEN_A, _pump, _readline, basic, connect, get, start_proxy, write_policy
 
 A = basic("a", TOKEN_A)
@@ -21,13 +23,11 @@ TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 
 class RunChild:
-    """`python -m sfguard.supervisor.daemon.proxy_child`, started and fed exactly as the daemon's RunProxy."""
+    """`python -O -m sfguard.supervisor.daemon.proxy_child`, started and fed exactly as the daemon's RunProxy."""
 
     def __init__(self, policy, log, resolve: list[str]) -> None:
-        argv = [sys.executable, "-m", "sfguard.supervisor.daemon.proxy_child", "--listen-port", "0",
-                "--policy", str(policy), "--decision-log", str(log)]
-        for item in resolve:
-            argv += ["--resolve", item]
+        # the daemon's own argv (optimised, -O), port 0 = a free one
+        argv = child_argv(0, policy, log, dict(item.split("=", 1) for item in resolve))
         env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
