@@ -32,6 +32,17 @@ class KeyMissing(ProfileError):
     """A scope's key is missing, damaged or not private."""
 
 
+def decode_key(raw: bytes | str, damaged: str) -> bytes:
+    """A stored key (base64 of KEY_BYTES bytes) back to bytes; KeyMissing(`damaged`) if it is not."""
+    try:
+        key = base64.b64decode(raw, validate=True)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise KeyMissing(damaged)
+    return key
+
+
 class FileKeyProvider:
     """Keys as 0600 files `<home>/keys/<scope>.key` (base64 of 32 random bytes)."""
 
@@ -55,14 +66,7 @@ class FileKeyProvider:
             return key
         if st.st_uid != os.getuid() or (st.st_mode & 0o077):
             raise KeyMissing(f"key file for scope {scope!r} is not private (0600, ours): refusing it")
-        raw = path.read_bytes().strip()
-        try:
-            key = base64.b64decode(raw, validate=True)
-        except ValueError:
-            key = b""
-        if len(key) != KEY_BYTES:
-            raise KeyMissing(f"key file for scope {scope!r} is damaged")
-        return key
+        return decode_key(path.read_bytes().strip(), f"key file for scope {scope!r} is damaged")
 
     def delete_key(self, scope: str) -> bool:
         try:
@@ -87,7 +91,7 @@ class FileKeyProvider:
         if st.st_uid != os.getuid() or (st.st_mode & 0o077) or not os.path.isfile(path) \
                 or os.path.islink(path):
             raise KeyMissing("the audit key file is not private (0600, ours): refusing it")
-        return _decode_key(path.read_bytes().strip(), "the audit key file is damaged")
+        return decode_key(path.read_bytes().strip(), "the audit key file is damaged")
 
     def describe(self) -> str:
         return f"key file ({self.folder}, 0600; no keyring backend on this machine)"
@@ -116,13 +120,7 @@ class KeyringKeyProvider:
             key = secrets.token_bytes(KEY_BYTES)
             self._kr.set_password(KEYRING_SERVICE, self._user(scope), base64.b64encode(key).decode())
             return key
-        try:
-            key = base64.b64decode(stored, validate=True)
-        except ValueError:
-            key = b""
-        if len(key) != KEY_BYTES:
-            raise KeyMissing(f"keyring entry for scope {scope!r} is damaged")
-        return key
+        return decode_key(stored, f"keyring entry for scope {scope!r} is damaged")
 
     def delete_key(self, scope: str) -> bool:
         import keyring.errors
@@ -142,21 +140,11 @@ class KeyringKeyProvider:
             key = secrets.token_bytes(KEY_BYTES)
             self._kr.set_password(KEYRING_SERVICE, user, base64.b64encode(key).decode())
             return key
-        return _decode_key(stored.encode(), "the keyring entry of the audit key is damaged")
+        return decode_key(stored.encode(), "the keyring entry of the audit key is damaged")
 
     def describe(self) -> str:
         kr = type(self._kr)
         return f"keyring ({kr.__module__}.{kr.__name__})"
-
-
-def _decode_key(raw: bytes, damaged: str) -> bytes:
-    try:
-        key = base64.b64decode(raw, validate=True)
-    except ValueError:
-        key = b""
-    if len(key) != KEY_BYTES:
-        raise KeyMissing(damaged)
-    return key
 
 
 def keyring_usable() -> bool:

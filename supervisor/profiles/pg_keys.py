@@ -6,7 +6,6 @@ deleting a scope's wrapped key makes its profiles unreadable. See pg_backend.py 
 """
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import os
@@ -19,7 +18,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from sfguard.supervisor.profiles.keys import KEY_BYTES, KeyMissing
+from sfguard.supervisor.profiles.keys import KEY_BYTES, KeyMissing, decode_key
 from sfguard.supervisor.profiles.pg_backend import PgBackend
 from sfguard.supervisor.protocols import StoreUnavailable, validate_name
 
@@ -55,13 +54,7 @@ def load_master_key(environ: dict | None = None) -> tuple[bytes, str]:
 
 
 def _decode(raw: bytes, what: str) -> bytes:
-    try:
-        key = base64.b64decode(raw, validate=True)
-    except ValueError:
-        key = b""
-    if len(key) != KEY_BYTES:
-        raise KeyMissing(f"{what} is not base64 of 32 bytes")
-    return key
+    return decode_key(raw, f"{what} is not base64 of 32 bytes")
 
 
 def _derive(master: bytes, purpose: str) -> bytes:
