@@ -44,12 +44,14 @@ class CliError(Exception):
 
 def _modules_for(argv: list[str]) -> tuple[str, ...]:
     """Only the chosen command's module (imports stay cheap: `proxy` pulls in mitmproxy);
-    every module when no known command is given (help, errors)."""
+    none for `--version` alone; every module when no known command is given (help, errors)."""
     for arg in argv:
         if arg.startswith("-"):
             continue
         name = f"sfguard.cli.{arg.replace('-', '_')}_cmd"
         return (name,) if name in COMMAND_MODULES else COMMAND_MODULES
+    if "--version" in argv and not {"-h", "--help"} & set(argv):
+        return ()
     return COMMAND_MODULES
 
 
