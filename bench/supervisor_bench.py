@@ -2,7 +2,8 @@
 
     ./dev bench supervisor_bench [--runs 10] [--repeat 3]
 
-Measured in one run, on this machine, against a baseline of the same browser:
+Measured in one run, on this machine, against a baseline of the same browser (each round
+measures the baseline, then the first and second stage, so that load weighs on both alike):
   baseline   bare `agent-browser open about:blank` in a new session (browser launch), then close
   first      POST /v1/runs/{id}/stages -> 200 ready for the first stage of a run
              (per-run proxy start + lease + unseal + anchor launch through the proxy + gate token
@@ -106,9 +107,11 @@ def main() -> int:
             if line.strip() == b"sfguard: ready":
                 break
         client = GuardClient(home, timeout=180)
-        bare = [bare_launch(ab_path, br_path, work, i) for i in range(args.repeat)]
-        first, second = [], []
+        bare, first, second = [], [], []
         for i in range(args.repeat):
+            # each round: the baseline, then the guard's two stages (interleaved, so that load
+            # that comes and goes on a shared machine weighs on both sides alike)
+            bare.append(bare_launch(ab_path, br_path, work, i))
             run = f"bench-{i}"
             client.call("POST", "/v1/runs", {"run_id": run})
             body = {"attempt": 1, "browser": {"profile": f"p{i}", "headed": False, "allow_domains": []}}
@@ -131,8 +134,14 @@ def main() -> int:
             assert st == 200, a
         guard = psutil.Process(daemon.pid)
         guard_rss = guard.memory_info().rss
-        proxies = [c for c in guard.children(recursive=True) if "proxy" in " ".join(c.cmdline())]
-        proxy_rss = sum(p.memory_info().rss for p in proxies)
+        proxies, proxy_rss = [], 0
+        for c in guard.children(recursive=True):
+            try:   # a child may end while it is looked at (a session's short-lived CLI)
+                if "proxy" in " ".join(c.cmdline()):
+                    proxy_rss += c.memory_info().rss
+                    proxies.append(c)
+            except psutil.Error:
+                continue
         for i in range(args.runs):
             client.call("POST", f"/v1/runs/open-{i}/end", {"outcome": "succeeded"})
     finally:

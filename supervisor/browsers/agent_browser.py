@@ -197,23 +197,34 @@ def sanitize(text: str, limit: int = 400) -> str:
     return summary if len(summary) <= limit else summary[:limit] + "..."
 
 
+#: coreutils' `nice`, by absolute path only (never looked up on a PATH)
+NICE_BINARIES = ("/usr/bin/nice", "/bin/nice")
+
+
 async def run(
     env: Mapping[str, str],
     *args: str,
     timeout: float = DEFAULT_TIMEOUT,
     binary: str | os.PathLike | None = None,
     cwd: str | os.PathLike | None = None,
+    nice: int = 0,
 ) -> Result:
     """Run one agent-browser command with exactly `env` (nothing else inherited).
 
     Hard timeout: on expiry the CLI process is killed by its pid and AgentBrowserError is
     raised. `cwd` defaults to the session's socket dir, so no ./agent-browser.json of some
-    project directory can apply. Secrets travel in `env`, never in `args`.
+    project directory can apply. Secrets travel in `env`, never in `args`. `nice`: the CLI
+    (and a daemon it starts) runs at that niceness (through coreutils' `nice`, which execs it
+    in the same process: no window where it runs at the guard's priority).
     """
     exe = str(binary) if binary else default_binary()
     workdir = str(cwd or env.get("AGENT_BROWSER_SOCKET_DIR") or "/")
+    argv = [exe, *args]
+    nice_bin = next((b for b in NICE_BINARIES if os.access(b, os.X_OK)), None) if nice else None
+    if nice_bin:
+        argv = [nice_bin, "-n", str(nice), *argv]
     proc = await asyncio.create_subprocess_exec(
-        exe, *args, env=dict(env), cwd=workdir,
+        *argv, env=dict(env), cwd=workdir,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, start_new_session=True,
     )
@@ -228,9 +239,9 @@ async def run(
 
 
 async def run_ok(env: Mapping[str, str], *args: str, timeout: float = DEFAULT_TIMEOUT,
-                 binary: str | os.PathLike | None = None) -> str:
+                 binary: str | os.PathLike | None = None, nice: int = 0) -> str:
     """`run`, raising AgentBrowserError (sanitised) unless the command exits 0; returns stdout."""
-    res = await run(env, *args, timeout=timeout, binary=binary)
+    res = await run(env, *args, timeout=timeout, binary=binary, nice=nice)
     if res.returncode != 0:
         detail = sanitize(res.stderr or res.stdout)
         raise AgentBrowserError(f"agent-browser {_verb(args)} failed (exit {res.returncode}): {detail}",
@@ -239,9 +250,9 @@ async def run_ok(env: Mapping[str, str], *args: str, timeout: float = DEFAULT_TI
 
 
 async def run_json(env: Mapping[str, str], *args: str, timeout: float = DEFAULT_TIMEOUT,
-                   binary: str | os.PathLike | None = None) -> dict:
+                   binary: str | os.PathLike | None = None, nice: int = 0) -> dict:
     """Run with `--json` and return the `data` object; raises AgentBrowserError on failure."""
-    out = await run_ok(env, "--json", *args, timeout=timeout, binary=binary)
+    out = await run_ok(env, "--json", *args, timeout=timeout, binary=binary, nice=nice)
     try:
         doc = json.loads(out)
     except json.JSONDecodeError:

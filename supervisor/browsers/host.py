@@ -85,6 +85,15 @@ class Anchor:
     launch_seconds: float
     headed: bool = False
     home_dir: Path | None = None     # the browser user's HOME for this browser (removed at close)
+    #: the about:blank tab Chromium opened at start, until a stage session takes it
+    blank_tab: str | None = field(default=None, repr=False)
+
+    def take_blank_tab(self) -> str | None:
+        """The browser's start-up tab, once: the first stage session attaches to it instead of
+        making agent-browser create a tab of its own (a new window and renderer: the slowest
+        step of a session start). None when it is taken, or was not a plain about:blank tab."""
+        tab, self.blank_tab = self.blank_tab, None
+        return tab
 
     def record(self, kind: str) -> ProcRecord | None:
         return next((p for p in self.processes if p.kind == kind), None)
@@ -123,7 +132,8 @@ class BrowserHost(Protocol):
     async def launch_anchor(self, spec: AnchorSpec) -> Anchor: ...
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport: ...
     def alive(self, anchor: Anchor) -> bool: ...
-    async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> StageSession: ...
+    async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
+                                 nice: int = 0) -> StageSession: ...
     async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
                                   graceful: bool = True) -> CloseReport: ...
 
@@ -165,13 +175,35 @@ def find_browser_process(profile_dir: Path, uids: tuple[int | None, ...] = ()) -
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     owners = {os.getuid(), *(u for u in uids if u is not None)}
-    for proc in psutil.process_iter(["pid", "uids"]):
+    for pid in _pids_with_arg(f"--user-data-dir={profile_dir}"):
         try:
-            if proc.info["uids"] and proc.info["uids"].real in owners and _is_main_browser(proc, profile_dir):
+            proc = psutil.Process(pid)
+            if proc.uids().real in owners and _is_main_browser(proc, profile_dir):
                 return ProcRecord(proc.pid, proc.create_time(), "browser")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return None
+
+
+def _pids_with_arg(arg: str) -> list[int]:
+    """Processes whose command line contains `arg`: read straight from /proc (a
+    psutil scan of every process costs tens of milliseconds on each browser launch); psutil's
+    scan where there is no /proc."""
+    want = arg.encode()
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return [p.pid for p in psutil.process_iter(["cmdline"]) if arg in (p.info["cmdline"] or [])]
+    found = []
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        if want in raw:   # a candidate: _is_main_browser checks the words (psutil parses them)
+            found.append(int(name))
+    return found
 
 
 def _proxy_parts(proxy_url: str | None) -> tuple[int | None, tuple[str, str] | None]:
@@ -181,6 +213,21 @@ def _proxy_parts(proxy_url: str | None) -> tuple[int | None, tuple[str, str] | N
     ab.check_proxy_url(proxy_url)
     parts = urlsplit(proxy_url)
     return parts.port, (unquote(parts.username or ""), unquote(parts.password or ""))
+
+
+async def _start_up_tab(pipe: CdpPipe) -> str | None:
+    """The one tab a just-started browser has, when it is a plain about:blank page (the last
+    word of its command line); None otherwise (not there yet, restored pages, several tabs):
+    such tabs stay hidden from every stage, as any tab no stage made."""
+    try:
+        res = await pipe.call("Target.getTargets", timeout=5)
+    except (CdpCallError, PipeClosed, TimeoutError):
+        return None
+    pages = [t for t in res.get("targetInfos", []) if isinstance(t, dict) and t.get("type") == "page"]
+    if len(pages) != 1 or pages[0].get("url") != "about:blank" or pages[0].get("openerId"):
+        return None
+    tid = pages[0].get("targetId")
+    return tid if isinstance(tid, str) and tid else None
 
 
 def _daemon_record(socket_dir: Path, session: str) -> ProcRecord | None:
@@ -296,6 +343,7 @@ agent-browser sessions attached to the CDP gate."""
             records = [rec] if rec else []
             pipe = CdpPipe(reader, writer)
             await pipe.start(proxy_auth=proxy_auth, timeout=self.launch_timeout)
+            blank_tab = await _start_up_tab(pipe)
         except (OSError, CdpCallError, PipeClosed, TimeoutError) as exc:
             what = "did not answer in time" if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) \
                 else ("exited during start" if isinstance(exc, PipeClosed) else str(exc))
@@ -311,7 +359,7 @@ agent-browser sessions attached to the CDP gate."""
         return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
                       temp_profile=temp_profile, socket_dir=socket_dir, processes=records,
                       launch_seconds=time.monotonic() - started, headed=spec.headed,
-                      home_dir=home_dir)
+                      home_dir=home_dir, blank_tab=blank_tab)
 
     @staticmethod
     def _drop_temp(profile_dir: Path, temp_profile: bool, home_dir: Path | None = None) -> None:
@@ -355,18 +403,21 @@ agent-browser sessions attached to the CDP gate."""
 
     # ---- stage sessions
 
-    async def _disable_stream(self, env: dict[str, str]) -> None:
+    async def _disable_stream(self, env: dict[str, str], nice: int = 0) -> None:
         """Every agent-browser session starts an unauthenticated stream WebSocket on loopback:
         turn it off. One command: its JSON answer says whether streaming is now off
         (`{"disabled": true}`, measured on 0.41.2); a separate `stream status` would cost a
         second CLI start per stage."""
-        data = await ab.run_json(env, "stream", "disable", timeout=self.command_timeout, binary=self._bin())
+        data = await ab.run_json(env, "stream", "disable", timeout=self.command_timeout, binary=self._bin(),
+                                 nice=nice)
         if data.get("disabled") is not True:
             raise AnchorError("the agent-browser stream server is still enabled after `stream disable`")
 
-    async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> StageSession:
+    async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
+                                 nice: int = 0) -> StageSession:
         """Start a stage's session (env from agent_browser.stage_env): its own pinned tab,
-        stream disabled. Uses the env exactly as given."""
+        stream disabled. Uses the env exactly as given. `nice`: its CLI and daemon start at
+        that niceness (a session started ahead yields the CPU to a stage waiting now)."""
         session, socket_dir = _session_env_parts(env)
         private_dir(socket_dir)
         try:
@@ -374,7 +425,7 @@ agent-browser sessions attached to the CDP gate."""
             # `stream disable` as that first command keeps the stream server off for the
             # session's life (measured on 0.41.2: 0.18 s, vs 0.3-0.6 s for open + disable).
             # The stage's own first `open` then creates and pins its tab.
-            await self._disable_stream(env)
+            await self._disable_stream(env, nice)
         except (ab.AgentBrowserError, AnchorError) as exc:
             await self.close_stage_session(env, timeout=min(timeout, 10))
             raise AnchorError(f"could not open stage session {session}: {exc}") from None

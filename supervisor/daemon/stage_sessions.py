@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,13 @@ from sfguard.supervisor.daemon.sweep import ProcRecord, terminate_recorded
 from sfguard.supervisor.gate.cdp_gate import CdpGate, GateError
 
 log = logging.getLogger("sfguard.sessions")
+
+#: the niceness a spare's session starts at: it is started beside a stage's own session start
+#: (the first stage of an anchor), and on 2 cores the two compete; the stage waiting now goes
+#: first. A taken spare's daemon gets the guard's own priority back where the OS lets the
+#: guard raise it (root); otherwise it keeps this niceness (agent-browser's daemon relays and
+#: waits: a lower priority costs it nothing on an idle machine).
+SPARE_NICE = 10
 
 #: how long `take` waits for a spare that is still starting (its own start is bounded by the
 #: host's command timeout; this only caps the wait of one stage request)
@@ -86,11 +94,12 @@ class StageSessions:
         self._ending: set[asyncio.Task] = set()
 
     async def start(self, gate_key: str, anchor: Anchor, *, artifacts_dir: Path | None,
-                    tab_quota: int) -> StartedSession:
+                    tab_quota: int, own_tab: str | None = None, nice: int = 0) -> StartedSession:
         """Register `gate_key` at the gate and start its session (its tab pinned, stream off).
+        `own_tab`: a tab that is the stage's from the start (the browser's start-up tab).
         On failure nothing is left: the token is revoked and the session ended."""
-        url = self.gate.add_stage(gate_key, anchor.pipe, artifacts_dir=artifacts_dir,
-                                  tab_quota=tab_quota)
+        url = self.gate.add_stage(gate_key, anchor.pipe, {own_tab} if own_tab else None,
+                                  artifacts_dir=artifacts_dir, tab_quota=tab_quota)
         full = agent_browser.stage_env(session=_session_name(), socket_dir=self.socket_dir,
                                        config_path=self.config_path, cdp_url=url)
         # the stage's variables and the inherited ones (PATH, HOME...), nothing the stage will
@@ -98,9 +107,9 @@ class StageSessions:
         env = {k: v for k, v in full.items()
                if k in self.stage_keys or not k.startswith("AGENT_BROWSER_")}
         try:
-            opened = await self.host.open_stage_session(env)
+            opened = await self.host.open_stage_session(env, nice=nice)
         except BaseException:
-            await self.gate.revoke(gate_key)
+            await self.gate.revoke(gate_key, close_tabs=True)   # tabs of no stage
             raise
         return StartedSession(gate_key, url, env, list(opened.processes))
 
@@ -123,10 +132,19 @@ class StageSessions:
     async def _spare(self, key: str, anchor: Anchor, artifacts_dir: Path | None,
                      tab_quota: int) -> StartedSession | None:
         try:
-            return await self.start(key, anchor, artifacts_dir=artifacts_dir, tab_quota=tab_quota)
+            return await self.start(key, anchor, artifacts_dir=artifacts_dir, tab_quota=tab_quota,
+                                    nice=SPARE_NICE)
         except (AnchorError, GateError, OSError, ValueError) as exc:
             log.info("spare stage session for %s not started: %s", anchor.session, exc)
             return None
+
+    async def settled(self, anchor: Anchor) -> None:
+        """Wait (bounded by TAKE_WAIT) until the anchor's spare, if one is starting, has started
+        or failed. Never raises."""
+        task = self._spares.get(anchor.session)
+        if task is not None and not task.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(task), TAKE_WAIT)
 
     def spare_records(self, anchor: Anchor) -> tuple[list[ProcRecord], list[str]]:
         """The processes and session name of the anchor's ready spare (for the crash record)."""
@@ -159,6 +177,9 @@ class StageSessions:
             await self.end(started)
             return None
         started.gate_key = gate_key
+        for rec in started.processes:   # the stage's own now: back to the guard's priority
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, rec.pid, os.getpriority(os.PRIO_PROCESS, 0))
         return started
 
     def _end_when_done(self, task: asyncio.Task) -> None:

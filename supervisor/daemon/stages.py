@@ -2,6 +2,7 @@
 their browsers (a leased profile's anchor, or a throw-away one) behind the run's proxy."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -44,6 +45,7 @@ class Stages:
 
     def __init__(self, guard: Guard):
         self.g = guard
+        self._later: set[asyncio.Task] = set()   # background work started after a stage start
 
     # -- names ---------------------------------------------------------------------------------
     def profile_key(self, run: Run, name: str) -> ProfileKey:
@@ -100,6 +102,7 @@ class Stages:
                     log.info("stage %s/%s ready in %.0f ms (lease %.0f, browser %.0f, session %.0f)",
                              run.run_id, stage.stage_id, (time.monotonic() - t0) * 1000,
                              (t1 - t0) * 1000, (t2 - t1) * 1000, (time.monotonic() - t2) * 1000)
+                    self.refill_proxies_after(browser)
         except GuardError as exc:
             stage.move(StageState.FAILED)
             stage.error = exc
@@ -141,8 +144,10 @@ class Stages:
             g.sessions.prestart(run.run_id, anchor, artifacts_dir=artifacts, tab_quota=quota,
                                 on_ready=save_unless_ended)
         if started is None:
+            # the browser's start-up tab, while no stage has had it: agent-browser attaches to
+            # it instead of creating a first tab of its own (docs/agent-browser-notes.md)
             started = await g.sessions.start(gate_key, anchor, artifacts_dir=artifacts,
-                                              tab_quota=quota)
+                                              tab_quota=quota, own_tab=anchor.take_blank_tab())
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
         try:
             await g.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains)
@@ -170,13 +175,37 @@ class Stages:
     # -- browsers ------------------------------------------------------------------------------
     async def ensure_proxy(self, run: Run) -> RunProxy:
         """The run's proxy: the pool's warm spare when one is ready (a proxy child takes ~0.7 s
-        to start), else a new one; then a new spare is started in the background."""
+        to start), else a new one. The pool's next spare is started once the stage that took
+        this one is ready (`refill_proxies_after`), not now: its start-up is CPU work that
+        would compete with this stage's browser launch."""
         if run.proxy is None:
             run.workdir = private_dir(self.g.runtime / f"r-{short_id()}")
             run.proxy = await self.g.proxies.take(run.run_id)
             self.g.records.save(run)
-            self.g.proxies.refill()
         return run.proxy
+
+    async def stop(self) -> None:
+        """At guard stop: background work not yet done is dropped."""
+        for task in list(self._later):
+            task.cancel()
+        await asyncio.gather(*self._later, return_exceptions=True)
+
+    def refill_proxies_after(self, browser: Browser) -> None:
+        """Refill the run-proxy pool once the anchor's spare session (started beside the stage's
+        own) has settled: on 2 cores the proxy child's start-up (~0.7 s of CPU) would otherwise
+        slow the stage that waits now or the next one. A no-op while the pool has its spare."""
+        anchor = browser.anchor
+
+        async def later() -> None:
+            if anchor is not None:
+                await self.g.sessions.settled(anchor)
+            me = asyncio.current_task()
+            if me is None or not me.cancelling():   # not when the guard stops
+                self.g.proxies.refill()
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._later.add(task)   # the loop keeps only weak references to tasks
+        task.add_done_callback(self._later.discard)
 
     async def launch(self, run: Run, browser: Browser, profile_dir: Path | None) -> Anchor:
         g = self.g
@@ -198,6 +227,7 @@ class Stages:
         if browser is not None and browser.anchor is not None:
             return browser
         proxy = await self.ensure_proxy(run)
+        t0 = time.monotonic()
         if not await g.calls.run(g.store.exists, key):
             # a profile made for `@pipeline` keeps its workflow identity (PLAT-322): the same
             # on every host, since it depends only on the normalised pipeline path
@@ -210,6 +240,7 @@ class Stages:
         run.browsers[key.name] = browser
         profile_dir = await g.calls.run(g.store.open, key)
         g.records.save(run)
+        t1 = time.monotonic()
         try:
             browser.anchor = await self.launch(run, browser, profile_dir)
         except BaseException:
@@ -221,7 +252,9 @@ class Stages:
             with contextlib.suppress(Exception):
                 await proxy.remove_client(name)
             raise
-        log.info("run %s: anchor for profile %s ready", run.run_id, key.name)
+        log.info("run %s: anchor for profile %s ready (profile opened in %.0f ms, browser "
+                 "launched in %.0f ms)", run.run_id, key.name, (t1 - t0) * 1000,
+                 browser.anchor.launch_seconds * 1000)
         return browser
 
     async def throwaway(self, run: Run, stage: Stage) -> Browser:

@@ -151,3 +151,16 @@ async def test_second_anchor_on_a_profile_in_use_is_refused(rig):
         assert rig.host.alive(anchor)
     finally:
         await rig.host.close_anchor(anchor)
+
+
+async def test_a_profile_in_use_is_found_without_its_singleton_lock(rig):
+    """The safety net behind the lease: with the profile's SingletonLock gone, the process
+    scan still finds the browser that runs on it, and a second launch is refused."""
+    anchor = await rig.host.launch_anchor(rig.spec(rig.root / "p1"))
+    try:
+        (rig.root / "p1" / "SingletonLock").unlink()
+        with pytest.raises(AnchorError, match="already open"):
+            await rig.host.launch_anchor(rig.spec(rig.root / "p1"))
+        assert rig.host.alive(anchor)
+    finally:
+        await rig.host.close_anchor(anchor)

@@ -5,6 +5,7 @@ end leaves nothing behind."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sfguard.supervisor.daemon.stage_sessions import SPARE_NICE
 from sfguard.supervisor.home import runtime_path
 from tests.daemon.test_real_browser import as_stage, browser_processes, request_stage
 
@@ -21,6 +23,12 @@ pytestmark = pytest.mark.browser
 def sessions_running(d) -> set[str]:
     """Names of the agent-browser sessions with a daemon pid file in the guard's socket dir."""
     return {p.stem for p in (runtime_path(d.home) / "ab").glob("sfs-*.pid")}
+
+
+def session_nice(d, session: str) -> int:
+    """The niceness of a session's agent-browser daemon (from its pid file)."""
+    pid = int((runtime_path(d.home) / "ab" / f"{session}.pid").read_text().strip())
+    return os.getpriority(os.PRIO_PROCESS, pid)
 
 
 def wait_for(pred, what: str, bound: float = 60.0):
@@ -64,8 +72,14 @@ def test_next_stage_gets_the_session_started_ahead_once_and_alone(real_daemon, s
                      "a session started ahead")
     wait_for(lambda: set(json.loads((d.home / "runs" / "r1.json").read_text())["sessions"])
              >= spare | {a["AGENT_BROWSER_SESSION"]}, "the run record lists the spare session")
+    # started ahead at a lower priority than a stage's own session (it must not slow the stage
+    # waiting now), whose daemon runs at the guard's own
+    (spare_name,) = spare
+    assert session_nice(d, spare_name) == SPARE_NICE > session_nice(d, a["AGENT_BROWSER_SESSION"])
     b = request_stage(d, "r1", "b", ["site-a.test"])
     assert {b["AGENT_BROWSER_SESSION"]} == spare           # b got the one started ahead
+    if os.geteuid() == 0:   # taken: back to the guard's priority (only root may raise it)
+        assert session_nice(d, spare_name) == session_nice(d, a["AGENT_BROWSER_SESSION"])
     assert b["AGENT_BROWSER_CDP"] != a["AGENT_BROWSER_CDP"]
     assert set(b) == set(a)                                 # the same DESIGN 4.3 variables
     # each stage works in its own pinned tab and sees none of the other's
