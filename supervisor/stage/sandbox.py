@@ -15,7 +15,6 @@ stage user needs no path into root's folders.
 """
 from __future__ import annotations
 
-import grp
 import os
 import pwd
 
@@ -137,6 +136,7 @@ def probe(user: StageUser | None = None) -> tuple[bool, str]:
 
 
 def group_id(name: str) -> int:
+    import grp  # here, not at the top: an extension module stage-exec's start-up does not need
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
