@@ -234,6 +234,13 @@ def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str
         p for p in env["PATH"].split(":")
         if p and os.path.isabs(p) and os.access(p, os.X_OK)
         and not any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden)) or "/usr/bin:/bin"
+    # Python ignores SIGPIPE and SIGXFSZ and an exec keeps that: the stage's command gets the
+    # defaults a shell gives it (what subprocess's restore_signals does). _signal is the built-in
+    # module `signal` wraps (signal's enums import enum, a cost every stage would pay)
+    import _signal  # type: ignore[import-not-found]  # typeshed has no stub for the C module
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(_signal, name):
+            _signal.signal(getattr(_signal, name), _signal.SIG_DFL)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
