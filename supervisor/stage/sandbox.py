@@ -199,7 +199,8 @@ def launcher_script(gate_port: int, proxy_port: int) -> str:
     notice "listening on" it writes right after listen(2); a reader shell per bridge turns
     that line into "up" (or "down" when socat ends first) on a pipe the launcher reads, then
     keeps passing socat's errors (E/F lines, what socat prints without -d) to the stage's
-    stderr and drops the notices. A timer (`sleep`, killed once both are up) bounds the wait.
+    stderr and drops the notices. A timer (`sleep`, killed once both are up) bounds the wait;
+    the launcher reads its pipe to the end, so COMMAND starts with no timer left beside it.
     Everything is dash builtins but socat and that one sleep."""
     relay = 'case $l in *"] "[EF]" "*) printf "%s\\n" "$l" >&2;; esac'
     return f"""ab=$1; shift
@@ -219,7 +220,8 @@ bridge() {{
     [ $n = 2 ] && [ -n "$t" ] && break
   done
   [ -n "$t" ] && kill $t 2>/dev/null
-  [ $n = 2 ]
+  [ $n = 2 ] || exit 1
+  while read -r w; do :; done  # the end of the pipe: the timer and its sleep are gone
 }} || {{ echo 'sfguard stage-exec: the sandbox bridges did not start' >&2; exit 2; }}
 "$@"; rc=$?
 set -- {INSIDE_SOCKET_DIR}/*
