@@ -11,7 +11,7 @@ Measured in one run, on this machine, against a baseline from the same run:
              bridges and waiting until they listen) + `true`, started directly: the prefix
              without its Python (no fast entry, no API call)
   prefix     the API's `exec_prefix` + `true` for a ready throw-away stage of a real guard: the fast
-             entry (`python -I -S cli/stage_exec_cmd.py ...`; API call + sandbox + two socat
+             entry (`python -I -S cli/stage_exec_entry.py ...`; API call + sandbox + two socat
              bridges up + the command): what a runner pays
   console    the same through the `sfguard stage-exec` console script (site-packages start-up)
 Target: p50(stage-exec) - p50(baseline) < 50 ms. Figures: p50, p90 and [min-max] over the samples.

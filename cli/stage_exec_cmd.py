@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # the fast entry (`python -I -S .../cli/stage_exec_cmd.py`): no site
+if __name__ == "__main__":  # run as a script (`python -I -S .../cli/stage_exec_cmd.py`): no site
     _up = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.isdir(os.path.join(_up, "supervisor")) and os.path.isfile(os.path.join(_up, "sfguard", "__init__.py")):
         # a checkout: its folders are the sub-packages of the sfguard namespace (pyproject's
@@ -265,7 +265,8 @@ USAGE = "usage: stage_exec_cmd.py [--home DIR] --run RUN_ID --stage STAGE_ID [--
 
 
 def fast_main(argv: list[str]) -> int:
-    """The runner's entry (exec_prefix): the same command without argparse or site-packages."""
+    """The runner's entry (exec_prefix runs cli/stage_exec_entry.py, which calls this): the same
+    command without argparse or site-packages."""
     opts: dict[str, str] = {}
     i = 0
     while i < len(argv):

@@ -35,7 +35,7 @@ def ready_stage(d, run="r1", sid="s1", profile=None, allow=("site-a.test",)):
 def test_stage_answer_carries_the_exec_prefix_and_it_runs_the_stage(daemon, workspace):
     answer = ready_stage(daemon)
     prefix = answer["exec_prefix"]
-    assert prefix[1:3] == ["-I", "-S"] and prefix[3].endswith("cli/stage_exec_cmd.py")
+    assert prefix[1:3] == ["-I", "-S"] and prefix[3].endswith("cli/stage_exec_entry.py")
     assert prefix[4:] == ["--home", str(daemon.home), "--run", "r1", "--stage", "s1", "--"]
     # resume: the identical answer
     assert daemon.call("GET", "/v1/runs/r1/stages/s1") == (200, answer)
