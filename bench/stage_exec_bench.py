@@ -7,8 +7,11 @@ Measured in one run, on this machine, against a baseline from the same run:
   python     the venv's Python starting and exiting (`python -c pass`): the floor of any Python CLI
   python -IS the same in isolated mode without site (`python -I -S -c pass`): the fast entry's floor
   bwrap      `bwrap <the sandbox's namespaces and mounts> true` alone (no bridges, no guard)
+  sandbox    the stage's full bubblewrap argv (its mounts, the launcher starting both socat
+             bridges and waiting until they listen) + `true`, started directly: the prefix
+             without its Python (no fast entry, no API call)
   prefix     the API's `exec_prefix` + `true` for a ready throw-away stage of a real guard: the fast
-             entry (`python -I -S cli/stage_exec_cmd.py ...`; API call + sandbox + two socat
+             entry (`python -I -S cli/stage_exec_entry.py ...`; API call + sandbox + two socat
              bridges up + the command): what a runner pays
   console    the same through the `sfguard stage-exec` console script (site-packages start-up)
 Target: p50(stage-exec) - p50(baseline) < 50 ms. Figures: p50, p90 and [min-max] over the samples.
@@ -23,20 +26,34 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sfguard.cli.stage_exec_cmd import sandbox_argv  # noqa: E402
 from sfguard.supervisor.client.guard_client import GuardClient  # noqa: E402
 from sfguard.supervisor.stage import sandbox  # noqa: E402
 
 
 def timed(argv, **kw) -> float:
+    """Wall time of one run, start to exit. The wait blocks in waitpid: subprocess's wait with a
+    timeout polls with doubling sleeps (1, 2, 4 ... 32, then 50 ms), which rounded every figure
+    up to about 1, 3, 7, 15, 31, 63, 113 ms. A timer kills a run that hangs (the bound)."""
     t = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, timeout=60, **kw)
-    return time.perf_counter() - t
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, **kw)
+    watchdog = threading.Timer(60, proc.kill)
+    watchdog.start()
+    try:
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+    elapsed = time.perf_counter() - t
+    if code != 0:
+        raise subprocess.CalledProcessError(code, argv)
+    return elapsed
 
 
 def p(values, q):
@@ -84,17 +101,36 @@ def main() -> int:
         if os.geteuid() == 0:
             user = sandbox.ensure_stage_user()
             bw_kw.update(user=user.uid, group=user.gid, extra_groups=[])
+        status, exec_answer = client.call("GET", "/v1/runs/bench/stages/s1/exec")
+        if status != 200:
+            print(f"no exec answer: {exec_answer}")
+            return 1
+        # what stage-exec hides for this runner (its HOME is `work`, no XDG_RUNTIME_DIR)
+        hide = list(exec_answer["hide"]) + ["/run", "/dev/shm", str(work)]
+        bwrap_path = sandbox.find_bwrap() or "bwrap"
+
+        def timed_sandbox() -> float:
+            r, w = os.pipe()  # the pinned config, read by bubblewrap as stage-exec's is
+            os.write(w, b"{}\n")
+            os.close(w)
+            try:
+                argv = sandbox_argv(bwrap_path, exec_answer, str(ws), hide, r, ["true"])
+                return timed(argv, pass_fds=(r,), **bw_kw)
+            finally:
+                os.close(r)
+
         py = [sys.executable, "-c", "pass"]
         py_is = [sys.executable, "-I", "-S", "-c", "pass"]
         for _ in range(3):  # warm caches
             timed(["/bin/true"], **kw), timed(py, **kw), timed(bw, **bw_kw), timed(prefix + ["true"], **kw)
-            timed(console + ["true"], **kw), timed(py_is, **kw)
-        base, pyt, pyis, bwrap, se, cons = [], [], [], [], [], []
+            timed(console + ["true"], **kw), timed(py_is, **kw), timed_sandbox()
+        base, pyt, pyis, bwrap, sbx, se, cons = [], [], [], [], [], [], []
         for _ in range(args.samples):  # interleaved, so load drifts hit all alike
             base.append(timed(["/bin/true"], **kw))
             pyt.append(timed(py, **kw))
             pyis.append(timed(py_is, **kw))
             bwrap.append(timed(bw, **bw_kw))
+            sbx.append(timed_sandbox())
             se.append(timed(prefix + ["true"], **kw))
             cons.append(timed(console + ["true"], **kw))
         client.call("POST", "/v1/runs/bench/end", {"outcome": "succeeded"})
@@ -111,7 +147,8 @@ def main() -> int:
     who = "root (stage dropped to sfguard-stage)" if os.geteuid() == 0 else "user"
     print(f"samples {args.samples}, cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, as {who}")
     for name, v in (("baseline   true", base), ("python     -c pass", pyt), ("python -IS -c pass", pyis),
-                    ("bwrap      sandbox + true", bwrap), ("prefix     exec_prefix true", se),
+                    ("bwrap      sandbox + true", bwrap), ("sandbox    + bridges + true", sbx),
+                    ("prefix     exec_prefix true", se),
                     ("console    sfguard ... true", cons)):
         m = statistics.median(v) * 1000
         print(f"{name:28} p50 {m:7.1f} ms  p90 {p(v, 90) * 1000:7.1f} ms  "

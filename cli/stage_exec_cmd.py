@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # the fast entry (`python -I -S .../cli/stage_exec_cmd.py`): no site
+if __name__ == "__main__":  # run as a script (`python -I -S .../cli/stage_exec_cmd.py`): no site
     _up = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.isdir(os.path.join(_up, "supervisor")) and os.path.isfile(os.path.join(_up, "sfguard", "__init__.py")):
         # a checkout: its folders are the sub-packages of the sfguard namespace (pyproject's
@@ -159,6 +159,35 @@ def run(args) -> int:
         raise MainCliError(str(exc), exc.exit_code) from None
 
 
+def sandbox_argv(bwrap: str, answer: dict, cwd: str, hide: list[str], config_fd: int,
+                 command: list[str]) -> list[str]:
+    """bubblewrap's argv for the guard's exec answer: the sandbox, its mounts, the launcher
+    (supervisor/stage/sandbox.py) and the stage's command. `config_fd` holds the pinned
+    agent-browser config (read by bubblewrap)."""
+    from sfguard.supervisor.stage import sandbox
+
+    bridges = answer["bridges"]
+    argv = [bwrap, *sandbox.BASE_ARGS]
+    for path in sandbox.hidden_paths(hide):
+        argv += ["--tmpfs", path]
+    # /tmp is a fresh tmpfs inside: a guard installed under /tmp (a checkout there) would lose
+    # its agent-browser, so its folder comes back read-only (never one that holds guard files)
+    tool_dir = sandbox.tool_dir_to_rebind(answer.get("agent_browser"),
+                                          list(answer["hide"]) + [bridges["dir"]])
+    if tool_dir:
+        argv += ["--ro-bind", tool_dir, tool_dir]
+    argv += ["--bind", cwd, cwd,
+             "--ro-bind", bridges["gate_socket"], sandbox.INSIDE_GATE_SOCKET,
+             "--ro-bind", bridges["proxy_socket"], sandbox.INSIDE_PROXY_SOCKET,
+             "--perms", "0600", "--ro-bind-data", str(config_fd), sandbox.INSIDE_CONFIG,
+             "--perms", "0700", "--dir", sandbox.INSIDE_SOCKET_DIR,
+             "--perms", "0700", "--dir", sandbox.INSIDE_HOME,
+             "--chdir", cwd, "--",
+             "/bin/sh", "-c", sandbox.launcher_script(bridges["gate_port"], bridges["proxy_port"]),
+             "sfguard-stage", answer.get("agent_browser") or "", *command]
+    return argv
+
+
 def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str]) -> int:
     """Ask the guard, build the sandbox, exec bubblewrap (never returns unless refused)."""
     from sfguard.supervisor.stage import sandbox
@@ -195,25 +224,7 @@ def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str
     if not (os.path.exists(gate_sock) and os.path.exists(proxy_sock)):
         raise CliError("the stage's bridges are gone: has the stage ended?")
     config_fd = _data_fd(b"{}\n")
-    argv = [bwrap, *sandbox.BASE_ARGS]
-    for path in sandbox.hidden_paths(hide):
-        argv += ["--tmpfs", path]
-    # /tmp is a fresh tmpfs inside: a guard installed under /tmp (a checkout there) would lose
-    # its agent-browser, so its folder comes back read-only (never one that holds guard files)
-    tool_dir = sandbox.tool_dir_to_rebind(answer.get("agent_browser"),
-                                          list(answer["hide"]) + [answer["bridges"]["dir"]])
-    if tool_dir:
-        argv += ["--ro-bind", tool_dir, tool_dir]
-    argv += ["--bind", cwd, cwd,
-             "--ro-bind", gate_sock, sandbox.INSIDE_GATE_SOCKET,
-             "--ro-bind", proxy_sock, sandbox.INSIDE_PROXY_SOCKET,
-             "--perms", "0600", "--ro-bind-data", str(config_fd), sandbox.INSIDE_CONFIG,
-             "--perms", "0700", "--dir", sandbox.INSIDE_SOCKET_DIR,
-             "--perms", "0700", "--dir", sandbox.INSIDE_HOME,
-             "--chdir", cwd, "--",
-             "/bin/sh", "-c", sandbox.launcher_script(answer["bridges"]["gate_port"],
-                                                      answer["bridges"]["proxy_port"]),
-             "sfguard-stage", answer.get("agent_browser") or "", *command]
+    argv = sandbox_argv(bwrap, answer, cwd, hide, config_fd, command)
     env = {k: os.environ[k] for k in PASSED_VARS if os.environ.get(k)}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env.setdefault("LANG", "C.UTF-8")
@@ -234,6 +245,13 @@ def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str
         p for p in env["PATH"].split(":")
         if p and os.path.isabs(p) and os.access(p, os.X_OK)
         and not any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden)) or "/usr/bin:/bin"
+    # Python ignores SIGPIPE and SIGXFSZ and an exec keeps that: the stage's command gets the
+    # defaults a shell gives it (what subprocess's restore_signals does). _signal is the built-in
+    # module `signal` wraps (signal's enums import enum, a cost every stage would pay)
+    import _signal  # type: ignore[import-not-found]  # typeshed has no stub for the C module
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(_signal, name):
+            _signal.signal(getattr(_signal, name), _signal.SIG_DFL)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -247,7 +265,8 @@ USAGE = "usage: stage_exec_cmd.py [--home DIR] --run RUN_ID --stage STAGE_ID [--
 
 
 def fast_main(argv: list[str]) -> int:
-    """The runner's entry (exec_prefix): the same command without argparse or site-packages."""
+    """The runner's entry (exec_prefix runs cli/stage_exec_entry.py, which calls this): the same
+    command without argparse or site-packages."""
     opts: dict[str, str] = {}
     i = 0
     while i < len(argv):

@@ -15,7 +15,6 @@ stage user needs no path into root's folders.
 """
 from __future__ import annotations
 
-import grp
 import os
 import pwd
 
@@ -137,6 +136,7 @@ def probe(user: StageUser | None = None) -> tuple[bool, str]:
 
 
 def group_id(name: str) -> int:
+    import grp  # here, not at the top: an extension module stage-exec's start-up does not need
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
@@ -183,27 +183,50 @@ def check_workspace(cwd: str, forbidden: list[str]) -> None:
                                "run stage-exec from the stage's workspace")
 
 
+#: how long the launcher waits for its two bridges to listen before it refuses (exit 2)
+BRIDGE_START_TIMEOUT = 10
+
+
 def launcher_script(gate_port: int, proxy_port: int) -> str:
     """The first process inside (`sh -c SCRIPT sfguard-stage AGENT_BROWSER COMMAND...`): start
     the two socat bridges, wait (bounded) until both listen, run the stage's command; if it
     started an agent-browser daemon, close that daemon's tab (a --cdp `close` alone only
     disconnects) so repeated stage-execs do not pile up tabs; exit with the command's status.
-    The wait reads /proc/net/tcp with shell builtins (no fork per try; a short sleep only after
-    the first few hundred tries), because start-up time is what a runner pays per stage."""
-    g, p = f"{gate_port:04X}", f"{proxy_port:04X}"
-    return (
-        "ab=$1; shift; "
-        f"socat TCP-LISTEN:{gate_port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{INSIDE_GATE_SOCKET} & "
-        f"socat TCP-LISTEN:{proxy_port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{INSIDE_PROXY_SOCKET} & "
-        "i=0; while :; do n=0; "
-        "while read -r _ l _ st _; do "
-        f'case "$l $st" in *:{g}\\ 0A|*:{p}\\ 0A) n=$((n+1));; esac; '
-        "done < /proc/net/tcp; "
-        "[ $n -ge 2 ] && break; i=$((i+1)); "
-        "if [ $i -gt 3000 ]; then echo 'sfguard stage-exec: the sandbox bridges did not start' >&2; exit 2; fi; "
-        "[ $i -gt 300 ] && sleep 0.002; done; "
-        '"$@"; rc=$?; '
-        f'set -- {INSIDE_SOCKET_DIR}/*; '
-        'if [ -n "$ab" ] && [ -e "$1" ]; then '
-        'timeout 15 "$ab" tab close >/dev/null 2>&1; timeout 15 "$ab" close >/dev/null 2>&1; fi; '
-        "exit $rc")
+
+    The wait blocks instead of polling, because start-up time is what a runner pays per stage
+    and on two busy cores a polling loop took the CPU the bridges needed to start (the
+    launcher saw them listen 20-30 ms after they did): each socat runs with `-d -d`, whose
+    notice "listening on" it writes right after listen(2); a reader shell per bridge turns
+    that line into "up" (or "down" when socat ends first) on a pipe the launcher reads, then
+    keeps passing socat's errors (E/F lines, what socat prints without -d) to the stage's
+    stderr and drops the notices. A timer (`sleep`, killed once both are up) bounds the wait;
+    the launcher reads its pipe to the end, so COMMAND starts with no timer left beside it.
+    Everything is dash builtins but socat and that one sleep."""
+    relay = 'case $l in *"] "[EF]" "*) printf "%s\\n" "$l" >&2;; esac'
+    return f"""ab=$1; shift
+bridge() {{
+  socat -d -d TCP-LISTEN:$1,bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:$2 </dev/null 2>&1 >/dev/null | {{
+    s=down
+    while read -r l; do case $l in *" N listening on "*) s=up; break;; esac; {relay}; done
+    echo $s 2>/dev/null; exec >/dev/null
+    while read -r l; do {relay}; done
+  }} &
+}}
+{{ bridge {int(gate_port)} {INSIDE_GATE_SOCKET}; bridge {int(proxy_port)} {INSIDE_PROXY_SOCKET}
+  {{ sleep {BRIDGE_START_TIMEOUT} & echo "t $!"; wait $! && echo timeout; }} 2>/dev/null & }} | {{
+  n=0 t=
+  while read -r w; do
+    case $w in "t "*) t=${{w#t }};; up) n=$((n+1));; *) break;; esac
+    [ $n = 2 ] && [ -n "$t" ] && break
+  done
+  [ -n "$t" ] && kill $t 2>/dev/null
+  [ $n = 2 ] || exit 1
+  while read -r w; do :; done  # the end of the pipe: the timer and its sleep are gone
+}} || {{ echo 'sfguard stage-exec: the sandbox bridges did not start' >&2; exit 2; }}
+"$@"; rc=$?
+set -- {INSIDE_SOCKET_DIR}/*
+if [ -n "$ab" ] && [ -e "$1" ]; then
+  timeout 15 "$ab" tab close >/dev/null 2>&1; timeout 15 "$ab" close >/dev/null 2>&1
+fi
+exit $rc
+"""

@@ -47,10 +47,12 @@ def prepare(guard) -> dict[str, Any]:
 #: stage-exec's fast entry: the same command as `sfguard stage-exec`, started by this guard's
 #: Python in isolated mode without site-packages (about 60 ms less per stage under load than
 #: the console script, whose site start-up dominates; see bench/stage_exec_bench.py), and by
-#: absolute path, so it does not depend on the runner's PATH.
+#: absolute path, so it does not depend on the runner's PATH. A script of a few lines that
+#: imports cli/stage_exec_cmd.py: Python compiles the script it runs on every start, an
+#: imported module comes from its cached bytecode.
 #: supervisor/stage/ -> the folder holding cli/ (the checkout, or the installed sfguard package)
 FAST_ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                          "cli", "stage_exec_cmd.py")
+                          "cli", "stage_exec_entry.py")
 
 
 def exec_prefix(guard, run_id: str, stage_id: str) -> list[str]:

@@ -35,7 +35,7 @@ def ready_stage(d, run="r1", sid="s1", profile=None, allow=("site-a.test",)):
 def test_stage_answer_carries_the_exec_prefix_and_it_runs_the_stage(daemon, workspace):
     answer = ready_stage(daemon)
     prefix = answer["exec_prefix"]
-    assert prefix[1:3] == ["-I", "-S"] and prefix[3].endswith("cli/stage_exec_cmd.py")
+    assert prefix[1:3] == ["-I", "-S"] and prefix[3].endswith("cli/stage_exec_entry.py")
     assert prefix[4:] == ["--home", str(daemon.home), "--run", "r1", "--stage", "s1", "--"]
     # resume: the identical answer
     assert daemon.call("GET", "/v1/runs/r1/stages/s1") == (200, answer)
@@ -54,6 +54,22 @@ def test_exit_status_is_the_commands(daemon, workspace, code):
     ready_stage(daemon)
     r = stage_exec(daemon.home, workspace, "r1", "s1", "sh", "-c", f"exit {code}")
     assert r.returncode == code, r.stderr
+
+
+@pytest.mark.parametrize("entry", ["fast entry", "console"])
+def test_the_stage_gets_default_sigpipe_and_sigxfsz(daemon, workspace, entry):
+    """Python ignores SIGPIPE and SIGXFSZ; a stage must not inherit that through the exec
+    (`yes | head -1` would end on an error instead of the signal)."""
+    answer = ready_stage(daemon)
+    cmd = ["sh", "-c", "grep SigIgn /proc/self/status; yes | head -1 >/dev/null"]
+    argv = (answer["exec_prefix"] + cmd if entry == "fast entry"
+            else stage_exec_argv(daemon.home, "r1", "s1", *cmd))
+    r = subprocess.run(argv, cwd=workspace, env=runner_env(daemon.home), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ignored = int(r.stdout.split()[1], 16)
+    assert ignored & (1 << (13 - 1)) == 0 and ignored & (1 << (25 - 1)) == 0, r.stdout  # SIGPIPE, SIGXFSZ
+    assert "Broken pipe" not in r.stderr, r.stderr
 
 
 def test_command_not_found_and_options_after_the_separator(daemon, workspace):
