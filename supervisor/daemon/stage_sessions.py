@@ -40,11 +40,10 @@ from sfguard.supervisor.gate.cdp_gate import CdpGate, GateError
 
 log = logging.getLogger("sfguard.sessions")
 
-#: the niceness a spare's session starts at: it is started beside a stage's own session start
-#: (the first stage of an anchor), and on 2 cores the two compete; the stage waiting now goes
-#: first. A taken spare's daemon gets the guard's own priority back where the OS lets the
-#: guard raise it (root); otherwise it keeps this niceness (agent-browser's daemon relays and
-#: waits: a lower priority costs it nothing on an idle machine).
+#: the niceness a spare's session starts at: it starts while the stage that made it starts its
+#: work, and the stage goes first. A taken spare's daemon gets the guard's own priority back
+#: where the OS lets the guard raise it (root); otherwise it keeps this niceness
+#: (agent-browser's daemon relays and waits: a lower priority costs it nothing when idle).
 SPARE_NICE = 10
 
 #: how long `take` waits for a spare that is still starting (its own start is bounded by the
