@@ -29,6 +29,17 @@ class ConnectGuard:
 
     def _authenticate(self, flow: http.HTTPFlow) -> Client | None:
         value = flow.request.headers.get("Proxy-Authorization")
+        if not self.s.registry.loaded:
+            # A run proxy (re)started before the guard sent its clients. A 407 to a browser's
+            # good credential would make Chromium drop it from its auth cache, and the guard's
+            # pipe answers challenges only at first (cdp_pipe: Fetch only while needed): the
+            # connection is closed instead, as while the proxy was down.
+            self.s.decision_log.write(
+                run=self.s.run, client=None, method=flow.request.method,
+                host=flow.request.host, port=flow.request.port, decision="deny",
+                reason="proxy_starting", rule=None, addr=None)
+            flow.kill()
+            return None
         client = self.s.registry.authenticate(value)
         if client is None:
             flow.response = auth_required_response()
