@@ -128,3 +128,44 @@ async def test_open_tunnel_is_cut_when_the_proxy_stops(tmp_path, echo):
 def test_listen_address_checks(host, public):
     with pytest.raises(GuardStartError):
         GuardProxy(GuardConfig(listen_host=host, listen_public=public), [])
+
+
+async def test_hooks_an_addon_handles_still_run_and_plain_requests_answer_on_keep_alive(tmp_path):
+    """The guard completes the `request`/`response` hooks at once while no addon handles
+    them; an addon added later for `response` is called for every response again."""
+    async def handle(reader, writer):
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port_up = server.sockets[0].getsockname()[1]
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, port_up))
+    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
+                       ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
+    _, port = await proxy.start()
+    seen: list[int] = []
+
+    class Recorder:
+        def response(self, flow):
+            seen.append(flow.response.status_code)
+
+    async def three_on_one_connection() -> list[bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        got = []
+        for i in range(3):
+            writer.write(f"GET http://site-a.test:{port_up}/{i} HTTP/1.1\r\nHost: site-a.test:{port_up}\r\n"
+                         f"Proxy-Authorization: {basic('a', TOKEN_A)}\r\n\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            got.append(head.split(b"\r\n", 1)[0] + b" " + await asyncio.wait_for(reader.readexactly(2), 5))
+        writer.close()
+        return got
+
+    try:
+        assert await three_on_one_connection() == [b"HTTP/1.1 200 OK ok"] * 3
+        assert seen == []
+        proxy._master.addons.add(Recorder())
+        assert await three_on_one_connection() == [b"HTTP/1.1 200 OK ok"] * 3
+        assert seen == [200, 200, 200]
+    finally:
+        await proxy.stop()
+        server.close()
