@@ -34,9 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import os
 import datetime
 import ipaddress
+import os
 import shutil
 import ssl
 import statistics
@@ -109,7 +109,7 @@ def tls_context(tmp: Path) -> ssl.SSLContext:
     from cryptography.x509.oid import NameOID
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sfguard bench")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     sans = [x509.DNSName(f"site-{i + 1}.test") for i in range(3)]
     sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
