@@ -110,8 +110,25 @@ async def wait_for(cond, what: str, timeout: float = 15.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def settled(origins: list[Origin]) -> list[int]:
+    """The origins' hit counts once no request (a late favicon) came for 0.5 s (bounded)."""
+    last: list[int] = []
+    for _ in range(40):
+        now = [o.hits for o in origins]
+        if now == last:
+            break
+        last = now
+        await asyncio.sleep(0.5)
+    return last
+
+
 def decisions(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    """The decision-log lines about the test's sites (Chromium's own background calls, e.g. to
+    accounts.google.com, are logged too: denied, checked apart)."""
+    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    others = [d for d in lines if not str(d.get("host")).endswith(".test")]
+    assert all(d["decision"] == "deny" for d in others), others
+    return [d for d in lines if d not in others]
 
 
 @pytest.fixture
@@ -151,14 +168,17 @@ async def test_after_the_switch_off_new_origins_parallel_requests_and_new_connec
     err, n = await tab.load(f"{names[0]}/s0.js?first")
     assert err is None
     await wait_for(lambda: not anchor.pipe.fetch_on, "Fetch switched off", FETCH_QUIET + 10)
-    before, hits = len(decisions(log)), sum(o.hits for o in origins)
+    hits = sum(await settled(origins))
+    before = len(decisions(log))
     # 1 page + 30 scripts from 3 origins, the scripts in parallel, twice
     for k in range(2):
         err, n = await tab.load(f"{names[1]}/?after-{k}")
         assert (err, n) == (None, 3 * SCRIPTS)
+    now = sum(await settled(origins))
     got = decisions(log)[before:]
-    # every request (a favicon too) decided and logged ...
-    assert len(got) == sum(o.hits for o in origins) - hits >= 2 * (1 + 3 * SCRIPTS)
+    # every request that reached an origin (a favicon too) was decided and logged; a request
+    # Chromium gives up after the decision (a favicon, on the next navigation) has a line only
+    assert len(got) >= now - hits >= 2 * (1 + 3 * SCRIPTS)
     assert {(d["decision"], d["client"]) for d in got} == {("allow", client)}   # ... as this client
     assert not anchor.pipe.fetch_on
 
@@ -168,13 +188,32 @@ async def test_after_the_switch_off_new_origins_parallel_requests_and_new_connec
     await proxy.proc.wait()
     await proxy.start()
     assert proxy.proc.pid != pid
-    before, hits = len(decisions(log)), sum(o.hits for o in origins)
+    hits = sum(await settled(origins))
+    before = len(decisions(log))
     err, n = await tab.load(f"{names[2]}/?after-restart")
     assert (err, n) == (None, 3 * SCRIPTS)
+    now = sum(await settled(origins))
     got = decisions(log)[before:]
-    assert len(got) == sum(o.hits for o in origins) - hits >= 1 + 3 * SCRIPTS
+    assert len(got) >= now - hits >= 1 + 3 * SCRIPTS
     assert {d["client"] for d in got} == {client}
     assert not any(d["reason"] == "proxy_auth_failed" for d in decisions(log))
+
+
+@pytest.mark.browser
+async def test_loads_under_way_while_fetch_is_switched_off_complete(guarded):
+    anchor, proxy, client, names, origins, log = guarded
+    tab = await Tab(anchor).open()
+    # loads back to back from the first challenge on: the switch-off (FETCH_QUIET after the
+    # challenge) falls while requests are paused or in flight; two more loads follow it
+    results, off_at = [], None
+    for k in range(40):
+        results.append(await tab.load(f"{names[k % 3]}/?k={k}"))
+        if off_at is None and not anchor.pipe.fetch_on:
+            off_at = k
+        if off_at is not None and k >= off_at + 2:
+            break
+    assert off_at is not None, "Fetch was never switched off"
+    assert results == [(None, 3 * SCRIPTS)] * len(results)
 
 
 @pytest.mark.browser
@@ -200,11 +239,11 @@ async def test_a_credential_the_proxy_no_longer_accepts_fails_closed(guarded):
     tab = await Tab(anchor).open()
     assert (await tab.load(f"{names[0]}/?first"))[0] is None
     await wait_for(lambda: not anchor.pipe.fetch_on, "Fetch switched off", FETCH_QUIET + 10)
-    hits = [o.hits for o in origins]
+    hits = await settled(origins)
     await proxy.remove_client(client)     # what the guard does when the browser's run ends
     err, _ = await tab.load(f"{names[1]}/?removed")
     assert err == "net::ERR_INVALID_AUTH_CREDENTIALS"
-    assert [o.hits for o in origins] == hits          # nothing reached any origin
+    assert await settled(origins) == hits             # nothing reached any origin
     assert decisions(log)[-1]["reason"] == "proxy_auth_failed"
 
 
