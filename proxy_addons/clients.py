@@ -177,10 +177,13 @@ class ClientRegistry:
     A change affects new connections and new plain-HTTP requests; established tunnels stay up.
     """
 
-    def __init__(self, clients: Iterable[Client] = ()) -> None:
+    def __init__(self, clients: Iterable[Client] = (), *, loaded: bool = True) -> None:
         self._lock = threading.Lock()
         self._clients: Mapping[str, Client] = MappingProxyType({})
         self.replace_all(clients)
+        #: False until the first client set arrives (a run proxy fed over stdin): until then no
+        #: credential can be judged, and the proxy closes connections instead of answering 407.
+        self.loaded = loaded
 
     # -- writers -------------------------------------------------------------------------
     def add(self, client: Client) -> None:
@@ -226,6 +229,7 @@ class ClientRegistry:
             new[c.name] = c
         with self._lock:
             self._clients = MappingProxyType(new)
+            self.loaded = True
 
     # -- readers -------------------------------------------------------------------------
     def get(self, name: str) -> Client | None:

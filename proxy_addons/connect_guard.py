@@ -8,7 +8,10 @@ Hooks:
   the same host and port as the URL (else `host_header_mismatch`). The client's
   `Proxy-Authorization` header is removed before the request goes anywhere, and bodies are
   streamed (never buffered).
-- `responseheaders`: stream response bodies too.
+- `responseheaders`: response bodies are streamed too, except one announced by Content-Length
+  at most `SMALL_BODY` bytes: read whole, it skips mitmproxy's per-chunk streaming path
+  (measured: 12-14% less proxy CPU per small plain request, docs/proxy.md); memory per
+  response stays bounded by `SMALL_BODY`.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from sfguard.proxy_addons.clients import Client
 from sfguard.proxy_addons.state import GuardState, Target, auth_required_response, deny_response
 
 logger = logging.getLogger("sfguard.proxy.connect")
+#: A response body up to this size, announced by Content-Length, is read whole and sent to the
+#: client with its head in one write; larger or unannounced ones are streamed.
+SMALL_BODY = 64 * 1024
 
 
 class ConnectGuard:
@@ -29,6 +35,17 @@ class ConnectGuard:
 
     def _authenticate(self, flow: http.HTTPFlow) -> Client | None:
         value = flow.request.headers.get("Proxy-Authorization")
+        if not self.s.registry.loaded:
+            # A run proxy (re)started before the guard sent its clients. A 407 to a browser's
+            # good credential would make Chromium drop it from its auth cache, and the guard's
+            # pipe answers challenges only at first (cdp_pipe: Fetch only while needed): the
+            # connection is closed instead, as while the proxy was down.
+            self.s.decision_log.write(
+                run=self.s.run, client=None, method=flow.request.method,
+                host=flow.request.host, port=flow.request.port, decision="deny",
+                reason="proxy_starting", rule=None, addr=None)
+            flow.kill()
+            return None
         client = self.s.registry.authenticate(value)
         if client is None:
             flow.response = auth_required_response()
@@ -132,4 +149,6 @@ class ConnectGuard:
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
-            flow.response.stream = True
+            length = flow.response.headers.get("Content-Length", "")
+            small = length.isdigit() and len(length) < 10 and int(length) <= SMALL_BODY
+            flow.response.stream = not small

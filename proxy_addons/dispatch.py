@@ -46,6 +46,11 @@ class CachedAddonManager(addonmanager.AddonManager):
             cache[name] = found
         return found
 
+    def unhandled(self, name: str) -> bool:
+        """True when no addon handles hook `name` and none handles `update` (which mitmproxy
+        raises after every flow hook): completing such a hook at once changes nothing."""
+        return not self._handlers(name) and not self._handlers("update")
+
     async def trigger_event(self, event: hooks.Hook) -> None:
         funcs = self._handlers(event.name)
         if not funcs:

@@ -40,14 +40,17 @@ import enum
 import ipaddress
 import logging
 import re
+from collections.abc import Callable
 from typing import Final, Literal, TypeAlias
 
+from mitmproxy import addonmanager
 from mitmproxy.connection import Address
 from mitmproxy.proxy import layer
 from mitmproxy.proxy.layers import TCPLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode
 
 from sfguard import policy
+from sfguard.proxy_addons import dispatch
 from sfguard.proxy_addons.client_hello import NEED_MORE, BadHello, could_be_tls, read_client_hello
 from sfguard.proxy_addons.layers import BoundedHttpLayer, CloseLayer
 from sfguard.proxy_addons.state import ConnState, GuardState, Target
@@ -89,6 +92,12 @@ class LayerGuard:
 
     def __init__(self, state: GuardState) -> None:
         self.s = state
+        self._skip_hook: Callable[[str], bool] | None = None
+
+    def load(self, loader: addonmanager.Loader) -> None:
+        from mitmproxy import ctx
+        if isinstance(ctx.master.addons, dispatch.CachedAddonManager):
+            self._skip_hook = ctx.master.addons.unhandled
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         if nextlayer.layer is not None:
@@ -105,7 +114,7 @@ class LayerGuard:
             else:
                 nextlayer.layer = BoundedHttpLayer(
                     context, HTTPMode.regular, self.s.max_head_bytes, self.s.max_header_count,
-                    on_refuse=self._head_refused)
+                    on_refuse=self._head_refused, skip_hook=self._skip_hook)
             return
 
         conn = self.s.conns.get(context.client.id)

@@ -96,7 +96,7 @@ async def _control(registry: ClientRegistry, stop: asyncio.Event) -> None:
 
 async def _serve(config: GuardConfig, clients: Iterable[Client], control: bool,
                  credential: str | None) -> int:
-    registry = ClientRegistry(clients)
+    registry = ClientRegistry(clients, loaded=not control)  # control: clients come over stdin
     try:
         proxy = GuardProxy(config, registry)
     except policy.PolicyError as exc:

@@ -18,6 +18,12 @@ browser-level connection, as if each had its own WebSocket:
   * proxy authentication: `Fetch.enable {handleAuthRequests}` at browser level, answered by the
     pipe with the run proxy's credential (and only to the proxy's challenge). The credential never
     leaves the guard process: clients cannot use the Fetch domain (the gate's policy).
+    Fetch pauses every request, so it is on only while needed: Chromium keeps the credential it
+    was given in its HTTP auth cache and sends it unasked on every later request and connection
+    to the same proxy (measured, tests/browser_host/test_fetch_switch_off.py). Once
+    `FETCH_QUIET` seconds pass without a new proxy challenge after one was answered, the pipe
+    sends `Fetch.disable`; a client's `Target.createBrowserContext` (a new context has a cache
+    of its own) turns it back on first.
 
 The pipe closing (EOF on fd 4) means the browser is gone: `closed` is set, every pending call
 fails, every client gets end-of-stream. Nothing here logs message contents or the credential.
@@ -42,6 +48,10 @@ MAX_MESSAGE = 256 * 1024 * 1024
 #: request with ERR_INVALID_AUTH_CREDENTIALS), so every request pauses at its start and is let
 #: go at once (_answer_fetch); challenges get the credential.
 FETCH_ENABLE = {"handleAuthRequests": True, "patterns": [{"urlPattern": "*"}]}
+#: Seconds without a new proxy challenge, after one was answered, before Fetch is switched off.
+#: The parallel requests of a first page load each get their challenge within milliseconds
+#: (they started before the credential was cached); later ones carry it from the cache.
+FETCH_QUIET = 1.0
 _REPLY_ID_RE = re.compile(r'^\{"id":(\d+)([,}])')
 _TARGET_LIST_EVENTS = frozenset({"Target.targetCreated", "Target.targetInfoChanged",
                                  "Target.targetDestroyed", "Target.targetCrashed"})
@@ -162,6 +172,8 @@ class CdpPipe:
         self.targets: dict[str, dict] = {}                # targetId -> targetInfo
         self.closed = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.fetch_on = False                             # browser-wide Fetch interception
+        self._fetch_off_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, *, proxy_auth: tuple[str, str] | None = None, timeout: float = 60.0) -> dict:
@@ -173,6 +185,7 @@ class CdpPipe:
         await self.call("Target.setDiscoverTargets", {"discover": True}, timeout=timeout)
         if proxy_auth is not None:
             await self.call("Fetch.enable", FETCH_ENABLE, timeout=timeout)
+            self.fetch_on = True
         return version
 
     async def close(self) -> None:
@@ -218,6 +231,10 @@ class CdpPipe:
             client._deliver(json.dumps({"id": msg.get("id"), "sessionId": sid, "error": {
                 "code": -32001, "message": "Session with given id not found."}}))
             return
+        if method == "Target.createBrowserContext" and self._auth is not None and not self.fetch_on:
+            # A new context starts with an empty auth cache: answer its first challenge.
+            self._fire("Fetch.enable", FETCH_ENABLE)
+            self.fetch_on = True
         if method == "Target.attachToTarget" and sid is None and isinstance(params.get("targetId"), str):
             self._pending_attach[params["targetId"]].append(client)
         gid = next(self._ids)
@@ -301,6 +318,8 @@ class CdpPipe:
         if self.closed.is_set():
             return
         self.closed.set()
+        if self._fetch_off_timer is not None:
+            self._fetch_off_timer.cancel()
         for fut in self._own.values():
             if not fut.done():
                 fut.set_exception(PipeClosed("the browser closed its DevTools pipe"))
@@ -415,10 +434,24 @@ class CdpPipe:
         if from_proxy and self._auth:
             answer = {"response": "ProvideCredentials", "username": self._auth[0],
                       "password": self._auth[1]}
+            if self._fetch_off_timer is not None:
+                self._fetch_off_timer.cancel()
+            self._fetch_off_timer = asyncio.get_running_loop().call_later(FETCH_QUIET, self._fetch_off)
         else:
             answer = {"response": "CancelAuth"}
         self._fire("Fetch.continueWithAuth", {"requestId": params.get("requestId"),
                                               "authChallengeResponse": answer})
+
+
+    def _fetch_off(self) -> None:
+        """No proxy challenge for FETCH_QUIET seconds: the credential is in Chromium's auth
+        cache, requests stop pausing. A request paused meanwhile is let go by Chromium."""
+        self._fetch_off_timer = None
+        if self.closed.is_set() or not self.fetch_on:
+            return
+        self.fetch_on = False
+        with contextlib.suppress(PipeClosed):
+            self._fire("Fetch.disable", {})
 
 
 def m_end(text: str) -> int:

@@ -25,7 +25,7 @@ TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 class RunChild:
     """`python -O -m sfguard.supervisor.daemon.proxy_child`, started and fed exactly as the daemon's RunProxy."""
 
-    def __init__(self, policy, log, resolve: list[str]) -> None:
+    def __init__(self, policy, log, resolve: list[str], send_clients: bool = True) -> None:
         # the daemon's own argv (optimised, -O), port 0 = a free one
         argv = child_argv(0, policy, log, dict(item.split("=", 1) for item in resolve))
         env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
@@ -41,6 +41,10 @@ class RunChild:
             self.proc.wait(10)
             raise AssertionError(f"no ready line: {line!r}")
         self.port = int(line.strip().rsplit(":", 1)[1])
+        if send_clients:
+            self.send_clients()
+
+    def send_clients(self) -> None:
         self.stdin.write(json.dumps({"id": 7, "clients": [
             {"name": "a", "token": TOKEN_A, "allow": ["site-a.test"], "run": "r-1"}]}) + "\n")
         self.stdin.flush()
@@ -152,3 +156,24 @@ def test_run_proxy_stops_when_the_daemon_end_of_stdin_closes(tmp_path, policy_fi
     started = time.monotonic()
     assert child.stop() == 0
     assert time.monotonic() - started < 15
+
+
+def test_a_run_proxy_before_its_first_client_set_closes_connections_instead_of_answering_407(
+        tmp_path, policy_file, http_server, echo_server):
+    """A browser's cached credential must not meet a 407 while a restarted run proxy waits for
+    its clients (Chromium would drop it, and the guard answers challenges only at first)."""
+    log = tmp_path / "d.log"
+    child = RunChild(policy_file, log, ["site-a.test=127.0.0.1"], send_clients=False)
+    try:
+        for req in (lambda: get(child.port, f"http://site-a.test:{http_server.port}/x", A),
+                    lambda: connect(child.port, f"site-a.test:{echo_server.port}", A)):
+            reply = req()
+            assert (reply.status, reply.headers) == (0, {})   # closed, no answer at all
+        assert [(x["method"], x["decision"], x["reason"], x["client"]) for x in _lines(log)] == [
+            ("GET", "deny", "proxy_starting", None), ("CONNECT", "deny", "proxy_starting", None)]
+        child.send_clients()
+        assert get(child.port, f"http://site-a.test:{http_server.port}/x", A).status == 200
+        assert get(child.port, f"http://site-a.test:{http_server.port}/x",
+                   basic("a", "wrong-token")).status == 407
+    finally:
+        assert child.stop() == 0

@@ -128,3 +128,133 @@ async def test_open_tunnel_is_cut_when_the_proxy_stops(tmp_path, echo):
 def test_listen_address_checks(host, public):
     with pytest.raises(GuardStartError):
         GuardProxy(GuardConfig(listen_host=host, listen_public=public), [])
+
+
+async def test_hooks_an_addon_handles_still_run_and_plain_requests_answer_on_keep_alive(tmp_path):
+    """The guard completes the `request`/`response` hooks at once while no addon handles
+    them; an addon added later for `response` is called for every response again."""
+    async def handle(reader, writer):
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port_up = server.sockets[0].getsockname()[1]
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, port_up))
+    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
+                       ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
+    _, port = await proxy.start()
+    seen: list[int] = []
+
+    class Recorder:
+        def response(self, flow):
+            seen.append(flow.response.status_code)
+
+    async def three_on_one_connection() -> list[bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        got = []
+        for i in range(3):
+            writer.write(f"GET http://site-a.test:{port_up}/{i} HTTP/1.1\r\nHost: site-a.test:{port_up}\r\n"
+                         f"Proxy-Authorization: {basic('a', TOKEN_A)}\r\n\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            got.append(head.split(b"\r\n", 1)[0] + b" " + await asyncio.wait_for(reader.readexactly(2), 5))
+        writer.close()
+        return got
+
+    try:
+        assert await three_on_one_connection() == [b"HTTP/1.1 200 OK ok"] * 3
+        assert seen == []
+        proxy._master.addons.add(Recorder())
+        assert await three_on_one_connection() == [b"HTTP/1.1 200 OK ok"] * 3
+        assert seen == [200, 200, 200]
+    finally:
+        await proxy.stop()
+        server.close()
+
+
+BODIES = [
+    # (case, response head fields, body): every body must arrive whole and unchanged
+    ("small, announced", "Content-Length: 10", b"0123456789"),
+    ("64 KiB, announced", f"Content-Length: {64 * 1024}", b"a" * (64 * 1024)),
+    ("64 KiB + 1, announced", f"Content-Length: {64 * 1024 + 1}", b"b" * (64 * 1024 + 1)),
+    ("1 MiB, announced", f"Content-Length: {1 << 20}", bytes(range(256)) * 4096),
+    ("300 KiB, chunked", "Transfer-Encoding: chunked", b"c" * (300 * 1024)),
+]
+
+
+@pytest.fixture
+async def plain_guard(tmp_path):
+    """A guard for plain requests to site-a.test, and an upstream that answers `/N` with
+    BODIES[N]; `/stall` sends the head and 1 KiB of a 1 MiB body, then waits for `release`."""
+    release = asyncio.Event()
+
+    async def handle(reader, writer):
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                path = head.split(b" ", 2)[1].decode()
+                if path == "/stall":
+                    writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {1 << 20}\r\n\r\n".encode() + b"s" * 1024)
+                    await writer.drain()
+                    await release.wait()
+                    writer.write(b"s" * ((1 << 20) - 1024))
+                    await writer.drain()
+                    continue
+                _, fields, body = BODIES[int(path[1:])]
+                wire = body
+                if "chunked" in fields:
+                    wire = b"".join(f"{len(body[i:i + 50000]):x}\r\n".encode() + body[i:i + 50000] + b"\r\n"
+                                    for i in range(0, len(body), 50000)) + b"0\r\n\r\n"
+                writer.write(f"HTTP/1.1 200 OK\r\n{fields}\r\n\r\n".encode() + wire)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port_up = server.sockets[0].getsockname()[1]
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, port_up))
+    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
+                       ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
+    _, port = await proxy.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def send(path: str) -> bytes:
+        writer.write(f"GET http://site-a.test:{port_up}{path} HTTP/1.1\r\nHost: site-a.test:{port_up}\r\n"
+                     f"Proxy-Authorization: {basic('a', TOKEN_A)}\r\n\r\n".encode())
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+
+    yield send, reader, release
+    writer.close()
+    await proxy.stop()
+    server.close()
+
+
+async def read_body(reader, head: bytes) -> bytes:
+    fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if ": " in line)
+    if "Content-Length" in fields:
+        return await asyncio.wait_for(reader.readexactly(int(fields["Content-Length"])), 10)
+    body = b""
+    while size := int((await asyncio.wait_for(reader.readline(), 10)).strip(), 16):
+        body += await reader.readexactly(size)
+        await reader.readline()
+    await reader.readline()
+    return body
+
+
+async def test_response_bodies_small_and_large_arrive_whole_on_one_keep_alive_connection(plain_guard):
+    send, reader, _ = plain_guard
+    for i, (_case, _fields, body) in enumerate(BODIES):
+        head = await send(f"/{i}")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert await read_body(reader, head) == body
+
+
+async def test_a_large_response_is_streamed_not_buffered(plain_guard):
+    send, reader, release = plain_guard
+    head = await send("/stall")
+    # the upstream holds the rest back until the client has the first KiB: only a streamed
+    # body gets there (a buffered one would wait for all 1 MiB)
+    assert await asyncio.wait_for(reader.readexactly(1024), 10) == b"s" * 1024
+    release.set()
+    assert await asyncio.wait_for(reader.readexactly((1 << 20) - 1024), 10) == b"s" * ((1 << 20) - 1024)
+    assert head.startswith(b"HTTP/1.1 200")
