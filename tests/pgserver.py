@@ -83,8 +83,10 @@ class PgServer:
         return self
 
     def pause(self) -> None:
-        """Stop the server but keep its data (the database is "unreachable" until `resume`)."""
-        r = self._run(str(self.bin / "pg_ctl"), "stop", "-D", str(self.data), "-m", "immediate",
+        """Stop the server but keep its data (the database is "unreachable" until `resume`).
+        A clean (fast) shutdown: commits are asynchronous here (synchronous_commit=off), so an
+        immediate one could lose the last ones."""
+        r = self._run(str(self.bin / "pg_ctl"), "stop", "-D", str(self.data), "-m", "fast",
                       "-w", "-t", "60")
         if r.returncode != 0:
             raise RuntimeError(f"pg_ctl stop failed: {r.stderr[-1000:]}")

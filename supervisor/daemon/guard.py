@@ -200,7 +200,6 @@ class Guard:
         for run in list(self.runs.values()):
             if run.state == RunState.ACTIVE:
                 await self.teardown.end_run(run, RunOutcome.ABANDONED)
-        await self.stages.stop()
         await self.sessions.drop_all()
         await self.proxies.stop()
         await self.bridges.close_all()

@@ -137,14 +137,6 @@ class StageSessions:
             log.info("spare stage session for %s not started: %s", anchor.session, exc)
             return None
 
-    async def settled(self, anchor: Anchor) -> None:
-        """Wait (bounded by TAKE_WAIT) until the anchor's spare, if one is starting, has started
-        or failed. Never raises."""
-        task = self._spares.get(anchor.session)
-        if task is not None and not task.done():
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(task), TAKE_WAIT)
-
     def spare_records(self, anchor: Anchor) -> tuple[list[ProcRecord], list[str]]:
         """The processes and session name of the anchor's ready spare (for the crash record)."""
         task = self._spares.get(anchor.session)

@@ -2,7 +2,6 @@
 their browsers (a leased profile's anchor, or a throw-away one) behind the run's proxy."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -45,7 +44,6 @@ class Stages:
 
     def __init__(self, guard: Guard):
         self.g = guard
-        self._later: set[asyncio.Task] = set()   # background work started after a stage start
 
     # -- names ---------------------------------------------------------------------------------
     def profile_key(self, run: Run, name: str) -> ProfileKey:
@@ -102,7 +100,6 @@ class Stages:
                     log.info("stage %s/%s ready in %.0f ms (lease %.0f, browser %.0f, session %.0f)",
                              run.run_id, stage.stage_id, (time.monotonic() - t0) * 1000,
                              (t1 - t0) * 1000, (t2 - t1) * 1000, (time.monotonic() - t2) * 1000)
-                    self.refill_proxies_after(browser)
         except GuardError as exc:
             stage.move(StageState.FAILED)
             stage.error = exc
@@ -178,37 +175,13 @@ class Stages:
     # -- browsers ------------------------------------------------------------------------------
     async def ensure_proxy(self, run: Run) -> RunProxy:
         """The run's proxy: the pool's warm spare when one is ready (a proxy child takes ~0.7 s
-        to start), else a new one. The pool's next spare is started once the stage that took
-        this one is ready (`refill_proxies_after`), not now: its start-up is CPU work that
-        would compete with this stage's browser launch."""
+        to start), else a new one; then a new spare is started in the background."""
         if run.proxy is None:
             run.workdir = private_dir(self.g.runtime / f"r-{short_id()}")
             run.proxy = await self.g.proxies.take(run.run_id)
             self.g.records.save(run)
+            self.g.proxies.refill()
         return run.proxy
-
-    async def stop(self) -> None:
-        """At guard stop: background work not yet done is dropped."""
-        for task in list(self._later):
-            task.cancel()
-        await asyncio.gather(*self._later, return_exceptions=True)
-
-    def refill_proxies_after(self, browser: Browser) -> None:
-        """Refill the run-proxy pool once the anchor's spare session (started after the stage's
-        own) has settled: on 2 cores the proxy child's start-up (~0.7 s of CPU) would otherwise
-        slow the stage that waits now or the next one. A no-op while the pool has its spare."""
-        anchor = browser.anchor
-
-        async def later() -> None:
-            if anchor is not None:
-                await self.g.sessions.settled(anchor)
-            me = asyncio.current_task()
-            if me is None or not me.cancelling():   # not when the guard stops
-                self.g.proxies.refill()
-
-        task = asyncio.get_running_loop().create_task(later())
-        self._later.add(task)   # the loop keeps only weak references to tasks
-        task.add_done_callback(self._later.discard)
 
     async def launch(self, run: Run, browser: Browser, profile_dir: Path | None) -> Anchor:
         g = self.g
