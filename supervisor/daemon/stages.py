@@ -141,7 +141,8 @@ class Stages:
         # sitting (supervisor_bench, 5 rounds, load ~4): started beside it, first stage 1.92x a
         # bare launch and a second stage requested at once ready in 40 ms; started after it,
         # 1.23x and 791 ms (that second stage waits for the spare). A pipeline's next stage
-        # comes after this one's work, by when the spare is ready (docs/agent-browser-notes.md).
+        # comes after this one's work, by when the spare is ready (docs/agent-browser-notes.md,
+        # "First stage", also for the proxy refill these figures were measured with).
         if browser.profile is not None:
             def save_unless_ended() -> None:
                 if run.state != RunState.ENDED:
