@@ -40,11 +40,10 @@ from sfguard.supervisor.gate.cdp_gate import CdpGate, GateError
 
 log = logging.getLogger("sfguard.sessions")
 
-#: the niceness a spare's session starts at: it starts while the stage that made it starts its
-#: work, and the stage goes first. A taken spare's daemon gets the guard's own priority back
-#: where the OS lets the guard raise it (root); otherwise it keeps this niceness
-#: (agent-browser's daemon relays and waits: a lower priority costs it nothing when idle).
-SPARE_NICE = 10
+#: the niceness a spare's session starts at, added to the guard's own (`nice`); a taken spare's
+#: daemon gets the guard's priority back where the OS lets the guard raise it (root). 0: a
+#: spare that starts late also delays the end of a short run, which waits for it.
+SPARE_NICE = 0
 
 #: how long `take` waits for a spare that is still starting (its own start is bounded by the
 #: host's command timeout; this only caps the wait of one stage request)

@@ -131,24 +131,23 @@ class Stages:
         # spare, started ahead, when there is one; else one started now. A shared anchor then
         # starts the spare for its next stage (supervisor/daemon/stage_sessions.py).
         started = await g.sessions.take(anchor, gate_key, quota) if browser.profile else None
-        if started is None:
-            # the browser's start-up tab, while no stage has had it: agent-browser attaches to
-            # it instead of creating a first tab of its own (docs/agent-browser-notes.md)
-            started = await g.sessions.start(gate_key, anchor, artifacts_dir=artifacts,
-                                              tab_quota=quota, own_tab=anchor.take_blank_tab())
-        # The next stage's session starts once this stage's own has: on 2 cores two sessions
-        # started together share the CPU and the first stage waits for both. Measured in one
-        # sitting (supervisor_bench, 5 rounds, load ~4): started beside it, first stage 1.92x a
-        # bare launch and a second stage requested at once ready in 40 ms; started after it,
-        # 1.23x and 791 ms (that second stage waits for the spare). A pipeline's next stage
-        # comes after this one's work, by when the spare is ready (docs/agent-browser-notes.md,
-        # "First stage", also for the proxy refill these figures were measured with).
+        # The next stage's session starts beside this stage's own. On 2 cores the two share
+        # the CPU: measured in one sitting (supervisor_bench, 5 rounds, load ~4), beside it the
+        # first stage was 1.92x a bare launch and a second stage requested at once ready in
+        # 40 ms; after it, 1.23x and 791 ms. Started after it, a spare is also still starting
+        # when a short run ends, and the run's end waits for it: the test suite took minutes
+        # longer (docs/agent-browser-notes.md, "First stage").
         if browser.profile is not None:
             def save_unless_ended() -> None:
                 if run.state != RunState.ENDED:
                     g.records.save(run)
             g.sessions.prestart(run.run_id, anchor, artifacts_dir=artifacts, tab_quota=quota,
                                 on_ready=save_unless_ended)
+        if started is None:
+            # the browser's start-up tab, while no stage has had it: agent-browser attaches to
+            # it instead of creating a first tab of its own (docs/agent-browser-notes.md)
+            started = await g.sessions.start(gate_key, anchor, artifacts_dir=artifacts,
+                                              tab_quota=quota, own_tab=anchor.take_blank_tab())
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
         try:
             await g.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains)
