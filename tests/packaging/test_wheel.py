@@ -3,8 +3,8 @@
 Builds the wheel from a copy of the tracked files (so nothing untracked can leak in), installs
 it into a fresh venv in a temporary folder (dependencies pinned by requirements.lock, from pip's
 cache after ./dev setup), and runs the console script and `python -m sfguard` from there.
-Marked slow (not in the default suite, which must keep CI under 30 minutes; on a fresh machine
-its venv downloads every dependency again): `./dev test -m "slow or not slow" tests/packaging`.
+Marked slow (not in the default suite, which must keep CI under 30 minutes; it builds a wheel
+and installs a whole venv): `./dev test -m "slow or not slow" tests/packaging`.
 """
 from __future__ import annotations
 
