@@ -1,8 +1,11 @@
 """The guard proxy of a run, and the pool that keeps one started ahead.
 
 Each run gets its own `python -m sfguard.supervisor.daemon.proxy_child` process (its own port
-and clients); starting one takes ~0.7 s, so `ProxyPool` keeps one spare started ahead and hands
-it to the next run.
+and clients); starting one takes ~0.7 s of CPU, so `ProxyPool` keeps one spare started ahead and
+hands it to the next run. The spare starts at the lowest CPU priority (niceness 19) where the
+guard may raise it again when a run takes it (root, or an RLIMIT_NICE that allows it): a refill
+then runs on what the browsers of the run that just started leave idle, instead of competing
+with their launch on a small machine.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import secrets
 import sys
 from collections.abc import Callable
@@ -22,6 +26,33 @@ from sfguard.supervisor.daemon.sweep import ProcRecord, end_child
 log = logging.getLogger("sfguard.guard")
 
 PROXY_START_TIMEOUT = 20.0
+#: the niceness a spare proxy starts at (when the guard can raise it back, see `can_renice`)
+SPARE_PROXY_NICE = 19
+#: coreutils' `nice`, by absolute path only (never looked up on a PATH)
+NICE_BINARIES = ("/usr/bin/nice", "/bin/nice")
+
+
+def can_renice(niceness: int) -> bool:
+    """Whether this process may give a child at `niceness` its own priority back: root (or
+    CAP_SYS_NICE), or an RLIMIT_NICE that reaches the guard's own niceness."""
+    if niceness <= 0:
+        return True
+    if os.geteuid() == 0:
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)   # allowed ceiling: 20 - soft
+    return 20 - soft <= os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def renice_all_threads(pid: int, niceness: int) -> None:
+    """Set every thread of `pid` to `niceness` (Linux applies a niceness per thread). Best
+    effort: a thread that ended meanwhile, or a refusal, leaves the rest as they are."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
 
 
 def short_id() -> str:
@@ -69,6 +100,7 @@ class RunProxy:
         self._acks: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._urgent = False   # a run waits for this proxy: no lower priority from then on
 
     async def _push(self) -> None:
         """Send the whole client set and wait until the proxy has it live."""
@@ -115,13 +147,20 @@ class RunProxy:
     def url_for(self, name: str) -> str:
         return f"http://{name}:{self.clients[name][0]}@127.0.0.1:{self.port}"
 
-    async def start(self) -> None:
+    async def start(self, nice: int = 0) -> None:
+        """Start the child (at niceness `nice`, through coreutils' `nice`, which execs it in the
+        same process) and wait for its "ready" line."""
         argv = child_argv(self.port, self.policy_path, self.decision_log, self.resolve)
+        nice_bin = next((b for b in NICE_BINARIES if os.access(b, os.X_OK)), None) if nice else None
+        if nice_bin:
+            argv = [nice_bin, "-n", str(nice), *argv]
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH")}
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=None, env=env, start_new_session=True)
+        if nice_bin and self._urgent:   # taken while it was being spawned
+            self.to_guard_priority()
         self.record = ProcRecord.of(self.proc.pid, "proxy")
         assert self.proc.stdout is not None  # started with stdout=PIPE
         try:
@@ -146,6 +185,12 @@ class RunProxy:
                 if fut is not None and not fut.done():
                     fut.set_result(True)
 
+    def to_guard_priority(self) -> None:
+        """Back to the guard's own CPU priority (a spare started at a lower one)."""
+        self._urgent = True
+        if self.proc is not None and self.proc.returncode is None:
+            renice_all_threads(self.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None and (
             self.record is None or self.record.alive())
@@ -162,18 +207,31 @@ class RunProxy:
 
 class ProxyPool:
     """Run proxies for new runs: the warm spare when one is ready, else a new one; at most one
-    spare is kept, started in the background."""
+    spare is kept, started in the background at a low CPU priority (`SPARE_PROXY_NICE`) and
+    given the guard's priority when a run takes it. A run that finds the spare still starting
+    waits for it (it is further along than a new start would be)."""
 
-    def __init__(self, make: Callable[[], RunProxy]):
+    def __init__(self, make: Callable[[], RunProxy], spare_nice: int | None = None):
         self._make = make
         self._spare: RunProxy | None = None      # a started proxy child not yet given to a run
         self._task: asyncio.Task[None] | None = None
+        self._starting: RunProxy | None = None   # the spare the task is starting
         self._stopping = False
+        if spare_nice is None:
+            spare_nice = SPARE_PROXY_NICE if can_renice(SPARE_PROXY_NICE) else 0
+        self.spare_nice = spare_nice
 
     async def take(self, run_id: str) -> RunProxy:
+        if self._spare is None and self._task is not None and not self._task.done():
+            starting = self._starting
+            if starting is not None:      # under way: at the guard's priority from now on
+                starting.to_guard_priority()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._task), PROXY_START_TIMEOUT)
         spare, self._spare = self._spare, None
         if spare is not None and spare.alive():
             proxy = spare
+            proxy.to_guard_priority()
         else:
             if spare is not None:
                 await spare.stop()
@@ -189,12 +247,14 @@ class ProxyPool:
             self._task = asyncio.get_running_loop().create_task(self._make_spare())
 
     async def _make_spare(self) -> None:
-        proxy = self._make()
+        proxy = self._starting = self._make()
         try:
-            await proxy.start()
+            await proxy.start(nice=self.spare_nice)
         except Exception as exc:
             log.warning("could not start a spare run proxy: %s", exc)
             return
+        finally:
+            self._starting = None
         if self._stopping or self._spare is not None:
             await proxy.stop()   # never overwrite (and so lose) a spare that is still running
         else:
