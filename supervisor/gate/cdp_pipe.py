@@ -181,12 +181,23 @@ class CdpPipe:
         proxy credential, browser-wide proxy authentication. Returns Browser.getVersion."""
         self._auth = proxy_auth
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
-        version = await self.call("Browser.getVersion", timeout=timeout)
-        await self.call("Target.setDiscoverTargets", {"discover": True}, timeout=timeout)
+        # All sent at once: the browser reads its pipe in order and answers each as soon as it
+        # can, so nothing waits for a round trip while it is still starting up.
+        calls = [self.call("Browser.getVersion", timeout=timeout),
+                 self.call("Target.setDiscoverTargets", {"discover": True}, timeout=timeout)]
         if proxy_auth is not None:
-            await self.call("Fetch.enable", FETCH_ENABLE, timeout=timeout)
+            calls.append(self.call("Fetch.enable", FETCH_ENABLE, timeout=timeout))
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        if proxy_auth is not None:
             self.fetch_on = True
-        return version
+        return results[0]
 
     async def close(self) -> None:
         for client in list(self._clients):
