@@ -4,7 +4,13 @@
 
 Measured in one run, on this machine, against a baseline of the same browser (each round
 measures the baseline, then the first and second stage, so that load weighs on both alike):
-  baseline   bare `agent-browser open about:blank` in a new session (browser launch), then close
+  baseline   bare `agent-browser open about:blank` in a new session (browser launch), then close.
+             As root there are two: agent-browser's own way as root (`--no-sandbox`: Chromium
+             refuses to start its sandbox as root) and, the baseline of the targets, the same
+             command as the guard's browser user with Chromium's sandbox on: the guard runs every
+             browser that way (issue 13, layer 2), and the sandbox's start-up cost (~0.2 s here:
+             zygote and namespaces per process) is the browser's, not the guard's. Run as an
+             ordinary user, both are the same launch and only one is measured.
   first      POST /v1/runs/{id}/stages -> 200 ready for the first stage of a run
              (per-run proxy start + lease + unseal + anchor launch through the proxy + gate token
              + the stage's session: its tab pinned, stream server off)
@@ -16,7 +22,8 @@ still starting more time): the gate URL answers with the stage's token, the stag
 daemon runs with its stream server off, and its pinned tab is in the browser (`agent-browser
 tab list` with the stage's env, through the gate).
   rss        the guard daemon's own RSS, and its proxies' RSS, with N runs open, each with an anchor
-Targets: second stage ready < 150 ms; first stage within 1.5x of the bare launch.
+Targets: second stage ready < 150 ms; first stage within 1.5x of the bare launch (the
+sandboxed one; the ratio to the root launch without a sandbox is printed beside it).
 With SFGUARD_BENCH_LOG=FILE the guard's log goes to FILE: one line per stage, "stage R/S ready
 in N ms (lease a, browser b, session c)", says where a first stage's time goes.
 """
@@ -41,22 +48,52 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sfguard.supervisor.browsers import tools  # noqa: E402
+from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER  # noqa: E402
 from sfguard.supervisor.client.guard_client import GuardClient  # noqa: E402
+from sfguard.supervisor.stage.sandbox import StageUser, lookup_user  # noqa: E402
 
 
-def bare_launch(ab: str, browser: str, work: Path, i: int) -> float:
-    sock = work / f"s{i}"
-    sock.mkdir()
-    env = {"PATH": os.environ["PATH"], "HOME": str(work), "AGENT_BROWSER_SESSION": f"bench{i}",
-           "AGENT_BROWSER_SOCKET_DIR": str(sock), "AGENT_BROWSER_EXECUTABLE_PATH": browser,
-           "AGENT_BROWSER_PROFILE": str(work / f"p{i}"), "AGENT_BROWSER_NO_VERSION_CHECK": "1"}
-    if os.geteuid() == 0:
+def bare_launch(ab: str, browser: str, work: Path, i: int, user: StageUser | None = None) -> float:
+    """`agent-browser open about:blank` in a fresh session and profile, then `close`; seconds
+    to the answer of `open`. `user`: run as that user (Chromium's sandbox on); else as this
+    process (as root, with `--no-sandbox`, agent-browser's only way as root)."""
+    top = work / (f"u{i}" if user else f"r{i}")
+    top.mkdir(mode=0o700)
+    if user is not None:
+        os.chown(top, user.uid, user.gid)
+    env = {"PATH": os.environ["PATH"], "HOME": str(top), "AGENT_BROWSER_SESSION": f"bench{i}",
+           "AGENT_BROWSER_SOCKET_DIR": str(top / "s"), "AGENT_BROWSER_EXECUTABLE_PATH": browser,
+           "AGENT_BROWSER_PROFILE": str(top / "p"), "AGENT_BROWSER_NO_VERSION_CHECK": "1"}
+    if os.geteuid() == 0 and user is None:
         env["AGENT_BROWSER_ARGS"] = "--no-sandbox"
+    who = {"user": user.uid, "group": user.gid, "extra_groups": []} if user else {}
     t = time.perf_counter()
-    subprocess.run([ab, "open", "about:blank"], env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run([ab, "open", "about:blank"], env=env, check=True, capture_output=True,
+                   timeout=120, cwd=top, **who)
     elapsed = time.perf_counter() - t
-    subprocess.run([ab, "close"], env=env, capture_output=True, timeout=60)
+    subprocess.run([ab, "close"], env=env, capture_output=True, timeout=60, cwd=top, **who)
+    settle(str(top / "p"))
     return elapsed
+
+
+def settle(needle: str, timeout: float = 10.0) -> None:
+    """Wait (bounded) until no browser process naming `needle` (a profile, or the guard's
+    home) is left, so that a browser's shutdown does not weigh on the next measurement (the
+    bare one's on the guard's stages, the guard's on the next bare launch)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = False
+        for proc in psutil.process_iter(["name", "cmdline"]):
+            try:
+                if "chrom" in (proc.info["name"] or "") and \
+                        any(needle in a for a in proc.info["cmdline"] or ()):
+                    left = True
+                    break
+            except psutil.Error:
+                continue
+        if not left:
+            return
+        time.sleep(0.05)
 
 
 def check_ready(ab: str, env: dict[str, str], work: Path) -> None:
@@ -107,11 +144,17 @@ def main() -> int:
             if line.strip() == b"sfguard: ready":
                 break
         client = GuardClient(home, timeout=180)
-        bare, first, second = [], [], []
+        # as root, the guard has made its browser user by now (it starts every browser as it)
+        user = lookup_user(DEFAULT_BROWSER_USER) if os.geteuid() == 0 else None
+        if user is not None:
+            os.chmod(work, 0o711)   # the browser user crosses into its own folder, no further
+        bare, bare_root, first, second = [], [], [], []
         for i in range(args.repeat):
-            # each round: the baseline, then the guard's two stages (interleaved, so that load
-            # that comes and goes on a shared machine weighs on both sides alike)
-            bare.append(bare_launch(ab_path, br_path, work, i))
+            # each round: the baseline(s), then the guard's two stages (interleaved, so that
+            # load that comes and goes on a shared machine weighs on both sides alike)
+            if user is not None:
+                bare_root.append(bare_launch(ab_path, br_path, work, i))
+            bare.append(bare_launch(ab_path, br_path, work, i, user))
             run = f"bench-{i}"
             client.call("POST", "/v1/runs", {"run_id": run})
             body = {"attempt": 1, "browser": {"profile": f"p{i}", "headed": False, "allow_domains": []}}
@@ -125,6 +168,7 @@ def main() -> int:
             check_ready(ab_path, a["env"], work)
             check_ready(ab_path, a2["env"], work)
             client.call("POST", f"/v1/runs/{run}/end", {"outcome": "succeeded"})
+            settle(str(home))
         # N runs open at once, each with an anchor
         for i in range(args.runs):
             client.call("POST", "/v1/runs", {"run_id": f"open-{i}"})
@@ -137,7 +181,7 @@ def main() -> int:
         proxies, proxy_rss = [], 0
         for c in guard.children(recursive=True):
             try:   # a child may end while it is looked at (a session's short-lived CLI)
-                if "proxy" in " ".join(c.cmdline()):
+                if "sfguard.supervisor.daemon.proxy_child" in c.cmdline():
                     proxy_rss += c.memory_info().rss
                     proxies.append(c)
             except psutil.Error:
@@ -156,9 +200,16 @@ def main() -> int:
     print(f"{args.repeat} rounds, cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}; "
           "ms: median [min-max]; ratio of medians to the baseline")
     print(f"{'measure':44} {'ms':>20} {'ratio':>7}")
-    print(f"{'bare agent-browser open (baseline)':44} {spread(bare):>20} {1.0:7.2f}")
+    if bare_root:
+        r = med(bare_root)
+        print(f"{'bare agent-browser open, root, no sandbox':44} {spread(bare_root):>20} {r/b:7.2f}")
+        print(f"{'bare agent-browser open, sandbox (baseline)':44} {spread(bare):>20} {1.0:7.2f}")
+    else:
+        print(f"{'bare agent-browser open (baseline)':44} {spread(bare):>20} {1.0:7.2f}")
     print(f"{'first stage ready (proxy+unseal+anchor)':44} {spread(first):>20} {f/b:7.2f}"
           f"   target <= 1.50: {'met' if f / b <= 1.5 else 'NOT met'}")
+    if bare_root:
+        print(f"{'  the same, to the root launch (no sandbox)':44} {'':>20} {f/med(bare_root):7.2f}")
     print(f"{'second stage ready (shared anchor)':44} {spread(second):>20} {s/b:7.2f}"
           f"   target < 150 ms: {'met' if s < 0.150 else 'NOT met'}")
     print(f"{f'guard daemon RSS with {args.runs} runs open':44} {guard_rss/2**20:8.1f}MB")
