@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from sfguard.supervisor.browsers import tools  # noqa: E402
 from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER  # noqa: E402
 from sfguard.supervisor.client.guard_client import GuardClient  # noqa: E402
+from sfguard.supervisor.home import runtime_path  # noqa: E402
 from sfguard.supervisor.stage.sandbox import StageUser, lookup_user  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def bare_launch(ab: str, browser: str, work: Path, i: int, user: StageUser | Non
 
 def settle(needle: str, timeout: float = 10.0) -> None:
     """Wait (bounded) until no browser process naming `needle` (a profile, or the guard's
-    home) is left, so that a browser's shutdown does not weigh on the next measurement (the
+    runtime folder) is left, so that a browser's shutdown does not weigh on the next measurement (the
     bare one's on the guard's stages, the guard's on the next bare launch)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -168,7 +169,7 @@ def main() -> int:
             check_ready(ab_path, a["env"], work)
             check_ready(ab_path, a2["env"], work)
             client.call("POST", f"/v1/runs/{run}/end", {"outcome": "succeeded"})
-            settle(str(home))
+            settle(runtime_path(home).name)   # the guard's browsers: profiles in its runtime dir
         # N runs open at once, each with an anchor
         for i in range(args.runs):
             client.call("POST", "/v1/runs", {"run_id": f"open-{i}"})
