@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sfguard.supervisor.daemon.sweep import end_child
+from sfguard.supervisor.daemon.sweep import end_child, niced
 from sfguard.supervisor.home import atomic_write
 
 #: Plain variables a launch env may inherit from the guard's own environment.
@@ -197,10 +197,6 @@ def sanitize(text: str, limit: int = 400) -> str:
     return summary if len(summary) <= limit else summary[:limit] + "..."
 
 
-#: coreutils' `nice`, by absolute path only (never looked up on a PATH)
-NICE_BINARIES = ("/usr/bin/nice", "/bin/nice")
-
-
 async def run(
     env: Mapping[str, str],
     *args: str,
@@ -219,10 +215,7 @@ async def run(
     """
     exe = str(binary) if binary else default_binary()
     workdir = str(cwd or env.get("AGENT_BROWSER_SOCKET_DIR") or "/")
-    argv = [exe, *args]
-    nice_bin = next((b for b in NICE_BINARIES if os.access(b, os.X_OK)), None) if nice else None
-    if nice_bin:
-        argv = [nice_bin, "-n", str(nice), *argv]
+    argv = niced([exe, *args], nice)
     proc = await asyncio.create_subprocess_exec(
         *argv, env=dict(env), cwd=workdir,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

@@ -21,15 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sfguard.supervisor import redaction
-from sfguard.supervisor.daemon.sweep import ProcRecord, end_child
+from sfguard.supervisor.daemon.sweep import ProcRecord, end_child, niced, renice_all_threads
 
 log = logging.getLogger("sfguard.guard")
 
 PROXY_START_TIMEOUT = 20.0
 #: the niceness a spare proxy starts at (when the guard can raise it back, see `can_renice`)
 SPARE_PROXY_NICE = 19
-#: coreutils' `nice`, by absolute path only (never looked up on a PATH)
-NICE_BINARIES = ("/usr/bin/nice", "/bin/nice")
 
 
 def can_renice(niceness: int) -> bool:
@@ -41,18 +39,6 @@ def can_renice(niceness: int) -> bool:
         return True
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)   # allowed ceiling: 20 - soft
     return 20 - soft <= os.getpriority(os.PRIO_PROCESS, 0)
-
-
-def renice_all_threads(pid: int, niceness: int) -> None:
-    """Set every thread of `pid` to `niceness` (Linux applies a niceness per thread). Best
-    effort: a thread that ended meanwhile, or a refusal, leaves the rest as they are."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
 
 
 def short_id() -> str:
@@ -150,16 +136,13 @@ class RunProxy:
     async def start(self, nice: int = 0) -> None:
         """Start the child (at niceness `nice`, through coreutils' `nice`, which execs it in the
         same process) and wait for its "ready" line."""
-        argv = child_argv(self.port, self.policy_path, self.decision_log, self.resolve)
-        nice_bin = next((b for b in NICE_BINARIES if os.access(b, os.X_OK)), None) if nice else None
-        if nice_bin:
-            argv = [nice_bin, "-n", str(nice), *argv]
+        argv = niced(child_argv(self.port, self.policy_path, self.decision_log, self.resolve), nice)
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH")}
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=None, env=env, start_new_session=True)
-        if nice_bin and self._urgent:   # taken while it was being spawned
+        if nice and self._urgent:   # taken while it was being spawned
             self.to_guard_priority()
         self.record = ProcRecord.of(self.proc.pid, "proxy")
         assert self.proc.stdout is not None  # started with stdout=PIPE

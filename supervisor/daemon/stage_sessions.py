@@ -35,7 +35,7 @@ from pathlib import Path
 
 from sfguard.supervisor.browsers import agent_browser
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, BrowserHost
-from sfguard.supervisor.daemon.sweep import ProcRecord, terminate_recorded
+from sfguard.supervisor.daemon.sweep import ProcRecord, renice_all_threads, terminate_recorded
 from sfguard.supervisor.gate.cdp_gate import CdpGate, GateError
 
 log = logging.getLogger("sfguard.sessions")
@@ -168,8 +168,7 @@ class StageSessions:
             return None
         started.gate_key = gate_key
         for rec in started.processes:   # the stage's own now: back to the guard's priority
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, rec.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            renice_all_threads(rec.pid, os.getpriority(os.PRIO_PROCESS, 0))
         return started
 
     def _end_when_done(self, task: asyncio.Task) -> None:

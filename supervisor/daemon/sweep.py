@@ -9,7 +9,8 @@ guard's runtime paths (in their command line or environment) even when no record
 
 This module holds the one terminate-wait-kill of the project: `terminate_recorded` for recorded
 processes (by pid and start time), `end_child` for an asyncio child the caller started and still
-holds, `end_popen` for a `subprocess.Popen` child.
+holds, `end_popen` for a `subprocess.Popen` child. And the guard's CPU-priority helpers:
+`niced` (start a child at a lower priority) and `renice_all_threads` (give it one back).
 """
 from __future__ import annotations
 
@@ -243,3 +244,29 @@ def end_popen(proc: subprocess.Popen, timeout: float = 5.0, *, group: bool = Fal
     except subprocess.TimeoutExpired:
         return False
     return True
+
+
+#: coreutils' `nice`, by absolute path only (never looked up on a PATH)
+NICE_BINARIES = ("/usr/bin/nice", "/bin/nice")
+
+
+def niced(argv: list[str], nice: int) -> list[str]:
+    """`argv` started at niceness `nice` through coreutils' `nice` (which execs it in the same
+    process: no window at the caller's priority); `argv` itself when `nice` is 0 or no `nice`
+    binary exists."""
+    nice_bin = next((b for b in NICE_BINARIES if os.access(b, os.X_OK)), None) if nice else None
+    return [nice_bin, "-n", str(nice), *argv] if nice_bin else list(argv)
+
+
+def renice_all_threads(pid: int, niceness: int) -> None:
+    """Set every thread of `pid` to `niceness` (Linux applies a niceness per thread). Best
+    effort: a thread that ended meanwhile, or a refusal, leaves the rest as they are."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:
+            continue

@@ -7,7 +7,6 @@ import asyncio
 import os
 from pathlib import Path
 
-import psutil
 import pytest
 
 from sfguard.supervisor.daemon.run_proxy import SPARE_PROXY_NICE, ProxyPool, RunProxy, can_renice
@@ -27,19 +26,27 @@ def thread_nice(pid: int) -> set[int]:
 
 
 @pytest.fixture
-def made(tmp_path: Path):
+async def made(tmp_path: Path):
+    """(pool(spare_nice=None), proxies): pools on real proxy children; every pool and proxy
+    made is stopped at the end."""
     policy = tmp_path / "sites.yaml"
     policy.write_text("version: 1\nmode: enforce\nports: [80, 443]\nallow_always: []\nblock: []\n")
     proxies: list[RunProxy] = []
+    pools: list[ProxyPool] = []
 
     def make() -> RunProxy:
         p = RunProxy(None, policy, tmp_path / "decisions.log")
         proxies.append(p)
         return p
-    yield make, proxies
+
+    def pool(spare_nice: int | None = None) -> ProxyPool:
+        pools.append(ProxyPool(make, spare_nice))
+        return pools[-1]
+    yield pool, proxies
+    for pl in pools:
+        await pl.stop()
     for p in proxies:
-        if p.proc is not None and p.proc.returncode is None:
-            p.proc.kill()
+        await p.stop()
 
 
 async def wait_spare(pool: ProxyPool, timeout: float = 30.0) -> None:
@@ -52,66 +59,44 @@ async def wait_spare(pool: ProxyPool, timeout: float = 30.0) -> None:
 
 @pytest.mark.skipif(not can_renice(SPARE_PROXY_NICE), reason="this user may not raise a priority back")
 async def test_the_spare_runs_at_the_lowest_priority_until_a_run_takes_it(made):
-    make, proxies = made
+    new_pool, proxies = made
     guard_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    pool = ProxyPool(make)
-    try:
-        pool.refill()
-        await wait_spare(pool)
-        (spare,) = proxies
-        assert spare.proc is not None
-        assert thread_nice(spare.proc.pid) == {SPARE_PROXY_NICE}
-        taken = await pool.take("run-1")
-        assert taken is spare and taken.run_id == "run-1"
-        assert thread_nice(spare.proc.pid) == {guard_nice}
-        # it serves: a client is pushed and acknowledged
-        name = await taken.add_client(["example.test"])
-        assert taken.url_for(name).startswith("http://")
-    finally:
-        await pool.stop()
-        for p in proxies:
-            await p.stop()
+    pool = new_pool()
+    pool.refill()
+    await wait_spare(pool)
+    (spare,) = proxies
+    assert spare.proc is not None
+    assert thread_nice(spare.proc.pid) == {SPARE_PROXY_NICE}
+    taken = await pool.take("run-1")
+    assert taken is spare and taken.run_id == "run-1"
+    assert thread_nice(spare.proc.pid) == {guard_nice}
+    # it serves: a client is pushed and acknowledged
+    name = await taken.add_client(["example.test"])
+    assert taken.url_for(name).startswith("http://")
 
 
 async def test_a_run_waits_for_the_spare_under_way_instead_of_starting_another(made):
-    make, proxies = made
-    pool = ProxyPool(make)
-    try:
-        pool.refill()
-        await asyncio.sleep(0)          # the spare's start has begun, it is not ready
-        assert pool._spare is None
-        taken = await pool.take("run-1")
-        assert len(proxies) == 1 and taken is proxies[0]
-        assert taken.alive()
-        assert thread_nice(taken.proc.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
-        assert psutil.Process(taken.proc.pid).is_running()
-    finally:
-        await pool.stop()
-        for p in proxies:
-            await p.stop()
+    new_pool, proxies = made
+    pool = new_pool()
+    pool.refill()
+    await asyncio.sleep(0)          # the spare's start has begun, it is not ready
+    assert pool._spare is None
+    taken = await pool.take("run-1")
+    assert len(proxies) == 1 and taken is proxies[0]
+    assert taken.alive()
+    assert thread_nice(taken.proc.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 async def test_without_a_spare_a_run_starts_its_own_at_the_guards_priority(made):
-    make, proxies = made
-    pool = ProxyPool(make)
-    try:
-        taken = await pool.take("run-1")
-        assert len(proxies) == 1 and taken.alive()
-        assert thread_nice(taken.proc.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
-    finally:
-        await pool.stop()
-        for p in proxies:
-            await p.stop()
+    new_pool, proxies = made
+    taken = await new_pool().take("run-1")
+    assert len(proxies) == 1 and taken.alive()
+    assert thread_nice(taken.proc.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 async def test_a_pool_that_may_not_raise_priorities_starts_spares_at_the_guards(made):
-    make, proxies = made
-    pool = ProxyPool(make, spare_nice=0)
-    try:
-        pool.refill()
-        await wait_spare(pool)
-        assert thread_nice(proxies[0].proc.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
-    finally:
-        await pool.stop()
-        for p in proxies:
-            await p.stop()
+    new_pool, proxies = made
+    pool = new_pool(spare_nice=0)
+    pool.refill()
+    await wait_spare(pool)
+    assert thread_nice(proxies[0].proc.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
