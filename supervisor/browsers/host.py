@@ -133,7 +133,7 @@ class BrowserHost(Protocol):
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport: ...
     def alive(self, anchor: Anchor) -> bool: ...
     async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
-                                 nice: int = 0) -> StageSession: ...
+                                 nice: int = 0, target_id: str | None = None) -> StageSession: ...
     async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
                                   graceful: bool = True) -> CloseReport: ...
 
@@ -183,6 +183,24 @@ def find_browser_process(profile_dir: Path, uids: tuple[int | None, ...] = ()) -
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return None
+
+
+def _write_tab_binding(socket_dir: Path, session: str, target_id: str) -> None:
+    """Write agent-browser's pin record `<session>.target` (JSON `{targetId, url, pinned}`, 0600,
+    the form its daemon writes) before the session's first command. Measured on 0.41.2: a daemon
+    that finds it attaches to that tab as its pinned one and creates no tab (`Target.getTargets`,
+    `attachToTarget`, the enables: 130 ms for a session on an idle machine against 330-390 ms
+    with the one or two `Target.createTarget` it makes otherwise, docs/agent-browser-notes.md).
+    The record names a tab; the gate still decides what the session may reach."""
+    if not target_id.isalnum():
+        raise AnchorError("a target id is letters and digits")
+    data = json.dumps({"targetId": target_id, "url": "about:blank", "pinned": True}).encode()
+    fd = os.open(socket_dir / f"{session}.target",
+                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _pids_with_arg(arg: str) -> list[int]:
@@ -414,19 +432,24 @@ agent-browser sessions attached to the CDP gate."""
             raise AnchorError("the agent-browser stream server is still enabled after `stream disable`")
 
     async def open_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
-                                 nice: int = 0) -> StageSession:
+                                 nice: int = 0, target_id: str | None = None) -> StageSession:
         """Start a stage's session (env from agent_browser.stage_env): its own pinned tab,
         stream disabled. Uses the env exactly as given. `nice`: its CLI and daemon start at
-        that niceness (a session started ahead yields the CPU to a stage waiting now)."""
+        that niceness (a session started ahead yields the CPU to a stage waiting now).
+        `target_id`: a tab that already exists and is the stage's (the gate knows it as the
+        stage's own); the session is bound to it instead of creating tabs of its own."""
         session, socket_dir = _session_env_parts(env)
         private_dir(socket_dir)
         try:
+            if target_id is not None:
+                _write_tab_binding(socket_dir, session, target_id)
             # The first command starts the stage's daemon and connects it through the gate;
             # `stream disable` as that first command keeps the stream server off for the
             # session's life (measured on 0.41.2: 0.18 s, vs 0.3-0.6 s for open + disable).
-            # The stage's own first `open` then creates and pins its tab.
+            # With a binding written above the daemon attaches to that tab and creates none;
+            # without one it attaches to a page, then creates and pins a tab of its own.
             await self._disable_stream(env, nice)
-        except (ab.AgentBrowserError, AnchorError) as exc:
+        except (ab.AgentBrowserError, AnchorError, OSError) as exc:
             await self.close_stage_session(env, timeout=min(timeout, 10))
             raise AnchorError(f"could not open stage session {session}: {exc}") from None
         target = None
@@ -434,6 +457,10 @@ agent-browser sessions attached to the CDP gate."""
             target = json.loads((socket_dir / f"{session}.target").read_text()).get("targetId")
         except (OSError, ValueError, AttributeError):
             pass
+        if target_id is not None and target != target_id:
+            await self.close_stage_session(env, timeout=min(timeout, 10))
+            raise AnchorError(f"could not open stage session {session}: agent-browser did not "
+                              "bind it to the tab it was given")
         rec = _daemon_record(socket_dir, session)
         return StageSession(session=session, target_id=target, processes=[rec] if rec else [])
 

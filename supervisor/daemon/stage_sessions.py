@@ -105,7 +105,12 @@ class StageSessions:
         env = {k: v for k, v in full.items()
                if k in self.stage_keys or not k.startswith("AGENT_BROWSER_")}
         try:
-            opened = await self.host.open_stage_session(env, nice=nice)
+            # The session is bound to one tab that is the stage's before it starts: the
+            # browser's start-up tab, else one the gate creates now. Left to itself,
+            # agent-browser attaches to a page (creating one when the stage has none) and then
+            # creates its pinned tab: two tab creations, the slowest Chromium work of a session.
+            tab = own_tab or await self.gate.create_stage_tab(gate_key)
+            opened = await self.host.open_stage_session(env, nice=nice, target_id=tab)
         except BaseException:
             await self.gate.revoke(gate_key, close_tabs=True)   # tabs of no stage
             raise

@@ -143,6 +143,42 @@ async def test_stage_session_through_the_gate_gets_own_tab_stream_off(rig, gate)
         await rig.host.close_anchor(anchor)
 
 
+async def test_stage_session_bound_to_a_given_tab_makes_no_tab_of_its_own(rig, gate, site):
+    """A session given a tab that is the stage's (the start-up tab, or one the gate made) is
+    pinned to it: the stage sees that one tab, and its first `open` loads there."""
+    anchor = await rig.host.launch_anchor(rig.spec(rig.root / "p1"))
+    try:
+        key = f"bound-{anchor.session}"
+        url = gate.add_stage(key, anchor.pipe)
+        env = ab.stage_env(session=f"stb{os.getpid()}", socket_dir=rig.root / "s",
+                           config_path=rig.root / "cfg.json", cdp_url=url)
+        tab = await gate.create_stage_tab(key)
+        stage = await rig.host.open_stage_session(env, target_id=tab)
+        assert stage.target_id == tab
+        pin = rig.root / "s" / f"{env['AGENT_BROWSER_SESSION']}.target"
+        assert pin.stat().st_mode & 0o777 == 0o600
+        assert json.loads(pin.read_text())["targetId"] == tab
+        tabs = (await ab.run_json(env, "tab", "list", binary=rig.binary))["tabs"]
+        assert [t["targetId"] for t in tabs] == [tab]
+        await ab.run_json(env, "open", site + "/", binary=rig.binary)
+        assert gate.stage_targets(key) == {tab}          # the page loaded in the given tab
+        await rig.host.close_stage_session(env)
+        await gate.revoke(key, close_tabs=True)
+    finally:
+        await rig.host.close_anchor(anchor)
+
+
+async def test_stage_session_refuses_a_tab_id_that_is_not_one(rig, gate):
+    anchor = await rig.host.launch_anchor(rig.spec(rig.root / "p1"))
+    try:
+        env = await rig.stage(anchor, gate)
+        with pytest.raises(AnchorError, match="target id"):
+            await rig.host.open_stage_session(env, target_id="../x")
+        assert ab.session_files(rig.root / "s", env["AGENT_BROWSER_SESSION"]) == []
+    finally:
+        await rig.host.close_anchor(anchor)
+
+
 async def test_second_anchor_on_a_profile_in_use_is_refused(rig):
     anchor = await rig.host.launch_anchor(rig.spec(rig.root / "p1"))
     try:

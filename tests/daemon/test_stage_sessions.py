@@ -85,6 +85,9 @@ def test_next_stage_gets_the_session_started_ahead_once_and_alone(real_daemon, s
     # each stage works in its own pinned tab and sees none of the other's
     tab_a, tab_b = pinned_tab(a), pinned_tab(b)
     assert tab_a != tab_b
+    # each session was bound to one tab before it started (a: the browser's start-up tab; b:
+    # one the gate made for it) and made none of its own
+    assert tab_ids(a) == {tab_a} and tab_ids(b) == {tab_b}
     assert as_stage(a, "open", f"http://site-a.test:{site}/").returncode == 0
     assert as_stage(b, "open", f"http://site-a.test:{site}/cookies").returncode == 0
     assert as_stage(a, "get", "url").stdout.strip() == f"http://site-a.test:{site}/"
