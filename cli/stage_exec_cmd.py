@@ -142,6 +142,16 @@ def _data_fd(data: bytes) -> int:
     return r
 
 
+def _pin_fd(answer: dict) -> int | None:
+    """agent-browser's pin record for the stage's tab (the form its daemon writes, see
+    supervisor/browsers/host.py), when the guard names one and the session name is plain."""
+    tab, session = answer.get("tab"), (answer.get("env") or {}).get("AGENT_BROWSER_SESSION")
+    if not (isinstance(tab, str) and tab.isascii() and tab.isalnum() and isinstance(session, str)
+            and session and set(session) <= ID_FIRST | set("-_")):
+        return None
+    return _data_fd(b'{"targetId":"%s","url":"about:blank","pinned":true}' % tab.encode())
+
+
 ID_FIRST = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 ID_REST = ID_FIRST | set("._:-")
 
@@ -160,10 +170,10 @@ def run(args) -> int:
 
 
 def sandbox_argv(bwrap: str, answer: dict, cwd: str, hide: list[str], config_fd: int,
-                 command: list[str]) -> list[str]:
+                 command: list[str], pin_fd: int | None = None) -> list[str]:
     """bubblewrap's argv for the guard's exec answer: the sandbox, its mounts, the launcher
     (supervisor/stage/sandbox.py) and the stage's command. `config_fd` holds the pinned
-    agent-browser config (read by bubblewrap)."""
+    agent-browser config, `pin_fd` the stage's tab binding (both read by bubblewrap)."""
     from sfguard.supervisor.stage import sandbox
 
     bridges = answer["bridges"]
@@ -180,10 +190,14 @@ def sandbox_argv(bwrap: str, answer: dict, cwd: str, hide: list[str], config_fd:
              "--ro-bind", bridges["gate_socket"], sandbox.INSIDE_GATE_SOCKET,
              "--ro-bind", bridges["proxy_socket"], sandbox.INSIDE_PROXY_SOCKET,
              "--perms", "0600", "--ro-bind-data", str(config_fd), sandbox.INSIDE_CONFIG,
-             "--perms", "0700", "--dir", sandbox.INSIDE_SOCKET_DIR,
-             "--perms", "0700", "--dir", sandbox.INSIDE_HOME,
+             "--perms", "0700", "--dir", sandbox.INSIDE_SOCKET_DIR]
+    if pin_fd is not None:   # the stage's tab, for the daemon the command may start (a writable copy)
+        argv += ["--perms", "0600", "--file", str(pin_fd),
+                 f"{sandbox.INSIDE_SOCKET_DIR}/{answer['env']['AGENT_BROWSER_SESSION']}.target"]
+    argv += ["--perms", "0700", "--dir", sandbox.INSIDE_HOME,
              "--chdir", cwd, "--",
-             "/bin/sh", "-c", sandbox.launcher_script(bridges["gate_port"], bridges["proxy_port"]),
+             "/bin/sh", "-c", sandbox.launcher_script(bridges["gate_port"], bridges["proxy_port"],
+                                                      bound_tab=pin_fd is not None),
              "sfguard-stage", answer.get("agent_browser") or "", *command]
     return argv
 
@@ -224,7 +238,8 @@ def execute(home_flag: str | None, run_id: str, stage_id: str, command: list[str
     if not (os.path.exists(gate_sock) and os.path.exists(proxy_sock)):
         raise CliError("the stage's bridges are gone: has the stage ended?")
     config_fd = _data_fd(b"{}\n")
-    argv = sandbox_argv(bwrap, answer, cwd, hide, config_fd, command)
+    pin_fd = _pin_fd(answer)
+    argv = sandbox_argv(bwrap, answer, cwd, hide, config_fd, command, pin_fd)
     env = {k: os.environ[k] for k in PASSED_VARS if os.environ.get(k)}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env.setdefault("LANG", "C.UTF-8")

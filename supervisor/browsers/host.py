@@ -466,8 +466,11 @@ agent-browser sessions attached to the CDP gate."""
 
     async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
                                   graceful: bool = True) -> CloseReport:
-        """Close the stage's tab first (`close` on a --cdp session only disconnects), then the
-        session; end its daemon if it lingers; remove its socket-dir files. Chrome stays.
+        """End the session (`close`: a --cdp session disconnects and its daemon exits); end its
+        daemon if it lingers; remove its socket-dir files. Chrome stays, and so do the stage's
+        tabs: the gate closes them over the pipe (`CdpGate.close_stage_tabs`, on every path
+        that ends a stage). A session bound to the stage's one tab could not close it itself
+        anyway: agent-browser refuses to close a session's last tab.
 
         `graceful=False` (its browser is gone, e.g. before a restart): no commands, the
         session's daemon - whoever started it last, read from its pid file - is just ended."""
@@ -476,13 +479,11 @@ agent-browser sessions attached to the CDP gate."""
         rec = _daemon_record(socket_dir, session)
         closed = False
         if rec is not None and rec.alive() and graceful:
-            closed = True
-            for args in (("tab", "close"), ("close",)):
-                try:
-                    res = await ab.run(env, *args, timeout=timeout, binary=self._bin())
-                    closed = closed and res.returncode == 0
-                except ab.AgentBrowserError:
-                    closed = False
+            try:
+                res = await ab.run(env, "close", timeout=timeout, binary=self._bin())
+                closed = res.returncode == 0
+            except ab.AgentBrowserError:
+                closed = False
         records = [rec] if rec else []
         if graceful:
             await asyncio.to_thread(wait_gone, records, 3.0)

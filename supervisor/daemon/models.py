@@ -39,8 +39,7 @@ URL_REGEX_PREFIX = "re:"
 
 
 def _url_pattern(pattern: str) -> str:
-    """A glob (`*` wildcards) or `re:REGEX` URL pattern; a regex must compile (the same rule as
-    sfguard.supervisor.browsers.login.compile_pattern, checked here so the API and `sfguard validate` agree)."""
+    """A glob (`*` wildcards) or `re:REGEX` URL pattern; a regex must compile (as in login.compile_pattern)."""
     if pattern.startswith(URL_REGEX_PREFIX):
         body = pattern[len(URL_REGEX_PREFIX):]
         if not body:
@@ -203,8 +202,9 @@ class StageExec(Answer):
     run_as: StageUser | None = Field(default=None, description=(
         "the unprivileged user a root runner drops the stage to; null when the guard is not root"))
     agent_browser: str | None = Field(default=None, description=(
-        "the guard's agent-browser, used after the command to close the tab of a daemon the "
-        "stage started inside"))
+        "the guard's agent-browser, used after the command to end a daemon started inside"))
+    tab: str | None = Field(default=None, description="the stage's pinned tab (CDP target id), "
+                            "which a daemon started inside is bound to; null once the stage closed it")
 
 
 class StageWaiting(Answer):

@@ -46,13 +46,13 @@ class Teardown:
         if stage.gate_key:  # a stage-exec sandbox loses its gate and proxy at once
             await g.bridges.close(stage.gate_key, run.proxy)
         if stage.gate_key and was_ready:
-            # 1. the stage's session closes its tab and itself, through its still valid token
+            # 1. the stage's session ends, through its still valid token
             if stage.env_full:
                 try:
                     await g.host.close_stage_session(stage.env_full)
                 except Exception as exc:
                     log.debug("stage session close: %s", exc)
-            # 2. any other tab of the stage, over the raw connection
+            # 2. the stage's tabs, over the raw connection
             with contextlib.suppress(Exception):
                 await g.gate.close_stage_tabs(stage.gate_key)
             # 3. only then the token: revoking first would leave a session nobody can close

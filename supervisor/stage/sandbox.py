@@ -187,11 +187,16 @@ def check_workspace(cwd: str, forbidden: list[str]) -> None:
 BRIDGE_START_TIMEOUT = 10
 
 
-def launcher_script(gate_port: int, proxy_port: int) -> str:
+def launcher_script(gate_port: int, proxy_port: int, bound_tab: bool = False) -> str:
     """The first process inside (`sh -c SCRIPT sfguard-stage AGENT_BROWSER COMMAND...`): start
     the two socat bridges, wait (bounded) until both listen, run the stage's command; if it
-    started an agent-browser daemon, close that daemon's tab (a --cdp `close` alone only
-    disconnects) so repeated stage-execs do not pile up tabs; exit with the command's status.
+    started an agent-browser daemon, end it (`close`); exit with the command's status.
+
+    `bound_tab`: stage-exec put a pin record naming the stage's own tab in the in-sandbox socket
+    folder, so a daemon the command starts works in that tab (the stage's tab, which stays for
+    its next command and is closed at stage end). Without one the daemon made a tab of its own,
+    which is closed first (a --cdp `close` alone only disconnects) so that repeated stage-execs
+    do not pile up tabs.
 
     The wait blocks instead of polling, because start-up time is what a runner pays per stage
     and on two busy cores a polling loop took the CPU the bridges needed to start (the
@@ -226,7 +231,7 @@ bridge() {{
 "$@"; rc=$?
 set -- {INSIDE_SOCKET_DIR}/*
 if [ -n "$ab" ] && [ -e "$1" ]; then
-  timeout 15 "$ab" tab close >/dev/null 2>&1; timeout 15 "$ab" close >/dev/null 2>&1
+  {'' if bound_tab else 'timeout 15 "$ab" tab close >/dev/null 2>&1; '}timeout 15 "$ab" close >/dev/null 2>&1
 fi
 exit $rc
 """

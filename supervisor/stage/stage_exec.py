@@ -8,6 +8,7 @@ stage's two bridge sockets, the folders to hide and the user to run as.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.daemon.errors import Conflict
+from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.stage import sandbox
 
 log = logging.getLogger("sfguard.stage_exec")
@@ -60,6 +62,22 @@ def exec_prefix(guard, run_id: str, stage_id: str) -> list[str]:
             "--stage", stage_id, "--"]
 
 
+def pinned_tab(guard, stage) -> str | None:
+    """The tab the guard's session of the stage is bound to (its `<session>.target` record),
+    while the stage still has it at the gate; None otherwise."""
+    full = stage.env_full or {}
+    session, socket_dir = full.get("AGENT_BROWSER_SESSION"), full.get("AGENT_BROWSER_SOCKET_DIR")
+    if not session or not socket_dir or not stage.gate_key:
+        return None
+    try:
+        with open(os.path.join(socket_dir, f"{session}.target"), encoding="utf-8") as fh:
+            tab = json.load(fh).get("targetId")
+        owned = guard.gate.stage_targets(stage.gate_key)
+    except (OSError, ValueError, AttributeError, GateError):
+        return None
+    return tab if isinstance(tab, str) and tab.isalnum() and tab in owned else None
+
+
 def exec_answer(guard, run, stage) -> dict[str, Any]:
     if stage.state == "ended":
         raise Conflict("stage_ended", f"stage {stage.stage_id!r} of run {run.run_id!r} has "
@@ -84,6 +102,7 @@ def exec_answer(guard, run, stage) -> dict[str, Any]:
     # to the gate and the anchor's own proxy.
     env["AGENT_BROWSER_PROXY"] = ""
     return {
+        "tab": pinned_tab(guard, stage),
         "run_id": run.run_id, "stage_id": stage.stage_id, "attempt": stage.attempt,
         "env": env,
         "bridges": bridges.describe(),

@@ -18,6 +18,8 @@ from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.home import runtime_path
 from sfguard.supervisor.stage.stage_bridge import bridge_root_for
 from tests.daemon.conftest import ROOT, Daemon
+from tests.daemon.test_real_browser import as_stage
+from tests.daemon.test_stage_sessions import pinned_tab, tab_ids
 from tests.stage_exec.conftest import STAGE_PYTHON, stage_exec
 
 pytestmark = pytest.mark.browser
@@ -195,3 +197,24 @@ def not_foreign(ports: list[int], d) -> list[int]:
 def test_other_os_user_finds_no_devtools_endpoint_on_loopback(guard, site, workspace):
     _, found = _as_other_user(guard, workspace, site, full_scan=False)
     assert not_foreign(found["devtools"], guard) == []
+
+
+def test_stage_exec_works_in_the_stages_own_tab(guard, site, workspace):
+    """A daemon started inside is bound to the stage's pinned tab (the exec answer's `tab`): the
+    page one stage-exec opened is the page the next one and the stage's session outside see,
+    and no tab is made per stage-exec."""
+    d = guard
+    env = request(d, "run1", "s1", "acct", ["site-a.test"])
+    pinned = pinned_tab(env)
+    assert d.call("GET", "/v1/runs/run1/stages/s1/exec")[1]["tab"] == pinned
+    ab = tools.find_agent_browser().path
+    a = f"http://site-a.test:{site}"
+    r = stage_exec(d.home, workspace, "run1", "s1", "sh", "-c",
+                   f"{ab} open {a}/login >/dev/null && {ab} get url", timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.strip() == f"{a}/login"
+    r = stage_exec(d.home, workspace, "run1", "s1", ab, "get", "url", timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, f"{a}/login"), r.stderr
+    assert tab_ids(env) == {pinned}
+    assert as_stage(env, "get", "url").stdout.strip() == f"{a}/login"
+
