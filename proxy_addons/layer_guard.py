@@ -19,7 +19,8 @@ mitmproxy asks the `next_layer` hook what protocol comes next. The guard answers
      address); for a name it is `sni_missing`. A malformed ClientHello is
      `tls_hello_invalid`. Then the tunnel becomes raw TCP passthrough (no CA, no decryption;
      HTTP/2 and WebSocket inside simply flow).
-   - first byte an upper-case letter: the first line is awaited. An HTTP/1 request (e.g.
+   - first byte an upper-case letter: the whole first line is awaited (bounded in bytes like a
+     request head, and in time). An HTTP/1 request (e.g.
      `ws://` tunnelled by a browser) has its head bounded like any request head (bytes and
      header lines, `request_head_too_large`), must have at most one Host header and that
      header must name the CONNECT host (`host_header_mismatch`). A first line that mentions
@@ -60,7 +61,6 @@ logger = logging.getLogger("sfguard.proxy.layers")
 #: Most bytes waited for before a tunnel's first message (ClientHello / request head) is judged.
 MAX_FIRST_MESSAGE = 64 * 1024
 #: A prefix of an HTTP/1 request line: a method in capitals, then (once there) a space.
-_HTTP_PREFIX = re.compile(rb"^[A-Z]{1,10}(?: |\Z)")
 _HTTP_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} [^ \r\n]+ HTTP/1\.[01]\r\n")
 _HOST_LINE = re.compile(rb"\r\nhost[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.IGNORECASE)
 
@@ -198,9 +198,13 @@ class LayerGuard:
         where = policy.join_host_port(host, port)
         line_end = data.find(b"\n")
         if line_end < 0:
-            if not _HTTP_PREFIX.match(data):
-                return _PASS  # cannot become an HTTP request line: another protocol
-            return None  # wait for the whole first line
+            # The rule below reads the whole first line: any prefix can still become a line
+            # that mentions HTTP/ (`Get`, then ` / HTTP/1.1`), so nothing passes before it.
+            if len(data) > self.s.max_head_bytes:
+                return ("request_head_too_large", "TUNNEL",
+                        f"The guard closed a tunnel to {where}: its first line is over "
+                        f"{self.s.max_head_bytes} bytes.")
+            return None
         if not _HTTP_REQUEST_LINE.match(data):
             if b"HTTP/" in data[:line_end].upper():
                 return ("tunnel_protocol_refused", "TUNNEL",

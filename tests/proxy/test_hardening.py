@@ -4,6 +4,8 @@ and that the refusal is in the decision log. Then report mode: it relaxes the al
 lists only; every hard check still refuses."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import socket
 import struct
@@ -11,8 +13,13 @@ import time
 
 import pytest
 
+from sfguard.proxy_addons.state import GuardState
+
 from .conftest import TOKEN_A, basic, connect, get, read_head, write_policy
 from .test_proxy_cli import client_hello, log_lines, wait_closed, wait_for_log
+
+#: the proxy's bound on a request head, which also bounds the first line inside a tunnel
+GUARD_MAX_HEAD_BYTES = inspect.signature(GuardState.__init__).parameters["max_head_bytes"].default
 
 A = basic("a", TOKEN_A)
 
@@ -262,6 +269,27 @@ def test_http_inside_a_tunnel(guard, upstream, data, reason):
         assert upstream.connections == 0 and bytes(upstream.received) == b""
     else:
         assert_refused(guard, upstream, sock, reason)
+
+
+@pytest.mark.parametrize("pieces", [
+    [b"G", b"et", b" / HTTP/1.1\r\nHost: evil.test\r\n\r\n"],   # a lower-case method, trickled
+    [b"PING", b" HTTP/1.1\r\n"],                                 # a prefix with no HTTP/ yet
+    [b"GET", b"\t/ HTTP/1.1\r\nHost: evil.test\r\n\r\n"],
+])
+def test_a_first_line_trickled_in_pieces_is_judged_whole(guard, upstream, pieces):
+    """Each piece arrives as a read of its own: no prefix of the first line lets it pass."""
+    sock = tunnel(guard, upstream)
+    for piece in pieces:
+        sock.sendall(piece)
+        time.sleep(0.25)
+    assert_refused(guard, upstream, sock, "tunnel_protocol_refused")
+
+
+def test_a_first_line_longer_than_a_request_head_is_refused(guard, upstream):
+    sock = tunnel(guard, upstream)
+    with contextlib.suppress(OSError):   # the guard may close while the rest is being sent
+        sock.sendall(b"A" * (GUARD_MAX_HEAD_BYTES + 1024))
+    assert_refused(guard, upstream, sock, "request_head_too_large")
 
 
 # --- report mode: only the lists are relaxed ------------------------------------------------------
