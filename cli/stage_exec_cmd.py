@@ -143,8 +143,9 @@ def _data_fd(data: bytes) -> int:
 
 
 def _pin_fd(answer: dict) -> int | None:
-    """agent-browser's pin record for the stage's tab (the form its daemon writes, see
-    supervisor/browsers/host.py), when the guard names one and the session name is plain."""
+    """agent-browser's pin record for the stage's tab, when the guard names one and the session
+    name is plain: the bytes of supervisor/browsers/agent_browser.py `pin_record`, written here
+    without importing that module (stage-exec's start-up time; a test holds the two equal)."""
     tab, session = answer.get("tab"), (answer.get("env") or {}).get("AGENT_BROWSER_SESSION")
     if not (isinstance(tab, str) and tab.isascii() and tab.isalnum() and isinstance(session, str)
             and session and set(session) <= ID_FIRST | set("-_")):

@@ -299,6 +299,30 @@ def daemon_pid(socket_dir: str | os.PathLike, session: str) -> int | None:
         return None
 
 
+def is_target_id(value: object) -> bool:
+    """A CDP target id as Chromium makes them: ASCII letters and digits only."""
+    return isinstance(value, str) and value.isascii() and value.isalnum()
+
+
+def pin_record(target_id: str) -> bytes:
+    """agent-browser's tab binding `<session>.target`, in the form its daemon writes it
+    (0.41.2). A daemon that finds it at start attaches to that tab as its pinned one and
+    creates no tab (docs/agent-browser-notes.md, "the session is given its tab").
+    cli/stage_exec_cmd.py writes the same bytes without importing this module."""
+    if not is_target_id(target_id):
+        raise ValueError("a target id is ASCII letters and digits")
+    return b'{"targetId":"%s","url":"about:blank","pinned":true}' % target_id.encode()
+
+
+def pinned_target(socket_dir: str | os.PathLike, session: str) -> str | None:
+    """The tab the session is bound to (its `<session>.target`), if the record names one."""
+    try:
+        tab = json.loads((Path(socket_dir) / f"{session}.target").read_text()).get("targetId")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return tab if is_target_id(tab) else None
+
+
 def remove_session_files(socket_dir: str | os.PathLike, session: str) -> list[str]:
     """Delete the session's daemon files; returns the names removed."""
     removed = []

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -186,15 +185,16 @@ def find_browser_process(profile_dir: Path, uids: tuple[int | None, ...] = ()) -
 
 
 def _write_tab_binding(socket_dir: Path, session: str, target_id: str) -> None:
-    """Write agent-browser's pin record `<session>.target` (JSON `{targetId, url, pinned}`, 0600,
-    the form its daemon writes) before the session's first command. Measured on 0.41.2: a daemon
-    that finds it attaches to that tab as its pinned one and creates no tab (`Target.getTargets`,
-    `attachToTarget`, the enables: 130 ms for a session on an idle machine against 330-390 ms
-    with the one or two `Target.createTarget` it makes otherwise, docs/agent-browser-notes.md).
-    The record names a tab; the gate still decides what the session may reach."""
-    if not target_id.isalnum():
-        raise AnchorError("a target id is letters and digits")
-    data = json.dumps({"targetId": target_id, "url": "about:blank", "pinned": True}).encode()
+    """Write the session's pin record (`agent_browser.pin_record`, 0600) before its first
+    command. Measured on 0.41.2: a daemon that finds it attaches to that tab as its pinned one
+    and creates no tab (`Target.getTargets`, `attachToTarget`, the enables: 130 ms for a session
+    on an idle machine against 330-390 ms with the one or two `Target.createTarget` it makes
+    otherwise, docs/agent-browser-notes.md). The record names a tab; the gate still decides
+    what the session may reach."""
+    try:
+        data = ab.pin_record(target_id)
+    except ValueError as exc:
+        raise AnchorError(str(exc)) from None
     fd = os.open(socket_dir / f"{session}.target",
                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -452,11 +452,7 @@ agent-browser sessions attached to the CDP gate."""
         except (ab.AgentBrowserError, AnchorError, OSError) as exc:
             await self.close_stage_session(env, timeout=min(timeout, 10))
             raise AnchorError(f"could not open stage session {session}: {exc}") from None
-        target = None
-        try:
-            target = json.loads((socket_dir / f"{session}.target").read_text()).get("targetId")
-        except (OSError, ValueError, AttributeError):
-            pass
+        target = ab.pinned_target(socket_dir, session)
         if target_id is not None and target != target_id:
             await self.close_stage_session(env, timeout=min(timeout, 10))
             raise AnchorError(f"could not open stage session {session}: agent-browser did not "

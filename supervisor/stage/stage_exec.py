@@ -8,13 +8,12 @@ stage's two bridge sockets, the folders to hide and the user to run as.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 from typing import Any
 
-from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers import agent_browser, tools
 from sfguard.supervisor.daemon.errors import Conflict
 from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.stage import sandbox
@@ -63,19 +62,18 @@ def exec_prefix(guard, run_id: str, stage_id: str) -> list[str]:
 
 
 def pinned_tab(guard, stage) -> str | None:
-    """The tab the guard's session of the stage is bound to (its `<session>.target` record),
-    while the stage still has it at the gate; None otherwise."""
+    """The tab the guard's session of the stage is bound to (its pin record), while the stage
+    still has it at the gate; None otherwise."""
     full = stage.env_full or {}
     session, socket_dir = full.get("AGENT_BROWSER_SESSION"), full.get("AGENT_BROWSER_SOCKET_DIR")
     if not session or not socket_dir or not stage.gate_key:
         return None
+    tab = agent_browser.pinned_target(socket_dir, session)
     try:
-        with open(os.path.join(socket_dir, f"{session}.target"), encoding="utf-8") as fh:
-            tab = json.load(fh).get("targetId")
         owned = guard.gate.stage_targets(stage.gate_key)
-    except (OSError, ValueError, AttributeError, GateError):
+    except GateError:
         return None
-    return tab if isinstance(tab, str) and tab.isalnum() and tab in owned else None
+    return tab if tab in owned else None
 
 
 def exec_answer(guard, run, stage) -> dict[str, Any]:

@@ -293,3 +293,25 @@ def test_agent_browser_under_tmp_is_bound_back_only_outside_guard_folders(tmp_pa
         forbidden = [f.replace("/tmp/ci", str(tmp_path / "ci")) for f in forbidden]
         expect = expect and expect.replace("/tmp/ci", str(tmp_path / "ci"))
     assert sandbox.tool_dir_to_rebind(tool, forbidden) == expect
+
+
+@pytest.mark.parametrize("tab,session,same", [
+    ("A1B2C3D4E5F6", "sfs-0a1b2c3d", True),
+    ("../x", "sfs-0a1b2c3d", False),          # not a target id: no record at all
+    ("A\u00e91", "sfs-0a1b2c3d", False),       # letters, but not ASCII
+    ("A1B2", "../sfs", False),                # a session name that is a path
+    (None, "sfs-0a1b2c3d", False),            # the stage closed its tab
+])
+def test_stage_exec_writes_the_guards_pin_record(tab, session, same):
+    """stage-exec formats the pin record itself (start-up time): the bytes are the guard's."""
+    from sfguard.cli.stage_exec_cmd import _pin_fd
+    from sfguard.supervisor.browsers import agent_browser
+    fd = _pin_fd({"tab": tab, "env": {"AGENT_BROWSER_SESSION": session}})
+    if not same:
+        assert fd is None
+        return
+    try:
+        assert os.read(fd, 4096) == agent_browser.pin_record(tab)
+    finally:
+        os.close(fd)
+    assert json.loads(agent_browser.pin_record(tab)) == {"targetId": tab, "url": "about:blank", "pinned": True}
