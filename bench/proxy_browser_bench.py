@@ -15,14 +15,18 @@ A page with 30 subresources (5 scripts and 5 images from each of 3 origins; no-s
 load fetches everything) is loaded in a tab of each browser over the pipe (Page.navigate, then
 the navigation's loadEventEnd). Direct, the origins are 127.0.0.1 on three ports; through the
 guard they are site-1.test .. site-3.test, which the run proxy resolves to 127.0.0.1. Each round
-loads `--loads` times in each browser, in turn (after one warm-up load per browser); the ratio
-guard / direct of the medians is taken per round and printed as median [min-max].
+loads `--loads` times in each browser, one load per browser in turn with the order rotating
+(after one warm-up load per browser), so that a slow spell of this noisy machine falls on every
+browser alike; the ratio guard / direct of the medians is taken per round and printed as
+median [min-max]. (Until issue 14's last change a round loaded `--loads` times in one browser,
+then in the next.)
 Target (issue 14): <= 1.15x.
 
-Two pages, both measured in every run: plain HTTP (each request goes through the proxy's HTTP
-layer: decided, logged, forwarded) and HTTPS (self-signed origins; every browser ignores
-certificate errors through `Security.setIgnoreCertificateErrors` on its pipe; through the guard
-each connection is a CONNECT tunnel, decided and logged once, then relayed).
+Two pages, both measured in every run: plain HTTP (each request goes through the guard's
+plain-HTTP relay, proxy_addons/plain_http.py: decided, logged, forwarded) and HTTPS
+(self-signed origins; every browser ignores certificate errors through
+`Security.setIgnoreCertificateErrors` on its pipe; through the guard each connection is a
+CONNECT tunnel, decided and logged once, then relayed).
 
 The origins answer each response with one write, as real servers do. `--split-writes` brings
 back the fixture of the first measurements (head and body in two writes): on a keep-alive
@@ -236,13 +240,16 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
                 seq += 1
                 await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}")
             for _ in range(max(1, args.rounds)):
-                for name in NAMES:
-                    origin_state["page"] = origins[key[name]]
-                    got = []
-                    for _ in range(args.loads):
+                got: dict[str, list[float]] = {name: [] for name in NAMES}
+                for i in range(args.loads):
+                    # one load per browser in turn, the order rotating: a slow spell of the
+                    # machine falls on every browser alike, not on one browser's block of loads
+                    for name in NAMES[i % len(NAMES):] + NAMES[:i % len(NAMES)]:
+                        origin_state["page"] = origins[key[name]]
                         seq += 1
-                        got.append(await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}"))
-                    times[scheme][name].append(got)
+                        got[name].append(await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}"))
+                for name in NAMES:
+                    times[scheme][name].append(got[name])
         return times, anchors["guard"].pipe.fetch_on
     finally:
         for tab in tabs.values():
