@@ -4,14 +4,11 @@ Hooks:
 - `http_connect` (CONNECT host:port): credentials, `policy.decide`, then DNS and
   `policy.check_address` for every address. Allowed: the checked address is remembered for
   `AddressGuard`; denied: 403 with the decision header and a one-line explanation.
-- `requestheaders` (plain HTTP, absolute-form URL): the same, plus the Host header must name
-  the same host and port as the URL (else `host_header_mismatch`). The client's
-  `Proxy-Authorization` header is removed before the request goes anywhere, and bodies are
-  streamed (never buffered).
-- `responseheaders`: response bodies are streamed too, except one announced by Content-Length
-  at most `SMALL_BODY` bytes: read whole, it skips mitmproxy's per-chunk streaming path
-  (measured: 12-14% less proxy CPU per small plain request, docs/proxy.md); memory per
-  response stays bounded by `SMALL_BODY`.
+- `requestheaders` (plain HTTP, absolute-form URL; raised by `PlainHttpLayer` for each request):
+  the same, plus the Host header must name the same host and port as the URL (else
+  `host_header_mismatch`). The client's `Proxy-Authorization` header is removed before the
+  request goes anywhere. An allowed request's target host is set to the checked address, where
+  `PlainHttpLayer` sends it.
 """
 from __future__ import annotations
 
@@ -24,9 +21,6 @@ from sfguard.proxy_addons.clients import Client
 from sfguard.proxy_addons.state import GuardState, Target, auth_required_response, deny_response
 
 logger = logging.getLogger("sfguard.proxy.connect")
-#: A response body up to this size, announced by Content-Length, is read whole and sent to the
-#: client with its head in one write; larger or unannounced ones are streamed.
-SMALL_BODY = 64 * 1024
 
 
 class ConnectGuard:
@@ -141,14 +135,7 @@ class ConnectGuard:
         target = Target(d, addr)
         conn.targets[key] = target
         # Connect to the checked address: set the request's target host to it (the Host header
-        # is left as it is). mitmproxy then reuses server connections per address and counts
+        # is left as it is). Server connections are reused per address and mitmproxy counts
         # them per address (at most 5 open at once), so the address must not change later.
         flow.request.data.host = addr
         conn.targets[(addr, key[1])] = target
-        flow.request.stream = True
-
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None:
-            length = flow.response.headers.get("Content-Length", "")
-            small = length.isdigit() and len(length) < 10 and int(length) <= SMALL_BODY
-            flow.response.stream = not small

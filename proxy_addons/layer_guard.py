@@ -54,6 +54,7 @@ from sfguard import policy
 from sfguard.proxy_addons import dispatch
 from sfguard.proxy_addons.client_hello import NEED_MORE, BadHello, could_be_tls, read_client_hello
 from sfguard.proxy_addons.layers import BoundedHttpLayer, CloseLayer
+from sfguard.proxy_addons.plain_http import PlainHttpLayer
 from sfguard.proxy_addons.state import ConnState, GuardState, Target
 
 logger = logging.getLogger("sfguard.proxy.layers")
@@ -62,6 +63,8 @@ logger = logging.getLogger("sfguard.proxy.layers")
 MAX_FIRST_MESSAGE = 64 * 1024
 #: A prefix of an HTTP/1 request line: a method in capitals, then (once there) a space.
 _HTTP_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} [^ \r\n]+ HTTP/1\.[01]\r\n")
+#: How a CONNECT request starts; any other first request is served by `PlainHttpLayer`.
+_CONNECT = b"CONNECT "
 _HOST_LINE = re.compile(rb"\r\nhost[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.IGNORECASE)
 
 
@@ -111,6 +114,12 @@ class LayerGuard:
             if data[:1] == b"\x16":
                 logger.info("closed a client that spoke TLS to the proxy port")
                 nextlayer.layer = CloseLayer(context)
+            elif not data.startswith(_CONNECT):
+                if _CONNECT.startswith(data):
+                    return  # maybe a CONNECT: wait for the next bytes (the head timeout bounds it)
+                nextlayer.layer = PlainHttpLayer(
+                    context, self.s.max_head_bytes, self.s.max_header_count,
+                    on_refuse=self._head_refused)
             else:
                 nextlayer.layer = BoundedHttpLayer(
                     context, HTTPMode.regular, self.s.max_head_bytes, self.s.max_header_count,

@@ -1,15 +1,16 @@
 """Two small mitmproxy layers the guard uses (protocol plumbing, no policy).
 
-- `BoundedHttpLayer`: mitmproxy's HTTP layer with bounds on a request head (CONNECT or plain
-  HTTP): its size in bytes and its number of lines. mitmproxy itself buffers a head until it
-  is complete, with no limit; over-long header lines or thousands of headers would grow memory
-  and parsing time without end. Over a bound the client gets `431`, the connection is closed
-  and `on_refuse(reason)` is called (the guard writes a decision-log line). Lines are counted
-  as they arrive, so a head trickled byte by byte costs linear time.
-  It also completes hooks that no addon handles (`skip_hook(name)` true: for a plain request
-  `request` and `response`) at once, inside the same event, instead of handing them to the
-  connection handler, which runs each hook as an asyncio task and then passes its completion
-  through the whole layer stack again, for nothing (measured: docs/proxy.md, Performance).
+- `BoundedHttpLayer`: mitmproxy's HTTP layer for a connection that starts with CONNECT, with
+  bounds on the request head: its size in bytes and its number of lines. mitmproxy itself
+  buffers a head until it is complete, with no limit; over-long header lines or thousands of
+  headers would grow memory and parsing time without end. Over a bound the client gets `431`,
+  the connection is closed and `on_refuse(reason)` is called (the guard writes a decision-log
+  line). Lines are counted as they arrive, so a head trickled byte by byte costs linear time.
+  It also completes hooks that no addon handles (`skip_hook(name)` true, e.g.
+  `http_connected`) at once, inside the same event, instead of handing them to the connection
+  handler, which runs each hook as an asyncio task and then passes its completion through the
+  whole layer stack again, for nothing. (Plain-HTTP connections are served by
+  `plain_http.PlainHttpLayer`, with the same bounds and answer.)
 - `CloseLayer`: closes the client connection at once (used to kill a connection, e.g. a TLS
   ClientHello whose SNI does not match the CONNECT host). Nothing reaches any server.
 """
@@ -23,12 +24,12 @@ from mitmproxy.proxy.layers import HttpLayer
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 
-_HEAD_BODY = b"sfguard: request head too large (too many bytes or headers), connection shut\n"
-_HEAD_TOO_LARGE = (
+HEAD_BODY = b"sfguard: request head too large (too many bytes or headers), connection shut\n"
+HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
     b"Content-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
     b"X-Sfguard-Decision: deny; reason=request_head_too_large\r\n"
-    b"Content-Length: " + str(len(_HEAD_BODY)).encode() + b"\r\n\r\n" + _HEAD_BODY
+    b"Content-Length: " + str(len(HEAD_BODY)).encode() + b"\r\n\r\n" + HEAD_BODY
 )
 
 
@@ -68,7 +69,7 @@ class BoundedHttpLayer(HttpLayer):
                     self._refused = True
                     if self.on_refuse is not None:
                         self.on_refuse(reason)
-                    yield commands.SendData(self.context.client, _HEAD_TOO_LARGE)
+                    yield commands.SendData(self.context.client, HEAD_TOO_LARGE)
                     yield commands.CloseConnection(self.context.client)
                     return
         if self.skip_hook is None:

@@ -116,6 +116,18 @@ def proxies(tmp_path):
 
 
 # --- loopback servers ---------------------------------------------------------------------------
+def serve_tcp(handler: type[socketserver.BaseRequestHandler]) -> tuple[socketserver.ThreadingTCPServer, int]:
+    """A threaded TCP server on 127.0.0.1 (a free port), serving in a daemon thread; returns
+    (server, port). Stop it with `server.shutdown(); server.server_close()`."""
+    class Server(socketserver.ThreadingTCPServer):
+        daemon_threads = True
+        allow_reuse_address = True
+
+    server = Server(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
 class RecordingServer:
     """TCP server on 127.0.0.1 that records every byte received; echoes or answers HTTP."""
 
@@ -152,14 +164,7 @@ class RecordingServer:
                 except OSError:
                     return
 
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server, self.port = serve_tcp(Handler)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -130,10 +130,14 @@ def test_listen_address_checks(host, public):
         GuardProxy(GuardConfig(listen_host=host, listen_public=public), [])
 
 
-async def test_hooks_an_addon_handles_still_run_and_plain_requests_answer_on_keep_alive(tmp_path):
-    """The guard completes the `request`/`response` hooks at once while no addon handles
-    them; an addon added later for `response` is called for every response again."""
+async def test_plain_requests_answer_on_keep_alive_and_raise_requestheaders_for_each(tmp_path):
+    """Plain requests on one connection are answered in turn on the same upstream connection,
+    and each raises the `requestheaders` hook (the guard's decision) for every addon, also
+    for one added later; no `response` hook is raised (the plain-HTTP relay has none)."""
+    accepted = []
+
     async def handle(reader, writer):
+        accepted.append(1)
         while await reader.readuntil(b"\r\n\r\n"):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
             await writer.drain()
@@ -143,11 +147,14 @@ async def test_hooks_an_addon_handles_still_run_and_plain_requests_answer_on_kee
     proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
                        ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
     _, port = await proxy.start()
-    seen: list[int] = []
+    seen: list[str] = []
 
     class Recorder:
+        def requestheaders(self, flow):
+            seen.append(flow.request.path)
+
         def response(self, flow):
-            seen.append(flow.response.status_code)
+            seen.append("response")
 
     async def three_on_one_connection() -> list[bytes]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -162,10 +169,11 @@ async def test_hooks_an_addon_handles_still_run_and_plain_requests_answer_on_kee
 
     try:
         assert await three_on_one_connection() == [b"HTTP/1.1 200 OK ok"] * 3
-        assert seen == []
+        assert accepted == [1]
         proxy._master.addons.add(Recorder())
         assert await three_on_one_connection() == [b"HTTP/1.1 200 OK ok"] * 3
-        assert seen == [200, 200, 200]
+        assert seen == ["/0", "/1", "/2"]
+        assert accepted == [1, 1]
     finally:
         await proxy.stop()
         server.close()
