@@ -9,6 +9,10 @@ Everything runs on 127.0.0.1 in this one command, and the baseline is measured i
 - Tunnels per second with `--concurrency` clients opening tunnels in a loop (each carrying one
   echoed byte), and the proxy process's CPU time per tunnel (psutil user+system delta / tunnels).
 - RSS of the proxy process: idle after start, and the peak sampled under the concurrent load.
+- Plain HTTP (absolute-form GETs of a 2 KB answer on kept-alive connections, as browsers send
+  http:// URLs to a proxy): p50 latency of one request at a time, and the proxy's CPU time per
+  request with 6 clients sending `--requests` requests in all (direct: origin-form GETs to the
+  same site, for the latency only).
 Every proxy is measured once per round, in turn, for `--rounds` rounds (interleaved, so a
 noisy spell of the machine hits all of them); ratios against bare mitmdump are taken per round
 and printed as median [min-max]. Targets: CPU/tunnel <= 0.5x (issue 14), set-up p50 <= 0.7x,
@@ -47,10 +51,22 @@ HOST = "bench.test"
 UPSTREAM_CODE = r"""
 import asyncio, sys
 CHUNK = b"\0" * 65536
+ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2048\r\n\r\n" + b"x" * 2048
 async def handle(reader, writer):
     try:
         first = await reader.read(65536)
-        if first.startswith(b"SEND "):
+        if first.startswith(b"GET "):  # plain HTTP: one answer (one write) per request head
+            buf = first
+            while buf:
+                n = buf.count(b"\r\n\r\n")
+                if n:
+                    writer.write(ANSWER * n)
+                    buf = buf[buf.rfind(b"\r\n\r\n") + 4:]
+                more = await reader.read(65536)
+                if not more:
+                    break
+                buf += more
+        elif first.startswith(b"SEND "):
             n = int(first.split()[1])
             while n > 0:
                 writer.write(CHUNK[:min(n, len(CHUNK))]); n -= len(CHUNK)
@@ -195,6 +211,42 @@ async def measure_concurrent(t: Target, upstream_port: int, tunnels: int, concur
     return tunnels / elapsed, (cpu1 - cpu0) / tunnels * 1e6, peak_rss[0] / 1e6
 
 
+async def plain_client(t: Target, upstream_port: int, n: int, lat: list[float] | None = None) -> None:
+    """`n` GETs one after another on one kept-alive connection (through the proxy: absolute
+    form with the proxy credential; direct: origin form to the site)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", t.port or upstream_port)
+    host = f"{t.connect_host or '127.0.0.1'}:{upstream_port}"
+    head = f"GET {'http://' + host if t.port else ''}/p HTTP/1.1\r\nHost: {host}\r\n"
+    if t.auth:
+        head += f"Proxy-Authorization: {t.auth}\r\n"
+    data = head.encode() + b"\r\n"
+    for _ in range(n):
+        start = time.perf_counter()
+        writer.write(data)
+        status = await reader.readuntil(b"\r\n\r\n")
+        if b" 200 " not in status.split(b"\r\n", 1)[0]:
+            raise RuntimeError(f"{t.name}: plain GET failed: {status[:80]!r}")
+        await reader.readexactly(2048)
+        if lat is not None:
+            lat.append(time.perf_counter() - start)
+    writer.close()
+
+
+async def measure_plain(t: Target, upstream_port: int, requests: int) -> tuple[float, float]:
+    """(p50 ms of one request at a time, proxy CPU us per request with 6 clients)."""
+    await plain_client(t, upstream_port, 50)  # warm-up
+    lat: list[float] = []
+    await plain_client(t, upstream_port, 300, lat)
+    p50 = sorted(lat)[len(lat) // 2] * 1000
+    if t.proc is None:
+        return p50, 0.0
+    proc = psutil.Process(t.proc.pid)
+    each = max(1, requests // 6)
+    cpu0 = proc_cpu(proc)
+    await asyncio.gather(*(plain_client(t, upstream_port, each) for _ in range(6)))
+    return p50, (proc_cpu(proc) - cpu0) / (each * 6) * 1e6
+
+
 def _bench_policy(tmp: Path, upstream_port: int) -> Path:
     policy = tmp / "bench-sites.yaml"
     policy.write_text(textwrap.dedent(f"""\
@@ -293,8 +345,9 @@ async def bench_one(t: Target, upstream_port: int, args) -> dict:
     # median of 3 transfers: one transfer is at the mercy of whatever else the machine runs
     mbps = sorted([await measure_throughput(t, upstream_port, args.mb) for _ in range(3)])[1]
     rate, cpu_us, peak = await measure_concurrent(t, upstream_port, args.tunnels, args.concurrency)
+    req_p50, req_cpu = await measure_plain(t, upstream_port, args.requests)
     return {"p50": p50, "p99": p99, "mbps": mbps, "rate": rate, "cpu": cpu_us, "idle": idle,
-            "peak": peak}
+            "peak": peak, "req_p50": req_p50, "req_cpu": req_cpu}
 
 
 def main() -> int:
@@ -303,6 +356,8 @@ def main() -> int:
     ap.add_argument("--tunnels", type=int, default=2000, help="tunnels in the concurrent phase")
     ap.add_argument("--concurrency", type=int, default=50)
     ap.add_argument("--mb", type=int, default=256, help="MB downloaded through one tunnel")
+    ap.add_argument("--requests", type=int, default=3000,
+                    help="plain-HTTP requests in the concurrent plain phase (6 clients)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds; each measures every proxy once, in turn (interleaved)")
     args = ap.parse_args()
@@ -347,9 +402,11 @@ def main() -> int:
     names = [n for n, _ in starters if any(n in r for r in rounds)]
     print(f"\nproxy benchmark: {len(rounds)} interleaved round(s); each: {args.setup} sequential "
           f"tunnels, {args.mb} MB through one tunnel, {args.tunnels} tunnels at "
-          f"{args.concurrency} concurrent clients. Medians over the rounds:\n")
+          f"{args.concurrency} concurrent clients; plain HTTP: 300 sequential GETs, "
+          f"{args.requests} GETs on 6 kept-alive connections. Medians over the rounds:\n")
     header = (f"{'':11}{'setup p50 ms':>13}{'p99 ms':>9}{'MB/s':>9}{'tunnels/s':>11}"
-              f"{'CPU us/tun':>12}{'RSS idle MB':>13}{'RSS load MB':>13}")
+              f"{'CPU us/tun':>12}{'RSS idle MB':>13}{'RSS load MB':>13}"
+              f"{'GET p50 ms':>12}{'CPU us/GET':>12}")
     print(header)
     print("-" * len(header))
     for name in names:
@@ -357,8 +414,10 @@ def main() -> int:
         cpu = f"{med(name, 'cpu'):.0f}" if proxy else "-"
         idle = f"{med(name, 'idle'):.1f}" if proxy else "-"
         peak = f"{med(name, 'peak'):.1f}" if proxy else "-"
+        req_cpu = f"{med(name, 'req_cpu'):.0f}" if proxy else "-"
         print(f"{name:11}{med(name, 'p50'):13.2f}{med(name, 'p99'):9.2f}{med(name, 'mbps'):9.0f}"
-              f"{med(name, 'rate'):11.0f}{cpu:>12}{idle:>13}{peak:>13}")
+              f"{med(name, 'rate'):11.0f}{cpu:>12}{idle:>13}{peak:>13}"
+              f"{med(name, 'req_p50'):12.2f}{req_cpu:>12}")
     if "mitmdump" in names:
         print("\nratios vs bare mitmdump, per round (median [min-max]; targets of issues 3 and 14):")
 
@@ -372,6 +431,7 @@ def main() -> int:
             print(f"  {name:9} CPU/tunnel {ratio(name, 'cpu')} (<= 0.5)   "
                   f"setup p50 {ratio(name, 'p50')} (<= 0.7)   "
                   f"throughput {ratio(name, 'mbps')} (>= 0.8)   tunnels/s {ratio(name, 'rate')}")
+            print(f"  {name:9} plain HTTP: CPU/GET {ratio(name, 'req_cpu')}   GET p50 {ratio(name, 'req_p50')}")
     for name in ("guard-run",):
         if name in names:
             print(f"  {name} RSS under load {med(name, 'peak'):.1f} MB (target < 120)")

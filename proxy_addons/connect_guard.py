@@ -8,7 +8,9 @@ Hooks:
   the same, plus the Host header must name the same host and port as the URL (else
   `host_header_mismatch`). The client's `Proxy-Authorization` header is removed before the
   request goes anywhere. An allowed request's target host is set to the checked address, where
-  `PlainHttpLayer` sends it.
+  `PlainHttpLayer` sends it. On a kept-alive connection the last allowed request's decision and
+  address are used again (and logged again) while nothing they rest on changed
+  (`ConnState.last_allowed`: the same client and policy objects, URL host, port, Host header).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from mitmproxy import http
 
 from sfguard import policy
 from sfguard.proxy_addons.clients import Client
-from sfguard.proxy_addons.state import GuardState, Target, auth_required_response, deny_response
+from sfguard.proxy_addons.state import GuardState, LastAllowed, Target, auth_required_response, deny_response
 
 logger = logging.getLogger("sfguard.proxy.connect")
 
@@ -27,8 +29,7 @@ class ConnectGuard:
     def __init__(self, state: GuardState) -> None:
         self.s = state
 
-    def _authenticate(self, flow: http.HTTPFlow) -> Client | None:
-        value = flow.request.headers.get("Proxy-Authorization")
+    def _authenticate(self, flow: http.HTTPFlow, value: str | None) -> Client | None:
         if not self.s.registry.loaded:
             # A run proxy (re)started before the guard sent its clients. A 407 to a browser's
             # good credential would make Chromium drop it from its auth cache, and the guard's
@@ -101,7 +102,7 @@ class ConnectGuard:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         # The head-read timeout stays armed until the tunnel's first message was judged.
         conn = self.s.conn(flow.client_conn.id)
-        client = self._authenticate(flow)
+        client = self._authenticate(flow, flow.request.headers.get("Proxy-Authorization"))
         if client is None:
             return
         conn.client = client
@@ -115,27 +116,68 @@ class ConnectGuard:
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.s.conn(flow.client_conn.id)
         conn.head_done = True
-        client = self._authenticate(flow)
+        request = flow.request
         # The credential is for the guard only: never forward it.
-        flow.request.headers.pop("Proxy-Authorization", None)
+        auth_value, host_header = _take_credential(request)
+        client = self._authenticate(flow, auth_value)
         if client is None:
             return
         conn.client = client
-        if flow.request.scheme != "http":
+        if request.scheme != "http":
             flow.response = http.Response.make(
                 400, b"sfguard: only http:// URLs can be sent as plain proxy requests; "
                      b"use CONNECT for https.\n",
                 {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
             return
-        result = await self._decide(flow, client, flow.request.host, flow.request.port,
-                                    flow.request.headers.get("Host"), check_host_header=True)
-        if result is None:
-            return
-        d, addr, key = result
-        target = Target(d, addr)
-        conn.targets[key] = target
+        # A kept-alive connection asks for the same destination again and again: the decision
+        # and checked address of its last allowed request are used again (and logged again)
+        # while nothing they depend on changed: the same client (a changed allowlist or token
+        # is a new Client object), the same site policy object (a reload is a new one), the same
+        # URL host and port and Host header. The address is the one checked for this connection
+        # (as a kept-alive server connection would be).
+        site = self.s.policy
+        host, port = request.host, request.port
+        last = conn.last_allowed
+        if last is not None and last.client is client and last.policy is site \
+                and last.host == host and last.port == port and last.host_header == host_header:
+            d, addr = last.decision, last.address
+            self.s.log_decision(d, client=client, method=request.method, addr=addr)
+        else:
+            result = await self._decide(flow, client, host, port, host_header, check_host_header=True)
+            if result is None:
+                return
+            d, addr, key = result
+            target = Target(d, addr)
+            conn.targets[key] = target
+            conn.targets[(addr, key[1])] = target
+            conn.last_allowed = LastAllowed(client, site, host, port, host_header, d, addr)
         # Connect to the checked address: set the request's target host to it (the Host header
         # is left as it is). Server connections are reused per address and mitmproxy counts
         # them per address (at most 5 open at once), so the address must not change later.
-        flow.request.data.host = addr
-        conn.targets[(addr, key[1])] = target
+        request.data.host = addr
+
+
+def _take_credential(request: http.Request) -> tuple[str | None, str | None]:
+    """Remove every Proxy-Authorization header from `request`, in one pass over its head, and
+    return that header's value and the Host header's (repeated headers joined with ", ", as
+    mitmproxy's `Headers.get` joins them; None when absent)."""
+    auth: list[bytes] = []
+    host: list[bytes] = []
+    kept = []
+    for field in request.headers.fields:
+        name = field[0].lower()
+        if name == b"proxy-authorization":
+            auth.append(field[1])
+            continue
+        if name == b"host":
+            host.append(field[1])
+        kept.append(field)
+    if auth:
+        request.headers.fields = tuple(kept)
+    return _joined(auth), _joined(host)
+
+
+def _joined(values: list[bytes]) -> str | None:
+    if not values:
+        return None
+    return ", ".join(v.decode("utf-8", "surrogateescape") for v in values)

@@ -44,7 +44,7 @@ import re
 from collections.abc import Callable
 from typing import Final, Literal, TypeAlias
 
-from mitmproxy import addonmanager
+from mitmproxy import addonmanager, hooks
 from mitmproxy.connection import Address
 from mitmproxy.proxy import layer
 from mitmproxy.proxy.layers import TCPLayer, modes
@@ -96,11 +96,13 @@ class LayerGuard:
     def __init__(self, state: GuardState) -> None:
         self.s = state
         self._skip_hook: Callable[[str], bool] | None = None
+        self._run_hook: Callable[[hooks.Hook], dispatch.Rest | None] | None = None
 
     def load(self, loader: addonmanager.Loader) -> None:
         from mitmproxy import ctx
         if isinstance(ctx.master.addons, dispatch.CachedAddonManager):
             self._skip_hook = ctx.master.addons.unhandled
+            self._run_hook = ctx.master.addons.run_inline
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         if nextlayer.layer is not None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import h11
 from h11._readers import ChunkedReader, ContentLengthReader, Http10Reader
 from h11._receivebuffer import ReceiveBuffer
-from mitmproxy import http
+from mitmproxy import hooks, http
 from mitmproxy.connection import Address, ConnectionState, Server
 from mitmproxy.net.http import http1, url
 from mitmproxy.net.http.validate import validate_headers
@@ -40,6 +40,7 @@ from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http import HttpRequestHeadersHook
 
+from sfguard.proxy_addons.dispatch import Rest, SfguardRestHook
 from sfguard.proxy_addons.layers import HEAD_TOO_LARGE
 
 #: Largest response head relayed (a server sending more is cut off: 502).
@@ -89,8 +90,10 @@ class PlainHttpLayer(layer.Layer):
     """Serves a plain-HTTP proxy connection (see the module docstring)."""
 
     def __init__(self, context: Context, max_head_bytes: int, max_header_count: int,
-                 on_refuse: Callable[[str], None] | None = None) -> None:
+                 on_refuse: Callable[[str], None] | None = None,
+                 run_hook: Callable[[hooks.Hook], Rest | None] | None = None) -> None:
         super().__init__(context)
+        self.run_hook = run_hook  # dispatch.CachedAddonManager.run_inline, if the master has it
         self.max_head_bytes = max_head_bytes
         self.max_lines = max_header_count + 2  # the request line and the empty line end a head
         self.on_refuse = on_refuse
@@ -182,7 +185,14 @@ class PlainHttpLayer(layer.Layer):
         flow.live = True
         request.authority = ""  # origin form towards the server
         self.flow = flow
-        yield HttpRequestHeadersHook(flow)  # ConnectGuard: credentials, decision, addresses, log
+        # ConnectGuard: credentials, decision, addresses, log. Run at once where the addon manager
+        # can (dispatch.run_inline); a hook that must wait (DNS) is finished as a task.
+        if self.run_hook is None:
+            yield HttpRequestHeadersHook(flow)
+        else:
+            rest = self.run_hook(HttpRequestHeadersHook(flow))
+            if rest is not None:
+                yield SfguardRestHook(rest)
         if flow.error is not None:          # killed (e.g. the proxy is still starting)
             yield from self._close()
             return

@@ -36,6 +36,20 @@ class Target:
 
 
 @dataclass
+class LastAllowed:
+    """The last allowed plain-HTTP request of a client connection: what its decision depended
+    on (compared before the decision and address are used again) and the result."""
+
+    client: Client
+    policy: SitePolicy
+    host: str
+    port: int
+    host_header: str | None
+    decision: Decision
+    address: str
+
+
+@dataclass
 class ConnState:
     """What the guard knows about one client connection."""
 
@@ -46,6 +60,8 @@ class ConnState:
     targets: dict[tuple[str, int], Target] = field(default_factory=dict)
     # Set once the first request head was read (the head-read timeout stops applying).
     head_done: bool = False
+    # Plain HTTP: the last allowed request (ConnectGuard.requestheaders uses it again).
+    last_allowed: LastAllowed | None = None
     timer: asyncio.TimerHandle | None = None
 
 
