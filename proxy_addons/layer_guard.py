@@ -125,7 +125,8 @@ class LayerGuard:
             else:
                 nextlayer.layer = BoundedHttpLayer(
                     context, HTTPMode.regular, self.s.max_head_bytes, self.s.max_header_count,
-                    on_refuse=self._head_refused, skip_hook=self._skip_hook)
+                    on_refuse=self._head_refused, skip_hook=self._skip_hook,
+                    run_hook=self._run_hook)
             return
 
         conn = self.s.conns.get(context.client.id)

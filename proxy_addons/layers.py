@@ -9,8 +9,12 @@
   It also completes hooks that no addon handles (`skip_hook(name)` true, e.g.
   `http_connected`) at once, inside the same event, instead of handing them to the connection
   handler, which runs each hook as an asyncio task and then passes its completion through the
-  whole layer stack again, for nothing. (Plain-HTTP connections are served by
-  `plain_http.PlainHttpLayer`, with the same bounds and answer.)
+  whole layer stack again, for nothing. Hooks that addons do handle (`http_connect`, the
+  tunnel's `next_layer`) are run at once too where the addon manager can (`run_hook`,
+  dispatch.run_inline); one that must wait (DNS) is finished by the connection handler
+  (`SfguardRestHook`), and that completion is passed on as the hook's own.
+  (Plain-HTTP connections are served by `plain_http.PlainHttpLayer`, with the same bounds and
+  answer.)
 - `CloseLayer`: closes the client connection at once (used to kill a connection, e.g. a TLS
   ClientHello whose SNI does not match the CONNECT host). Nothing reaches any server.
 """
@@ -18,11 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mitmproxy import hooks
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import HttpLayer
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http._http1 import Http1Server
+
+from sfguard.proxy_addons.dispatch import Rest, SfguardRestHook
 
 HEAD_BODY = b"sfguard: request head too large (too many bytes or headers), connection shut\n"
 HEAD_TOO_LARGE = (
@@ -39,9 +46,12 @@ class BoundedHttpLayer(HttpLayer):
 
     def __init__(self, context: Context, mode: HTTPMode, max_head_bytes: int, max_header_count: int = 128,
                  on_refuse: Callable[[str], None] | None = None,
-                 skip_hook: Callable[[str], bool] | None = None) -> None:
+                 skip_hook: Callable[[str], bool] | None = None,
+                 run_hook: Callable[[hooks.Hook], Rest | None] | None = None) -> None:
         super().__init__(context, mode)
         self.skip_hook = skip_hook
+        self.run_hook = run_hook
+        self._rests: dict[SfguardRestHook, commands.StartHook] = {}  # a hook's rest -> the hook
         self.max_head_bytes = max_head_bytes
         self.max_lines = max_header_count + 2  # the request line and the empty line end it
         self.on_refuse = on_refuse
@@ -72,20 +82,35 @@ class BoundedHttpLayer(HttpLayer):
                     yield commands.SendData(self.context.client, HEAD_TOO_LARGE)
                     yield commands.CloseConnection(self.context.client)
                     return
+        if isinstance(event, events.HookCompleted) and isinstance(event.command, SfguardRestHook):
+            hook = self._rests.pop(event.command, None)
+            if hook is not None:  # the rest of a hook run inline finished: the hook did
+                event = events.HookCompleted(hook)
         if self.skip_hook is None:
             yield from super()._handle_event(event)
             return
         # Hooks nobody handles are completed here, after the event that raised them was
-        # processed (as the connection handler would, a moment later). A blocking command
-        # arrives with `blocking` set to the layer it pauses; that layer resumes on completion.
+        # processed (as the connection handler would, a moment later); handled ones are run
+        # here when they can be. A blocking command arrives with `blocking` set to the layer it
+        # pauses; that layer resumes on completion.
         todo = [event]
         while todo:
             for command in super()._handle_event(todo.pop(0)):
-                if isinstance(command, commands.StartHook) and isinstance(command.blocking, layer.Layer) \
-                        and self.skip_hook(command.name):
-                    todo.append(events.HookCompleted(command))
-                else:
+                if not (isinstance(command, commands.StartHook) and isinstance(command.blocking, layer.Layer)):
                     yield command
+                elif self.skip_hook(command.name):
+                    todo.append(events.HookCompleted(command))
+                elif self.run_hook is None:
+                    yield command
+                else:
+                    rest = self.run_hook(command)
+                    if rest is None:
+                        todo.append(events.HookCompleted(command))
+                    else:  # finished by the connection handler; its completion comes back here
+                        wait = SfguardRestHook(rest)
+                        wait.blocking = self
+                        self._rests[wait] = command
+                        yield wait
 
 
 class CloseLayer(layer.Layer):

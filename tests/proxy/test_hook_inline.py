@@ -178,3 +178,50 @@ async def test_through_the_guard_a_plain_request_waits_for_a_waiting_hook(tmp_pa
         assert got.startswith(b"HTTP/1.1 200 OK") and got.endswith(b"ok") and len(received) == 1
     else:
         assert got.startswith(b"HTTP/1.1 403") and got.endswith(b"judged late") and received == []
+
+
+@pytest.mark.parametrize("answer", [None, 403])
+async def test_through_the_guard_a_connect_waits_for_a_waiting_hook(tmp_path, answer):
+    """The same for a CONNECT: an addon's `http_connect` waits 0.2 s, then (403) refuses the
+    tunnel. The client gets the refusal and the site no connection, or (None) a working
+    tunnel after the wait."""
+    connections: list[int] = []
+
+    async def echo(reader, writer):
+        connections.append(1)
+        writer.write(await reader.read(100))
+        await writer.drain()
+        writer.close()
+
+    class SlowJudge:
+        async def http_connect(self, flow) -> None:
+            await asyncio.sleep(0.2)
+            if answer is not None:
+                flow.response = Response.make(answer, b"judged late")
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    up = server.sockets[0].getsockname()[1]
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, up))
+    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
+                       ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
+    _, port = await proxy.start()
+    try:
+        proxy._master.addons.add(SlowJudge())
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"CONNECT site-a.test:{up} HTTP/1.1\r\nHost: site-a.test:{up}\r\n"
+                     f"Proxy-Authorization: {basic('a', TOKEN_A)}\r\n\r\n".encode())
+        start = asyncio.get_running_loop().time()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        waited = asyncio.get_running_loop().time() - start
+        if answer is None:
+            writer.write(b"ping")
+            echoed = await asyncio.wait_for(reader.readexactly(4), 5)
+        writer.close()
+    finally:
+        await proxy.stop()
+        server.close()
+    assert waited >= 0.15  # the judge slept 0.2 s before the layer went on
+    if answer is None:
+        assert head.startswith(b"HTTP/1.1 200") and echoed == b"ping" and connections == [1]
+    else:
+        assert head.startswith(b"HTTP/1.1 403") and connections == []
