@@ -121,7 +121,8 @@ class LayerGuard:
                     return  # maybe a CONNECT: wait for the next bytes (the head timeout bounds it)
                 nextlayer.layer = PlainHttpLayer(
                     context, self.s.max_head_bytes, self.s.max_header_count,
-                    on_refuse=self._head_refused)
+                    on_refuse=self._head_refused,
+                    run_hook=self._run_hook)
             else:
                 nextlayer.layer = BoundedHttpLayer(
                     context, HTTPMode.regular, self.s.max_head_bytes, self.s.max_header_count,
