@@ -7,6 +7,7 @@ once it finished."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import pytest
@@ -136,6 +137,24 @@ async def test_a_cancelled_rest_cancels_the_waiting_handler():
     assert seen == ["waits:before"]
 
 
+@contextlib.asynccontextmanager
+async def guard_with(tmp_path, site, addon):
+    """(proxy port, site port): an in-process guard that lets client `a` reach site-a.test
+    (the loopback `site` handler), with `addon` added after the guard's own addons."""
+    server = await asyncio.start_server(site, "127.0.0.1", 0)
+    up = server.sockets[0].getsockname()[1]
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, up))
+    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
+                       ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
+    _, port = await proxy.start()
+    try:
+        proxy._master.addons.add(addon)
+        yield port, up
+    finally:
+        await proxy.stop()
+        server.close()
+
+
 @pytest.mark.parametrize("answer", [None, 403])
 async def test_through_the_guard_a_plain_request_waits_for_a_waiting_hook(tmp_path, answer):
     """An addon after the guard's own waits 0.2 s in `requestheaders`, then (403) answers
@@ -155,14 +174,7 @@ async def test_through_the_guard_a_plain_request_waits_for_a_waiting_hook(tmp_pa
             if answer is not None:
                 flow.response = Response.make(answer, b"judged late", {"Connection": "close"})
 
-    server = await asyncio.start_server(site, "127.0.0.1", 0)
-    up = server.sockets[0].getsockname()[1]
-    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, up))
-    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
-                       ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
-    _, port = await proxy.start()
-    try:
-        proxy._master.addons.add(SlowJudge())
+    async with guard_with(tmp_path, site, SlowJudge()) as (port, up):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(f"GET http://site-a.test:{up}/x HTTP/1.1\r\nHost: site-a.test:{up}\r\n"
                      f"Proxy-Authorization: {basic('a', TOKEN_A)}\r\n\r\n".encode())
@@ -170,9 +182,6 @@ async def test_through_the_guard_a_plain_request_waits_for_a_waiting_hook(tmp_pa
         got = await asyncio.wait_for(reader.read(), 5)
         waited = asyncio.get_running_loop().time() - start
         writer.close()
-    finally:
-        await proxy.stop()
-        server.close()
     assert waited >= 0.15  # the judge slept 0.2 s before the layer went on
     if answer is None:
         assert got.startswith(b"HTTP/1.1 200 OK") and got.endswith(b"ok") and len(received) == 1
@@ -199,14 +208,7 @@ async def test_through_the_guard_a_connect_waits_for_a_waiting_hook(tmp_path, an
             if answer is not None:
                 flow.response = Response.make(answer, b"judged late")
 
-    server = await asyncio.start_server(echo, "127.0.0.1", 0)
-    up = server.sockets[0].getsockname()[1]
-    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, up))
-    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
-                       ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
-    _, port = await proxy.start()
-    try:
-        proxy._master.addons.add(SlowJudge())
+    async with guard_with(tmp_path, echo, SlowJudge()) as (port, up):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(f"CONNECT site-a.test:{up} HTTP/1.1\r\nHost: site-a.test:{up}\r\n"
                      f"Proxy-Authorization: {basic('a', TOKEN_A)}\r\n\r\n".encode())
@@ -217,9 +219,6 @@ async def test_through_the_guard_a_connect_waits_for_a_waiting_hook(tmp_path, an
             writer.write(b"ping")
             echoed = await asyncio.wait_for(reader.readexactly(4), 5)
         writer.close()
-    finally:
-        await proxy.stop()
-        server.close()
     assert waited >= 0.15  # the judge slept 0.2 s before the layer went on
     if answer is None:
         assert head.startswith(b"HTTP/1.1 200") and echoed == b"ping" and connections == [1]
