@@ -264,7 +264,7 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # the defaults are the command every figure of issue 14's later sittings was measured with
+    # the defaults are the command the page-load figures of issue 14's last sitting used
     ap.add_argument("--loads", type=int, default=8, help="loads per browser per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--split-writes", action="store_true",
