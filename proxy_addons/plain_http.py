@@ -10,7 +10,8 @@ not made here: each request raises mitmproxy's `requestheaders` hook with an `HT
 before, and `AddressGuard.server_connect` still refuses any unchecked destination. Parsing and
 framing are mitmproxy's and h11's (`http1.read_request_head` / `read_response_head`,
 `expected_http_body_size`, `validate_headers`, h11's body readers), the same code its own HTTP/1
-layers use; this layer only sequences them:
+layers use (the request head through request_head.py, which remembers mitmproxy's checks of an
+authority); this layer only sequences them:
 
     read a request head (bounded: bytes and header lines, 431 and a decision-log line over it)
       -> parse and validate (400 and closed if malformed: smuggling checks included)
@@ -42,6 +43,7 @@ from mitmproxy.proxy.layers.http import HttpRequestHeadersHook
 
 from sfguard.proxy_addons.dispatch import Rest, SfguardRestHook
 from sfguard.proxy_addons.layers import HEAD_TOO_LARGE
+from sfguard.proxy_addons.request_head import read_request_head
 
 #: Largest response head relayed (a server sending more is cut off: 502).
 MAX_RESPONSE_HEAD = 256 * 1024
@@ -163,7 +165,7 @@ class PlainHttpLayer(layer.Layer):
     def _start_request(self, head: list[bytes]) -> layer.CommandGenerator[None]:
         client = self.context.client
         try:
-            request = http1.read_request_head(head)
+            request = read_request_head(head)
             if request.method.upper() == "CONNECT":
                 raise ValueError("a CONNECT must be the first request on its connection")
             if request.scheme not in ("http", "https", ""):
