@@ -97,12 +97,9 @@ class PlainConnection(asyncio.Protocol):
         self.last_event = self.loop.time()
         self.layer = PlainHttpLayer(Context(self.client, opts), max_head_bytes, max_header_count,
                                     on_refuse=on_refuse, run_hook=addons.run_inline)
-        self.started = False
         transport.set_protocol(self)
         self.watchdog = self.loop.call_later(IDLE_TIMEOUT, self._idle_check)
         self._hook(server_hooks.ClientConnectedHook(self.client), self._started, first)
-        if not self.started:  # a client_connected handler still runs: later bytes wait for it
-            self.pause_reading(transport)
 
     @property
     def id(self) -> str:
@@ -129,13 +126,11 @@ class PlainConnection(asyncio.Protocol):
 
     # -- events into the layer, commands out ----------------------------------------------------
     def _started(self, first: bytes) -> None:
-        self.started = True
         if self.client.error:
             self.close("client_connected refused it")
             return
         self.event(events.Start())
         self.event(events.DataReceived(self.client, first))
-        self.resume_reading(self.transport)
 
     def event(self, ev: events.Event) -> None:
         if self.closed:
