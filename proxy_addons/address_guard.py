@@ -8,11 +8,16 @@ time (no DNS-rebinding window). A destination that was not checked is refused (f
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
+from mitmproxy import addonmanager
 from mitmproxy.proxy import server_hooks
 
 from sfguard import policy
 from sfguard.proxy_addons.state import GuardState, Target
+
+if TYPE_CHECKING:  # the module is imported after _lean_import.install() by server.py only
+    from mitmproxy.addons.proxyserver import Proxyserver
 
 logger = logging.getLogger("sfguard.proxy.address")
 
@@ -20,6 +25,7 @@ logger = logging.getLogger("sfguard.proxy.address")
 class AddressGuard:
     def __init__(self, state: GuardState) -> None:
         self.s = state
+        self._proxyserver: Proxyserver | None = None
 
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         if data.server.error:
@@ -44,8 +50,15 @@ class AddressGuard:
             return
         data.server.address = address
 
+    def load(self, loader: addonmanager.Loader) -> None:
+        from mitmproxy import ctx
+        self._proxyserver = ctx.master.addons.get("proxyserver")
+
     def _is_own_listener(self, address: tuple[str, int]) -> bool:
-        for listen_host, listen_port in self.s.listen_addrs:
+        ps = self._proxyserver
+        if ps is None:
+            return False
+        for listen_host, listen_port, *_ in ps.listen_addrs():
             if listen_port == address[1] and (
                     listen_host in ("", "0.0.0.0", "::") or listen_host == address[0]):
                 return True

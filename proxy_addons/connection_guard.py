@@ -5,7 +5,7 @@ trickles a request head byte by byte could hold a connection forever. The guard 
 connection `head_timeout` seconds to complete its first request head (and, for a CONNECT
 tunnel, its first message inside the tunnel); after that it is closed. Other clients are not
 affected. The per-connection state is dropped when the client disconnects. It also signals
-`GuardState.running` once the master runs (GuardProxy then listens: listener.py).
+`GuardState.running` once mitmproxy's servers listen.
 """
 from __future__ import annotations
 
@@ -33,16 +33,12 @@ class ConnectionGuard:
         self._proxyserver = ctx.master.addons.get("proxyserver")
 
     def running(self) -> None:
-        self.s.running.set()  # the master runs: GuardProxy.start() may listen
+        self.s.running.set()  # the proxy servers are up: GuardProxy.start() may return
 
     def client_connected(self, client: connection.Client) -> None:
         conn = self.s.conn(client.id)
         loop = asyncio.get_running_loop()
-        # the time since the connection was accepted (the listener waits for its first byte)
-        # counts against the timeout
-        accepted = self.s.accepted.pop(tuple(client.peername or ()), None)
-        spent = loop.time() - accepted if accepted is not None else 0.0
-        conn.timer = loop.call_later(max(0.0, self.s.head_timeout - spent), self._expire, client.id)
+        conn.timer = loop.call_later(self.s.head_timeout, self._expire, client.id)
 
     def client_disconnected(self, client: connection.Client) -> None:
         conn = self.s.conns.pop(client.id, None)
@@ -52,10 +48,6 @@ class ConnectionGuard:
     def _expire(self, client_id: str) -> None:
         conn = self.s.conns.get(client_id)
         if conn is None or conn.head_done:
-            return
-        if self.s.close_plain(client_id, "sfguard: request head timeout"):
-            logger.info("closed a connection that did not finish its request head in %.0f s",
-                        self.s.head_timeout)
             return
         handler = self._proxyserver.connections.get(client_id) if self._proxyserver else None
         if handler is None:

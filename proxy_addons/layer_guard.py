@@ -121,12 +121,12 @@ class LayerGuard:
                     return  # maybe a CONNECT: wait for the next bytes (the head timeout bounds it)
                 nextlayer.layer = PlainHttpLayer(
                     context, self.s.max_head_bytes, self.s.max_header_count,
-                    on_refuse=self.s.head_refused,
+                    on_refuse=self._head_refused,
                     run_hook=self._run_hook)
             else:
                 nextlayer.layer = BoundedHttpLayer(
                     context, HTTPMode.regular, self.s.max_head_bytes, self.s.max_header_count,
-                    on_refuse=self.s.head_refused, skip_hook=self._skip_hook,
+                    on_refuse=self._head_refused, skip_hook=self._skip_hook,
                     run_hook=self._run_hook)
             return
 
@@ -161,6 +161,13 @@ class LayerGuard:
             return
         conn.head_done = True  # the head-read timeout no longer applies
         nextlayer.layer = TCPLayer(context, ignore=True)
+
+    def _head_refused(self, reason: str) -> None:
+        """A CONNECT or plain-HTTP request head over the limits (answered 431 and closed).
+        The client is not known yet (its credentials are in the refused head)."""
+        logger.info("refused a request head over the limits (%s)", reason)
+        self.s.decision_log.write(run=self.s.run, client=None, method="HTTP", host=None, port=None,
+                                  decision="deny", reason=reason, rule=None, addr=None)
 
     # -- the first message of a tunnel -------------------------------------------------------
     def _judge_tls(self, data: bytes, host: str, port: int) -> Verdict:

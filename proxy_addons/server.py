@@ -25,7 +25,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 from sfguard.proxy_addons import _lean_import
 
@@ -43,7 +42,6 @@ from sfguard.proxy_addons.connect_guard import ConnectGuard
 from sfguard.proxy_addons.connection_guard import ConnectionGuard
 from sfguard.proxy_addons.decision_log import DecisionLog
 from sfguard.proxy_addons.layer_guard import LayerGuard
-from sfguard.proxy_addons.listener import GuardListener
 from sfguard.proxy_addons.policy_watch import PolicyReloader, PolicySnapshot, PolicyStatus
 from sfguard.proxy_addons.state import GuardState, Resolver
 
@@ -113,7 +111,6 @@ class GuardProxy:
         self.address: tuple[str, int] | None = None
         self.decision_log: DecisionLog | None = None
         self.state: GuardState | None = None
-        self._listener: GuardListener | None = None
 
     @property
     def url(self) -> str:
@@ -144,7 +141,6 @@ class GuardProxy:
             PolicyReloader(self.policy_status, self.policy_path, self.config.policy_poll_interval),
         )
         opts.update(
-            server=False,                # the guard listens itself (listener.py)
             mode=["regular"],
             listen_host=self.config.listen_host,
             listen_port=self.config.listen_port,
@@ -163,17 +159,14 @@ class GuardProxy:
             ready.cancel()
             await self._abort()
             raise GuardStartError("the proxy did not start within 30 s")
-        listener = GuardListener(self.state, cast(dispatch.CachedAddonManager, master.addons), opts, ps)
-        try:
-            self.address = await listener.start(self.config.listen_host, self.config.listen_port)
-        except OSError as exc:
+        addrs = [a for s in ps.servers for a in s.listen_addrs]
+        errors = [s.last_exception for s in ps.servers if s.last_exception]
+        if not addrs:
             await self._abort()
+            detail = f": {errors[0]}" if errors else ""
             raise GuardStartError(
-                f"cannot listen on {policy.join_host_port(self.config.listen_host, self.config.listen_port)}"
-                f": {exc}") from None
-        self._listener = listener
-        self.state.listen_addrs = [self.address]
-        self.state.close_plain = listener.close_plain
+                f"cannot listen on {policy.join_host_port(self.config.listen_host, self.config.listen_port)}{detail}")
+        self.address = (str(addrs[0][0]), int(addrs[0][1]))
         self._flush_task = asyncio.get_running_loop().create_task(self._flush_quiet())
         logger.info("guard proxy listening at %s:%d", *self.address)
         return self.address
@@ -204,9 +197,10 @@ class GuardProxy:
         if self._flush_task is not None:
             self._flush_task.cancel()
         ps = master.addons.get("proxyserver")
-        if self._listener is not None:
-            self._listener.stop_listening()  # stop accepting first
-            self._listener.close_all("guard proxy stopped")
+        try:
+            await asyncio.wait_for(ps.servers.update([]), 10)  # stop listening first
+        except Exception as exc:  # pragma: no cover - logged, shutdown continues
+            logger.error("stopping the listener failed: %s", exc)
         for handler in list(ps.connections.values()):
             io = handler.transports.get(handler.client)
             if io is not None and io.handler is not None:
@@ -221,7 +215,6 @@ class GuardProxy:
             listening=self.address,
             clients=self.registry.names(),
             policy=self.policy_status.snapshot(),
-            open_connections=(len(ps.connections) if ps else 0)
-            + (self._listener.open_connections if self._listener else 0),
+            open_connections=len(ps.connections) if ps else 0,
             decisions=dict(self.decision_log.counts) if self.decision_log else {},
         )

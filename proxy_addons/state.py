@@ -11,7 +11,6 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mitmproxy import http
@@ -111,13 +110,7 @@ class GuardState:
         self.max_head_bytes = max_head_bytes
         self.max_header_count = max_header_count
         self.conns: dict[str, ConnState] = {}
-        self.running = asyncio.Event()  # set once the master runs (GuardProxy then listens)
-        # when each connection not yet handed to its handler was accepted (loop time), by peer
-        self.accepted: dict[tuple[object, ...], float] = {}
-        # the proxy's own listen addresses (AddressGuard never connects to them)
-        self.listen_addrs: list[tuple[str, int]] = []
-        # closes a plain-HTTP connection the guard serves itself (listener.py), by client id
-        self.close_plain: Callable[[str, str], bool] = lambda client_id, reason: False
+        self.running = asyncio.Event()  # set once mitmproxy's servers listen
 
     @property
     def policy(self) -> SitePolicy:
@@ -128,13 +121,6 @@ class GuardState:
         if state is None:
             state = self.conns[client_id] = ConnState()
         return state
-
-    def head_refused(self, reason: str) -> None:
-        """A CONNECT or plain-HTTP request head over the limits (answered 431 and closed).
-        The client is not known yet (its credentials are in the refused head)."""
-        logger.info("refused a request head over the limits (%s)", reason)
-        self.decision_log.write(run=self.run, client=None, method="HTTP", host=None, port=None,
-                                decision="deny", reason=reason, rule=None, addr=None)
 
     def log_decision(self, d: Decision, *, client: Client | None, method: str,
                      addr: str | None = None) -> None:
