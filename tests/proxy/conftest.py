@@ -2,7 +2,10 @@
 record what they receive, and a raw-socket proxy client."""
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import json
 import os
 import queue
 import socket
@@ -11,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -285,3 +290,45 @@ def write_policy(path: Path, *, private_allow=(), allow_always=(), block=(), mod
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
     return path
+
+
+# --- an in-process guard in front of a loopback site ---------------------------------------------
+@dataclass
+class InProcessGuard:
+    proxy: Any           # sfguard.proxy_addons.server.GuardProxy
+    registry: Any        # its ClientRegistry
+    port: int            # the guard's port
+    up: int              # the site's port
+    policy: Path
+    log: Path            # the decision log
+    site: Any = None     # the test's own site object, when it passed one
+
+    def lines(self) -> list[dict]:
+        """The decision log's lines so far."""
+        return [json.loads(x) for x in self.log.read_text().splitlines()] if self.log.exists() else []
+
+
+@contextlib.asynccontextmanager
+async def in_process_guard(tmp_path: Path, site_handler, *, allow=("site-a.test",),
+                           names=("site-a.test",), addon=None, site=None, **config) -> AsyncIterator[InProcessGuard]:
+    """A GuardProxy in this process in front of a loopback site (`site_handler`, an
+    `asyncio.start_server` callback): client `a` (TOKEN_A) may reach `allow`, each of `names`
+    resolves to the site on 127.0.0.1, the site's port is an allowed port. `addon` is added after
+    the guard's own addons; `site` is kept beside it; `config` goes to GuardConfig."""
+    from sfguard.proxy_addons.clients import ClientRegistry, make_client
+    from sfguard.proxy_addons.server import GuardConfig, GuardProxy
+    server = await asyncio.start_server(site_handler, "127.0.0.1", 0)
+    up = server.sockets[0].getsockname()[1]
+    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, up))
+    log = tmp_path / "decisions.log"
+    registry = ClientRegistry([make_client("a", TOKEN_A, list(allow))])
+    proxy = GuardProxy(GuardConfig(policy_path=pol, decision_log=str(log),
+                                   resolve={n: ["127.0.0.1"] for n in names}, **config), registry)
+    try:
+        _, port = await proxy.start()
+        if addon is not None:
+            proxy._master.addons.add(addon)
+        yield InProcessGuard(proxy, registry, port, up, pol, log, site)
+    finally:
+        await proxy.stop()
+        server.close()

@@ -1,7 +1,5 @@
-"""Connections as a client, a slow client or a hostile one meets them, whatever the first bytes:
-an in-process guard, raw sockets, a loopback site. (Written for a listener of the guard's own
-that served plain-HTTP connections outside mitmproxy's connection handler, measured and not
-kept: docs/proxy.md, Performance; they hold for the handler in use.)"""
+"""Connections as a client, a slow client or a hostile one meets them, whatever their first
+bytes: an in-process guard, raw sockets, a loopback site."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +8,7 @@ import json
 
 import pytest
 
-from sfguard.proxy_addons.clients import ClientRegistry, make_client
-from sfguard.proxy_addons.server import GuardConfig, GuardProxy
-
-from .conftest import TOKEN_A, basic, write_policy
+from .conftest import TOKEN_A, basic, in_process_guard, write_policy
 
 A = basic("a", TOKEN_A)
 BIG = 32 * 1024 * 1024
@@ -48,23 +43,11 @@ class Site:
 
 
 @contextlib.asynccontextmanager
-async def guard(tmp_path, head_timeout: float = 10.0, allow=("site-a.test",), addon=None):
+async def guard(tmp_path, allow=("site-a.test",), addon=None, **config):
+    """(proxy, guard port, site port, site, decision log): client `a` may reach `allow`."""
     site = Site()
-    server = await asyncio.start_server(site.handle, "127.0.0.1", 0)
-    up = server.sockets[0].getsockname()[1]
-    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, up))
-    log = tmp_path / "decisions.log"
-    proxy = GuardProxy(GuardConfig(policy_path=pol, decision_log=str(log), head_timeout=head_timeout,
-                                   resolve={"site-a.test": ["127.0.0.1"]}),
-                       ClientRegistry([make_client("a", TOKEN_A, list(allow))]))
-    _, port = await proxy.start()
-    if addon is not None:
-        proxy._master.addons.add(addon)
-    try:
-        yield proxy, port, up, site, log
-    finally:
-        await proxy.stop()
-        server.close()
+    async with in_process_guard(tmp_path, site.handle, allow=allow, addon=addon, **config) as g:
+        yield g.proxy, g.port, g.up, site, g.log
 
 
 def get(up: int, path: str = "x", method: str = "GET", host: str = "site-a.test") -> bytes:
@@ -104,7 +87,7 @@ async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
     (lambda up: b"garbage\r\n\r\n", b"400"),
     (lambda up: b"GET http://site-a.test:%d/x HTTP/1.1\r\n\r\n" % up, b"407"),  # no credentials
 ], ids=["GET", "POST", "DELETE", "COPY", "get", "GARBAGE", "garbage", "no-credentials"])
-async def test_each_first_byte_gets_the_same_answer(tmp_path, request_bytes, status):
+async def test_each_start_of_a_connection_gets_its_answer(tmp_path, request_bytes, status):
     async with guard(tmp_path) as (_, port, up, site, _log):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(request_bytes(up))

@@ -17,10 +17,8 @@ from mitmproxy.proxy.layers.http import HttpRequestHeadersHook
 from mitmproxy.test import tflow
 
 from sfguard.proxy_addons import dispatch
-from sfguard.proxy_addons.clients import ClientRegistry, make_client
-from sfguard.proxy_addons.server import GuardConfig, GuardProxy
 
-from .conftest import TOKEN_A, basic, write_policy
+from .conftest import TOKEN_A, basic, in_process_guard
 
 
 class Sync:
@@ -141,18 +139,8 @@ async def test_a_cancelled_rest_cancels_the_waiting_handler():
 async def guard_with(tmp_path, site, addon):
     """(proxy port, site port): an in-process guard that lets client `a` reach site-a.test
     (the loopback `site` handler), with `addon` added after the guard's own addons."""
-    server = await asyncio.start_server(site, "127.0.0.1", 0)
-    up = server.sockets[0].getsockname()[1]
-    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, up))
-    proxy = GuardProxy(GuardConfig(policy_path=pol, resolve={"site-a.test": ["127.0.0.1"]}),
-                       ClientRegistry([make_client("a", TOKEN_A, ["site-a.test"])]))
-    _, port = await proxy.start()
-    try:
-        proxy._master.addons.add(addon)
-        yield port, up
-    finally:
-        await proxy.stop()
-        server.close()
+    async with in_process_guard(tmp_path, site, addon=addon) as g:
+        yield g.port, g.up
 
 
 @pytest.mark.parametrize("answer", [None, 403])

@@ -6,15 +6,10 @@ on the same connection gets, what reached the site and what the decision log say
 from __future__ import annotations
 
 import asyncio
-import json
-from pathlib import Path
 
 import pytest
 
-from sfguard.proxy_addons.clients import ClientRegistry, make_client
-from sfguard.proxy_addons.server import GuardConfig, GuardProxy
-
-from .conftest import TOKEN_A, basic, write_policy
+from .conftest import TOKEN_A, InProcessGuard, basic, in_process_guard, write_policy
 
 A = basic("a", TOKEN_A)
 
@@ -37,31 +32,15 @@ class Site:
             writer.close()
 
 
-class Guard:
-    def __init__(self, proxy: GuardProxy, registry: ClientRegistry, port: int, up: int,
-                 site: Site, policy: Path, log: Path) -> None:
-        self.proxy, self.registry, self.port, self.up = proxy, registry, port, up
-        self.site, self.policy, self.log = site, policy, log
-
-    def lines(self) -> list[dict]:
-        return [json.loads(x) for x in self.log.read_text().splitlines()] if self.log.exists() else []
-
-
 @pytest.fixture
 async def guard(tmp_path):
+    """The in-process guard (tests/proxy/conftest.py) with the site's request count beside it:
+    client `a` may reach site-a.test and site-b.test."""
     site = Site()
-    server = await asyncio.start_server(site.handle, "127.0.0.1", 0)
-    up = server.sockets[0].getsockname()[1]
-    pol = write_policy(tmp_path / "p.yaml", private_allow=["127.0.0.1/32"], ports=(80, 443, up))
-    log = tmp_path / "decisions.log"
-    registry = ClientRegistry([make_client("a", TOKEN_A, ["site-a.test", "site-b.test"])])
-    proxy = GuardProxy(GuardConfig(policy_path=pol, decision_log=str(log), policy_poll_interval=0.05,
-                                   resolve={"site-a.test": ["127.0.0.1"], "site-b.test": ["127.0.0.1"]}),
-                       registry)
-    _, port = await proxy.start()
-    yield Guard(proxy, registry, port, up, site, pol, log)
-    await proxy.stop()
-    server.close()
+    names = ("site-a.test", "site-b.test")
+    async with in_process_guard(tmp_path, site.handle, allow=names, names=names, site=site,
+                                policy_poll_interval=0.05) as g:
+        yield g
 
 
 class Conn:
@@ -83,12 +62,12 @@ class Conn:
         self.writer.close()
 
 
-async def connect(g: Guard) -> Conn:
+async def connect(g: InProcessGuard) -> Conn:
     reader, writer = await asyncio.open_connection("127.0.0.1", g.port)
     return Conn(reader, writer, g.up)
 
 
-async def block_site_a(g: Guard) -> None:
+async def block_site_a(g: InProcessGuard) -> None:
     """Edit the policy file to block site-a.test and wait (bounded) until a new connection
     is refused, i.e. the guard reloaded it."""
     write_policy(g.policy, private_allow=["127.0.0.1/32"], ports=(80, 443, g.up), block=["site-a.test"])
@@ -105,11 +84,11 @@ async def block_site_a(g: Guard) -> None:
     raise AssertionError("the policy edit was not loaded in 5 s")
 
 
-async def narrow_allowlist(g: Guard) -> None:
+async def narrow_allowlist(g: InProcessGuard) -> None:
     g.registry.update_allow("a", ["site-b.test"])
 
 
-async def remove_client(g: Guard) -> None:
+async def remove_client(g: InProcessGuard) -> None:
     g.registry.remove("a")
 
 
