@@ -236,7 +236,7 @@ def _human(p: policy.SitePolicy, d: policy.Decision, asked: str) -> str:
     ]
     if d.quiet:
         lines.append("  note:       a quiet host: its denials are counted, not logged one by one")
-    if d.allowed and not d.would_deny:
+    if d.allowed:  # report mode's would_deny too: the address check is enforced in every mode
         if d.allowed_by_ip:
             lines.append(f"  note:       allowed by an IP pattern: connections go only to addresses in {d.network}")
         else:

@@ -120,6 +120,12 @@ def test_explain_with_policy_file_in_report_mode(tmp_path):
     row = json.loads(proc.stdout)
     assert (row["decision"], row["reason"], row["rule"]) == ("allow", "would_deny:blocked_by_policy",
                                                             "review.yaml:4 *.evil.example")
+    # a name that passes only as would_deny still meets the address check (localhost resolves
+    # to loopback, which the proxy refuses in every mode): the human answer says so
+    proc = sfguard("policy", "explain", "localhost", "--policy", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "ALLOW (would_deny:not_allowed)" in proc.stdout
+    assert "the proxy still checks the addresses it resolves to" in proc.stdout
 
 
 @pytest.mark.parametrize("args,message", [
