@@ -28,6 +28,13 @@ plain-HTTP relay, proxy_addons/plain_http.py: decided, logged, forwarded) and HT
 `Security.setIgnoreCertificateErrors` on its pipe; through the guard each connection is a
 CONNECT tunnel, decided and logged once, then relayed).
 
+When squid is installed (`apt-get install squid`; optional, the benchmark runs without it), a
+fourth browser loads the same pages through squid on loopback (`squid`), launched the same way
+as the guarded one: squid asks for the proxy credential (Basic, with squid's helper that
+accepts any credential) and the pipe answers it, then switches `Fetch` off. squid / direct is
+what an extra proxy hop in C costs on this machine, measured in the same rounds: the guard's
+own cost is the distance between its ratio and squid's.
+
 The origins answer each response with one write, as real servers do. `--split-writes` brings
 back the fixture of the first measurements (head and body in two writes): on a keep-alive
 connection Nagle's algorithm on the server then holds the body until Chromium's delayed ACK of
@@ -42,10 +49,13 @@ import datetime
 import ipaddress
 import os
 import shutil
+import socket
 import ssl
 import statistics
+import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -61,7 +71,8 @@ from sfguard.supervisor.gate.cdp_pipe import FETCH_ENABLE  # noqa: E402
 
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")
 LOAD_TIMEOUT = 30.0
-NAMES = ("direct", "direct-fetch", "guard")
+NAMES = ("direct", "direct-fetch", "guard")     # squid too, when it is installed
+SQUID_AUTH_HELPER = Path("/usr/lib/squid/basic_fake_auth")
 SCHEMES = ("http", "https")
 
 
@@ -143,6 +154,52 @@ def page(origins: list[str]) -> str:
 
 
 
+def start_squid(ports: list[int]) -> tuple[subprocess.Popen, int, Path] | None:
+    """squid on loopback asking for Basic credentials (any accepted), resolving site-N.test to
+    127.0.0.1 from a hosts file, caching nothing. None when squid or its helper is missing."""
+    exe = shutil.which("squid") or shutil.which("squid", path="/usr/sbin:/sbin")
+    if exe is None or not SQUID_AUTH_HELPER.exists():
+        return None
+    # squid reads its files after giving up root: a folder of its own, readable by it, that
+    # holds nothing secret (the config and the hosts file)
+    conf_dir = Path(tempfile.mkdtemp(prefix="sfgbb-squid-", dir="/tmp"))
+    conf_dir.chmod(0o755)
+    (conf_dir / "hosts").write_text("127.0.0.1 " + " ".join(f"site-{i + 1}.test" for i in range(3)) + "\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (conf_dir / "squid.conf").write_text(textwrap.dedent(f"""\
+        http_port 127.0.0.1:{port}
+        auth_param basic program {SQUID_AUTH_HELPER}
+        auth_param basic children 2
+        auth_param basic realm sfguard-bench
+        acl authed proxy_auth REQUIRED
+        acl bench_ports port {" ".join(map(str, ports))}
+        http_access deny !bench_ports
+        http_access allow authed
+        http_access deny all
+        cache deny all
+        hosts_file {conf_dir}/hosts
+        pid_filename none
+        access_log none
+        cache_log /dev/null
+        shutdown_lifetime 0 seconds
+        """))
+    proc = subprocess.Popen([exe, "-N", "-f", str(conf_dir / "squid.conf")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return proc, port, conf_dir
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    proc.wait(10)
+    shutil.rmtree(conf_dir, ignore_errors=True)
+    return None
+
+
 class Tab:
     """One tab of an anchor, driven over the anchor's pipe (as the guard's login check does)."""
 
@@ -199,7 +256,8 @@ class Tab:
 
 
 async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str], list[str]],
-                origin_state: dict) -> tuple[dict[str, dict[str, list[list[float]]]], bool]:
+                origin_state: dict, squid_port: int | None
+                ) -> tuple[dict[str, dict[str, list[list[float]]]], dict[str, bool]]:
     browser = tools.find_browser().path
     assert browser is not None  # main() checked
     (tmp / "cfg.json").write_text("{}")
@@ -215,8 +273,11 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
     try:
         await proxy.start()
         client = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
-        for name, proxy_url in (("direct", None), ("direct-fetch", None),
-                                ("guard", proxy.url_for(client))):
+        browsers = [("direct", None), ("direct-fetch", None), ("guard", proxy.url_for(client))]
+        if squid_port is not None:
+            browsers.append(("squid", f"http://bench:squid@127.0.0.1:{squid_port}"))
+        names = tuple(name for name, _ in browsers)
+        for name, proxy_url in browsers:
             anchor = await host.launch_anchor(AnchorSpec(
                 session=f"bb-{name}-{os.getpid()}", socket_dir=tmp / "s", config_path=tmp / "cfg.json",
                 browser_path=browser, proxy_url=proxy_url, allow_direct=proxy_url is None,
@@ -233,24 +294,24 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         seq = 0
         for scheme in SCHEMES:
             key = {"direct": (scheme, "direct"), "direct-fetch": (scheme, "direct"),
-                   "guard": (scheme, "named")}
-            times[scheme] = {name: [] for name in NAMES}
-            for name in NAMES:  # warm-up: caches, connections, the proxy's credential
+                   "guard": (scheme, "named"), "squid": (scheme, "named")}
+            times[scheme] = {name: [] for name in names}
+            for name in names:  # warm-up: caches, connections, the proxy's credential
                 origin_state["page"] = origins[key[name]]
                 seq += 1
                 await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}")
             for _ in range(max(1, args.rounds)):
-                got: dict[str, list[float]] = {name: [] for name in NAMES}
+                got: dict[str, list[float]] = {name: [] for name in names}
                 for i in range(args.loads):
                     # one load per browser in turn, the order rotating: a slow spell of the
                     # machine falls on every browser alike, not on one browser's block of loads
-                    for name in NAMES[i % len(NAMES):] + NAMES[:i % len(NAMES)]:
+                    for name in names[i % len(names):] + names[:i % len(names)]:
                         origin_state["page"] = origins[key[name]]
                         seq += 1
                         got[name].append(await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}"))
-                for name in NAMES:
+                for name in names:
                     times[scheme][name].append(got[name])
-        return times, anchors["guard"].pipe.fetch_on
+        return times, {name: anchors[name].pipe.fetch_on for name in ("guard", "squid") if name in anchors}
     finally:
         for tab in tabs.values():
             try:
@@ -288,9 +349,19 @@ def main() -> int:
             ports.append(port)
             origins[(scheme, "direct")].append(f"{scheme}://127.0.0.1:{port}")
             origins[(scheme, "named")].append(f"{scheme}://site-{i + 1}.test:{port}")
+    squid = start_squid(ports)
     try:
-        times, fetch_on = asyncio.run(bench(args, tmp, ports, origins, origin_state))
+        times, fetch_on = asyncio.run(bench(args, tmp, ports, origins, origin_state,
+                                            squid[1] if squid else None))
     finally:
+        if squid is not None:
+            squid[0].terminate()
+            try:
+                squid[0].wait(15)
+            except subprocess.TimeoutExpired:
+                squid[0].kill()
+                squid[0].wait(10)
+            shutil.rmtree(squid[2], ignore_errors=True)
         for srv in servers:
             srv.shutdown()
             srv.server_close()
@@ -310,7 +381,7 @@ def main() -> int:
         print(f"{'':14}{'median':>10}{'p90':>10}{'min':>10}{'max':>10}")
         for name, xs in every.items():
             print(f"{name:14}{statistics.median(xs):10.1f}{p90(xs):10.1f}{min(xs):10.1f}{max(xs):10.1f}")
-        for name in ("direct-fetch", "guard"):
+        for name in [n for n in ("direct-fetch", "squid", "guard") if n in times[scheme]]:
             ratios = sorted(statistics.median(g) / statistics.median(d)
                             for d, g in zip(times[scheme]["direct"], times[scheme][name], strict=True))
             med = statistics.median(ratios)
@@ -322,7 +393,13 @@ def main() -> int:
                   + ", ".join(f"{r:.2f}" for r in ratios))
     print("\ndirect-fetch = no proxy, with the Fetch interception left on all the time (what a "
           "guarded anchor had before it switched Fetch off once its challenge was answered)")
-    print(f"guard anchor's Fetch interception at the end: {'ON' if fetch_on else 'off'}")
+    if squid is None:
+        print("squid = not measured (squid or /usr/lib/squid/basic_fake_auth not installed)")
+    else:
+        print("squid = the same launch through squid on loopback (Basic credential answered "
+              "over the pipe): what an extra proxy hop costs on this machine")
+    for name, on in fetch_on.items():
+        print(f"{name} anchor's Fetch interception at the end: {'ON' if on else 'off'}")
     return 0
 
 
