@@ -27,6 +27,7 @@ lies inside one special-purpose block (``127.0.0.1``, ``10.1.0.0/16``): a wide p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -174,6 +175,19 @@ def special_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str 
     return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _read_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str | None]:
+    """A resolved address (an IPv4-mapped IPv6 address as its IPv4 address) and its
+    special-purpose label (None: an ordinary global address). Read once per text: the same
+    few addresses come back for every connection of a run. Raises ValueError."""
+    if "%" in text:
+        raise ValueError("zone id")
+    addr = ipaddress.ip_address(text)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr, special_address(addr)
+
+
 def exempting_network(net: IPNetwork) -> bool:
     """True when an IP/CIDR pattern for `net` may exempt its addresses from the private-address
     check: the whole range lies inside one special-purpose block (``127.0.0.1``,
@@ -304,15 +318,10 @@ class SitePolicy:
             return decision
         text = (address if isinstance(address, str) else str(address)).strip("[]")
         try:
-            if "%" in text:
-                raise ValueError("zone id")
-            addr = ipaddress.ip_address(text)
+            addr, label = _read_address(text)
         except ValueError:
             return self.refuse(decision, "invalid_address",
                                f"{decision.normalized_host} resolved to something that is not an IP address.")
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        label = special_address(addr)
         if label is None:
             return decision
         for net in self.private_networks:

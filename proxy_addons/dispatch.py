@@ -144,6 +144,13 @@ class CachedAddonManager(addonmanager.AddonManager):
         if rest is not None:
             await rest
 
+    async def handle_lifecycle(self, event: hooks.Hook) -> None:
+        """mitmproxy's, without building the hook's arguments and a coroutine per step for a
+        hook no addon handles (a connection's server_connected, server_disconnected, ...)."""
+        if not isinstance(event, SfguardRestHook) and self.unhandled(event.name):
+            return
+        await addonmanager.AddonManager.handle_lifecycle(self, event)
+
     async def trigger_event(self, event: hooks.Hook) -> None:
         if isinstance(event, SfguardRestHook):
             await event.rest

@@ -160,7 +160,11 @@ class LayerGuard:
             nextlayer.layer = CloseLayer(context)
             return
         conn.head_done = True  # the head-read timeout no longer applies
-        nextlayer.layer = TCPLayer(context, ignore=True)
+        tcp = TCPLayer(context, ignore=True)
+        nextlayer.layer = tcp
+        for outer in context.layers:  # the CONNECT's HTTP layer hands the relay's events over
+            if isinstance(outer, BoundedHttpLayer):
+                outer.tunnel = tcp
 
     def _head_refused(self, reason: str) -> None:
         """A CONNECT or plain-HTTP request head over the limits (answered 431 and closed).

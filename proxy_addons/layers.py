@@ -13,6 +13,11 @@
   tunnel's `next_layer`) are run at once too where the addon manager can (`run_hook`,
   dispatch.run_inline); one that must wait (DNS) is finished by the connection handler
   (`SfguardRestHook`), and that completion is passed on as the hook's own.
+  Once the tunnel's first message was judged and its relay (mitmproxy's `TCPLayer`, set as
+  `tunnel` by LayerGuard) runs, the tunnel's bytes and closes are handed to that relay
+  directly instead of through HttpLayer, Http1Server, HttpStream and NextLayer, which pass
+  them on unchanged (measured with callgrind: 19% fewer instructions per relayed MB, 3% per
+  tunnel; docs/proxy.md).
   (Plain-HTTP connections are served by `plain_http.PlainHttpLayer`, with the same bounds and
   answer.)
 - `CloseLayer`: closes the client connection at once (used to kill a connection, e.g. a TLS
@@ -25,7 +30,7 @@ from collections.abc import Callable
 from mitmproxy import hooks
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.context import Context
-from mitmproxy.proxy.layers import HttpLayer
+from mitmproxy.proxy.layers import HttpLayer, TCPLayer
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 
@@ -58,9 +63,13 @@ class BoundedHttpLayer(HttpLayer):
         self._refused = False
         self._lines = 0       # line ends in the connection's buffer (plus the new data)
         self._seen = 0        # buffer length after the last event we counted
+        self.tunnel: TCPLayer | None = None  # the judged tunnel's relay (set by LayerGuard)
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if self._refused:
+            return
+        if self.tunnel is not None and self._to_tunnel(self.tunnel, event):
+            yield from self.tunnel.handle_event(event)
             return
         if isinstance(event, events.DataReceived) and event.connection is self.context.client:
             conn = self.connections.get(self.context.client)
@@ -111,6 +120,16 @@ class BoundedHttpLayer(HttpLayer):
                         wait.blocking = self
                         self._rests[wait] = command
                         yield wait
+
+
+    def _to_tunnel(self, tunnel: TCPLayer, event: events.Event) -> bool:
+        """True for the bytes and closes of a judged tunnel whose relay runs (its server
+        connection open, no command pending): they go to the relay directly. On mitmproxy's way
+        they pass HttpLayer, Http1Server's passthrough state, HttpStream's passthrough and a
+        NextLayer, which only turn them into HTTP events and back."""
+        return (isinstance(event, (events.DataReceived, events.ConnectionClosed))
+                and (event.connection is self.context.client or event.connection is tunnel.context.server)
+                and tunnel._handle_event == tunnel.relay_messages and not tunnel._paused)
 
 
 class CloseLayer(layer.Layer):

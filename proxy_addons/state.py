@@ -73,10 +73,13 @@ class Resolver:
 
     async def resolve(self, host: str, port: int) -> list[str]:
         """Addresses for a normalised host; an IP literal is its own address. Raises OSError."""
-        try:
-            return [str(ipaddress.ip_address(host))]
-        except ValueError:
-            pass
+        # an IPv4 literal ends in a digit and an IPv6 one holds a colon: a name that does
+        # neither is not parsed as an address (a failed parse costs an exception per connection)
+        if ":" in host or host[-1:].isdigit():
+            try:
+                return [str(ipaddress.ip_address(host))]
+            except ValueError:
+                pass
         if host in self.overrides:
             return list(self.overrides[host])
         loop = asyncio.get_running_loop()
