@@ -71,7 +71,6 @@ from sfguard.supervisor.gate.cdp_pipe import FETCH_ENABLE  # noqa: E402
 
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")
 LOAD_TIMEOUT = 30.0
-NAMES = ("direct", "direct-fetch", "guard")     # squid too, when it is installed
 SQUID_AUTH_HELPER = Path("/usr/lib/squid/basic_fake_auth")
 SCHEMES = ("http", "https")
 

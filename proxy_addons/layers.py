@@ -121,7 +121,6 @@ class BoundedHttpLayer(HttpLayer):
                         self._rests[wait] = command
                         yield wait
 
-
     def _to_tunnel(self, tunnel: TCPLayer, event: events.Event) -> bool:
         """True for the bytes and closes of a judged tunnel whose relay runs (its server
         connection open, no command pending): they go to the relay directly. On mitmproxy's way
