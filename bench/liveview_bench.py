@@ -34,6 +34,8 @@ from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost  # noq
 from sfguard.supervisor.console import handoff as live  # noqa: E402
 from sfguard.supervisor.console.liveview import LiveView  # noqa: E402
 from sfguard.supervisor.console.server import LIVE_COOKIE, ConsoleServer  # noqa: E402
+from sfguard.supervisor.profiles.audit import LocalAuditSink  # noqa: E402
+from sfguard.supervisor.profiles.keys import FileKeyProvider  # noqa: E402
 
 PAGE = ("<!doctype html><title>bench</title><h1 id='n'>0</h1>"
         "<input id='f' autofocus style='font-size:30px'>")
@@ -73,7 +75,13 @@ async def main(rounds: int) -> None:
     view._frame = frame_hook  # type: ignore[method-assign]  # the benchmark times each frame
     await view.start(page_url)
 
-    console = ConsoleServer(types.SimpleNamespace(), "127.0.0.1", 0)
+    # the console audits sign-ins (and refuses one it cannot record): a real audit log in tmp
+    audit = LocalAuditSink(tmp / "home", FileKeyProvider(tmp / "home"))
+
+    async def store_call(fn, *args, **kw):
+        return fn(*args, **kw)
+    console = ConsoleServer(types.SimpleNamespace(audit=audit, store_call=store_call, scope="local"),
+                            "127.0.0.1", 0)
     await console.start()
     h = live.LiveHandoff("b" * 16, "bench", "bench", None, "127.0.0.1", "127.0.0.1", None,
                          time.monotonic() + 3600, view)

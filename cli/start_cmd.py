@@ -53,6 +53,9 @@ def register(sub) -> None:
                    help="allow a console address that is not loopback")
     p.add_argument("--no-console", action="store_true",
                    help="no operator console (and so no live_view login handoff)")
+    p.add_argument("--console-session", metavar="SECONDS", type=int, default=8 * 3600,
+                   help="how long a console sign-in lasts, from 1 to 28800 seconds (default "
+                        "28800, 8 hours); open pages and their update streams end with it")
     p.set_defaults(func=run)
 
 
@@ -109,9 +112,12 @@ def run(args) -> int:
     if not args.no_console:
         from sfguard.supervisor.console.server import ConsoleError, parse_listen
         try:
-            console_at = parse_listen(args.console, args.console_public)
+            console_at = (*parse_listen(args.console, args.console_public),
+                          float(args.console_session))
         except ConsoleError as exc:
             raise CliError(str(exc), 2) from None
+        if not 1 <= args.console_session <= 8 * 3600:
+            raise CliError("--console-session wants a number of seconds from 1 to 28800", 2)
     try:
         return asyncio.run(_serve(guard, args.tcp, token_file, console_at))
     except GuardAlreadyRunning as exc:
@@ -142,7 +148,7 @@ def _write_token(target: Path, token: str) -> Path:
 
 
 async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
-                 console_at: tuple[str, int] | None = None) -> int:
+                 console_at: tuple[str, int, float] | None = None) -> int:
     from sfguard.supervisor.client.guard_client import socket_path
 
     report = await guard.start()
@@ -154,7 +160,10 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
                                     token_file, console_at)
     finally:
         # every way out (a signal, a port that cannot be bound, an error) stops the guard: its
-        # runs, browsers, proxies, bridge and runtime folders go with it
+        # runs, browsers, proxies, bridge and runtime folders go with it. Console sessions end
+        # first, so that their open pages and update streams stop at once.
+        if guard.console is not None:
+            guard.console.end_sessions()
         for r in runners:
             with contextlib.suppress(Exception):
                 await r.cleanup()
@@ -171,7 +180,7 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
 
 async def _serve_started(guard, report: dict, sock: Path, runners: list, token_paths: list[Path],
                          tcp_port: int | None, token_file: Path | None,
-                         console_at: tuple[str, int] | None) -> int:
+                         console_at: tuple[str, int, float] | None) -> int:
     from sfguard.supervisor.browsers.browser_user import describe as describe_browser_user
     from sfguard.supervisor.daemon.api import build_app
 

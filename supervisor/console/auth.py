@@ -6,10 +6,13 @@ value (HttpOnly, SameSite=Strict, Path=/, Max-Age = the session's life) and a CS
 the pages put in their forms and the scripts send in a header. Only SHA-256 digests of link
 tokens and cookie values are kept, so a memory dump of the table gives no usable credential.
 
-Scopes: "console" (every page) or "live:<handoff id>" (that live view only). Ending a scope
-(`end_scope`) kills its unused links and its sessions at once: a live-view URL dies with its
-handoff. Each session has a short public id (`s-xxxxxxxx`) for the audit log; the cookie
-value itself is never logged.
+Scopes: "console" (every console page) or "live:<handoff id>" (that live view only: its page,
+its socket, its Done and Cancel; never a console page). Ending a scope (`end_scope`) kills its
+unused links and its sessions at once: a live-view URL dies with its handoff. A session that
+ends for any reason (sign-out, its scope ended, expiry, `end_all` at the guard's stop) is
+marked `ended` and `on_end` is called, so that open streams of that session stop at once.
+Each session has a short public id (`s-xxxxxxxx`) for the audit log; the cookie value itself
+is never logged.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sfguard.supervisor import redaction
@@ -36,12 +40,17 @@ class Session:
     scope: str
     expires: float
     csrf: str = field(repr=False)
+    ended: bool = False
 
     def alive(self, now: float | None = None) -> bool:
-        return (now if now is not None else time.time()) < self.expires
+        return not self.ended and (now if now is not None else time.time()) < self.expires
+
+    @property
+    def is_console(self) -> bool:
+        return self.scope == "console"
 
     def can_view(self, scope: str) -> bool:
-        """A console session sees everything, a live session only its own handoff."""
+        """A console session sees every live view, a live session only its own handoff."""
         return self.scope == "console" or self.scope == scope
 
     def csrf_ok(self, token: str | None) -> bool:
@@ -56,17 +65,27 @@ class _Link:
 
 
 class ConsoleAuth:
-    def __init__(self, clock=time.time):
+    def __init__(self, clock=time.time, on_end: Callable[[], None] | None = None):
         self._clock = clock
         self._links: dict[str, _Link] = {}         # digest(token) -> link
         self._sessions: dict[str, Session] = {}    # digest(cookie) -> session
+        self.on_end = on_end                       # called after sessions ended
+
+    def _drop(self, digests: list[str]) -> None:
+        for d in digests:
+            self._sessions.pop(d).ended = True
+        if digests and self.on_end is not None:
+            self.on_end()
 
     def _sweep(self) -> None:
         now = self._clock()
         for d in [d for d, l in self._links.items() if l.expires <= now]:
             del self._links[d]
-        for d in [d for d, s in self._sessions.items() if s.expires <= now]:
-            del self._sessions[d]
+        self._drop([d for d, s in self._sessions.items() if s.expires <= now])
+
+    def live(self, sess: Session) -> bool:
+        """The session is still good: not ended, not expired."""
+        return sess.alive(self._clock())
 
     def new_link(self, scope: str = "console", ttl: float = LINK_TTL,
                  session_ttl: float = SESSION_TTL) -> str:
@@ -106,11 +125,15 @@ class ConsoleAuth:
         return sess
 
     def end_session(self, cookie: str | None) -> None:
-        if cookie:
-            self._sessions.pop(_digest(cookie), None)
+        if cookie and _digest(cookie) in self._sessions:
+            self._drop([_digest(cookie)])
 
     def end_scope(self, scope: str) -> None:
         for d in [d for d, l in self._links.items() if l.scope == scope]:
             del self._links[d]
-        for d in [d for d, s in self._sessions.items() if s.scope == scope]:
-            del self._sessions[d]
+        self._drop([d for d, s in self._sessions.items() if s.scope == scope])
+
+    def end_all(self) -> None:
+        """Every link and session ends (the guard stops)."""
+        self._links.clear()
+        self._drop(list(self._sessions))

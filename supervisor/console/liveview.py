@@ -145,6 +145,11 @@ class LiveView:
     def remove_viewer(self, q: asyncio.Queue) -> None:
         self.viewers.discard(q)
 
+    @staticmethod
+    def end_viewer(q: asyncio.Queue) -> None:
+        """Tell one viewer its view is over (its session ended), newest item first."""
+        _offer(q, None)
+
     def state(self) -> dict[str, Any]:
         return {"t": "state", "url": display_url(self.url), "w": self.size[0], "h": self.size[1],
                 "refused": self.refused[-3:], "frames": self.frames}

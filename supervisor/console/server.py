@@ -11,7 +11,14 @@ live view of a login handoff. `/events` pushes fresh page fragments over SSE.
 
 Security: every page and endpoint needs a session (401 otherwise); a session comes only from
 a one-time link (sfguard.supervisor.console.auth); the cookie is HttpOnly, SameSite=Strict, with a
-Max-Age. Every POST and the live view's WebSocket check the Origin, and POSTs a CSRF token.
+Max-Age. Sessions keep to their scope: the console pages, `/events` and `/logout` take only a
+console session under the console cookie; a live-view session (the live cookie) reaches only its
+own handoff's page, socket, Done and Cancel (a console session may open any live view). An
+`/events` stream or a live-view socket ends within a second of its session ending, whatever
+ended it: sign-out, the end of the handoff, expiry, the guard's stop. Every POST and the live
+view's WebSocket check the Origin, and POSTs a CSRF token; a request of any method that carries
+a foreign Origin is refused. Sign-in, sign-out, live-view sign-in and refused links (counted, at
+most one record a minute) go to the audit log with the session's public id, never a secret.
 The Host header must name this server (no DNS rebinding). Every answer carries a strict
 Content-Security-Policy (scripts and styles from this server only, no inline script),
 `Referrer-Policy: same-origin` (a link token never leaks to another site; `no-referrer` would make
@@ -37,7 +44,7 @@ from aiohttp import WSMsgType, web
 
 from sfguard.policy import join_host_port
 from sfguard.supervisor.console import handoff as live
-from sfguard.supervisor.console.auth import LINK_TTL, ConsoleAuth, Session
+from sfguard.supervisor.console.auth import LINK_TTL, SESSION_TTL, ConsoleAuth, Session
 
 log = logging.getLogger("sfguard.console")
 
@@ -53,6 +60,7 @@ DECISIONS_TAIL = 5000
 DECISIONS_SHOWN = 200
 AUDIT_SHOWN = 50
 PAGES = ("overview", "decisions", "profiles", "audit")
+REFUSED_PERIOD = 60.0       # refused sign-in links: at most one audit record a minute
 
 def _text(value: object) -> str | None:
     """A form field as text (a file upload is no text)."""
@@ -97,15 +105,20 @@ def _fmt_ts(ts: Any) -> str:
 
 
 class ConsoleServer:
-    def __init__(self, guard, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, guard, host: str = "127.0.0.1", port: int = 0,
+                 session_ttl: float = SESSION_TTL):
         self.guard = guard
         self.host, self.port = host, port
-        self.auth = ConsoleAuth()
+        self.session_ttl = min(float(session_ttl), SESSION_TTL)
+        self.auth = ConsoleAuth(on_end=self._wake)
         self.handoffs: dict[str, live.LiveHandoff] = {}
         self.base_url = ""
         self._runner: web.AppRunner | None = None
         self._version = 0
-        self._changed = asyncio.Event()
+        self._wakers: set[asyncio.Event] = set()   # one per open stream or live socket
+        self._stopping = False
+        self._refused = 0                          # refused sign-in links not yet audited
+        self._refused_at = -REFUSED_PERIOD
         self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")),
                                       autoescape=True, undefined=jinja2.StrictUndefined)
         self.env.filters["ts"] = _fmt_ts
@@ -122,20 +135,62 @@ class ConsoleServer:
         self.base_url = f"http://{join_host_port(self.host, self.port)}"
         return self.base_url
 
+    def end_sessions(self) -> None:
+        """The guard stops: every session ends, and with them every open stream and socket."""
+        self._stopping = True
+        self.auth.end_all()
+        self._wake()
+
     async def stop(self) -> None:
+        self.end_sessions()
+        self._audit_refused(flush=True)
         await live.close_all(self.guard)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     def login_link(self, ttl: float = LINK_TTL) -> dict:
-        token = self.auth.new_link("console", ttl=float(ttl))
+        token = self.auth.new_link("console", ttl=float(ttl), session_ttl=self.session_ttl)
         return {"url": f"{self.base_url}/login?t={token}",
                 "expires": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + ttl))}
 
     def notify(self) -> None:
         self._version += 1
-        self._changed.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake every open stream and live socket: something changed, or a session ended."""
+        for ev in list(self._wakers):
+            ev.set()
+
+    def _session_live(self, sess: Session) -> bool:
+        return not self._stopping and self.auth.live(sess)
+
+    async def _until_changed(self, waker: asyncio.Event, sess: Session) -> None:
+        """Wait for a change, at most SSE_STEP, and never past the session's expiry."""
+        left = max(0.0, min(SSE_STEP, sess.expires - time.time()))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(waker.wait(), left)
+
+    # -- audit -------------------------------------------------------------------------------
+    async def _record(self, event: str, **fields: Any) -> None:
+        """An audit record of a console session, written before the answer goes out (so the
+        chain keeps the order things happened in)."""
+        await self.guard.store_call(self.guard.audit.record, event, **fields)
+
+    def _audit_refused(self, flush: bool = False) -> None:
+        """Refused sign-in links are counted; one record a minute at most carries the count
+        (an unauthenticated client cannot flood the audit log), the rest at the guard's stop."""
+        self._refused += 0 if flush else 1
+        now = time.monotonic()
+        if self._refused and (flush or now - self._refused_at >= REFUSED_PERIOD):
+            count, self._refused, self._refused_at = self._refused, 0, now
+            try:
+                self.guard.calls.submit("the audit record of refused console links",
+                                        self.guard.audit.record, "console_sign_in_refused",
+                                        count=count, reason="link_not_valid")
+            except Exception as exc:   # a stopping guard: said in the log, never raised
+                log.warning("refused console links not audited: %s", type(exc).__name__)
 
     # -- the app -----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -144,6 +199,10 @@ class ConsoleServer:
             if self.base_url and request.host not in self._hosts():
                 return self._headers(web.Response(status=421, text="wrong Host for this console\n"))
             if request.method not in ("GET", "HEAD") and not self._same_origin(request):
+                return self._headers(web.Response(status=403, text="cross-origin request refused\n"))
+            if "Origin" in request.headers and not self._same_origin(request):
+                # a page of another site, another port or a sandboxed frame (`null`) asks for a
+                # page, a stream or a socket with the operator's cookie: refused like a POST
                 return self._headers(web.Response(status=403, text="cross-origin request refused\n"))
             try:
                 resp = await handler(request)
@@ -201,7 +260,10 @@ class ConsoleServer:
                         httponly=True, samesite="Strict", secure=False)
 
     def _console_session(self, request: web.Request) -> Session | None:
-        return self.auth.session(request.cookies.get(CONSOLE_COOKIE))
+        """A console-scope session under the console cookie; a live-view session is not one,
+        whatever name its cookie is sent under."""
+        sess = self.auth.session(request.cookies.get(CONSOLE_COOKIE))
+        return sess if sess is not None and sess.is_console else None
 
     def _unauthorized(self, request: web.Request) -> web.Response:
         if request.headers.get("Accept", "").startswith("text/event-stream"):
@@ -214,16 +276,36 @@ class ConsoleServer:
     async def h_login(self, request: web.Request) -> web.StreamResponse:
         got = self.auth.redeem(request.query.get("t"), scope="console")
         if got is None:
+            self._audit_refused()
             return self._render("message.html", 401, title="Link not valid", session=None,
                                 message="This login link was already used, has expired, or is "
                                         "not one of this guard's. Run `sfguard console` for a new one.")
         cookie, sess = got
+        if not await self._audited_sign_in(cookie, sess, mode="console"):
+            return self._audit_down()
         # A page (not a redirect) that moves on by itself: the next request starts on this
         # site, so the SameSite=Strict cookie goes with it wherever the link was clicked.
         resp = self._render("moved.html", title="Signed in", target="/", session=None)
         self._set_cookie(resp, CONSOLE_COOKIE, cookie, sess, "/")
         log.info("console: session %s signed in", sess.public_id)
         return resp
+
+    async def _audited_sign_in(self, cookie: str, sess: Session, **fields: Any) -> bool:
+        """Audit a sign-in before its cookie is handed out; a session the audit log cannot
+        record is ended at once (fail closed)."""
+        try:
+            await self._record("console_signed_in", by=sess.public_id, **fields)
+        except Exception as exc:
+            log.error("console: sign-in refused, the audit log could not record it (%s)",
+                      type(exc).__name__)
+            self.auth.end_session(cookie)
+            return False
+        return True
+
+    def _audit_down(self) -> web.Response:
+        return self._render("message.html", 503, title="Sign-in not recorded", session=None,
+                            message="The guard could not write this sign-in to its audit log, "
+                                    "so it refused it. See the guard's log.")
 
     async def h_logout(self, request: web.Request) -> web.StreamResponse:
         sess = self._console_session(request)
@@ -233,6 +315,11 @@ class ConsoleServer:
         if not sess.csrf_ok(_text(form.get("csrf")) or request.headers.get("X-CSRF-Token")):
             return web.Response(status=403, text="CSRF token missing or wrong\n")
         self.auth.end_session(request.cookies.get(CONSOLE_COOKIE))
+        try:
+            await self._record("console_signed_out", by=sess.public_id, reason="logout")
+        except Exception as exc:      # signed out all the same; the log says what is missing
+            log.error("console: sign-out of %s not audited (%s)", sess.public_id, type(exc).__name__)
+        log.info("console: session %s signed out", sess.public_id)
         resp = self._render("message.html", title="Signed out", session=None,
                             message="Signed out. Run `sfguard console` to sign in again.")
         resp.del_cookie(CONSOLE_COOKIE, path="/")
@@ -336,6 +423,9 @@ class ConsoleServer:
         sess = self._console_session(request)
         if sess is None:
             return self._unauthorized(request)
+        if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site"):
+            # no Origin (an <img> or <script> of another page), but the browser says whose
+            return web.Response(status=403, text="cross-origin request refused\n")
         page = request.query.get("page", "overview")
         if page not in PAGES:
             raise web.HTTPBadRequest(text="unknown page\n")
@@ -344,9 +434,14 @@ class ConsoleServer:
         self._headers(resp)
         await resp.prepare(request)
         last, beat = "", time.monotonic()
+        waker = asyncio.Event()
+        self._wakers.add(waker)
         try:
-            while sess.alive():
+            while self._session_live(sess):
+                waker.clear()     # a change while this renders wakes the next wait at once
                 ctx = await self.page_context(page, query)
+                if not self._session_live(sess):
+                    break
                 html = self.env.get_template(f"_{page}.html").render(session=sess, **ctx)
                 digest = hashlib.sha256(html.encode()).hexdigest()
                 if digest != last:
@@ -357,11 +452,14 @@ class ConsoleServer:
                 elif time.monotonic() - beat > SSE_HEARTBEAT:
                     await resp.write(b": keep-alive\n\n")
                     beat = time.monotonic()
-                self._changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), SSE_STEP)
+                await self._until_changed(waker, sess)
+            # the session ended: say so (the page stops reconnecting), then end the stream
+            await resp.write(b"event: ended\ndata: signed out\n\n")
+            await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             pass
+        finally:
+            self._wakers.discard(waker)
         return resp
 
     # -- live view ---------------------------------------------------------------------------
@@ -369,11 +467,10 @@ class ConsoleServer:
         h = self.handoffs.get(request.match_info["hid"])
         if h is None:
             return None, None
+        # this handoff's own live session under the live cookie, or a console session
         sess = self.auth.session(request.cookies.get(LIVE_COOKIE))
-        if sess is None or not sess.can_view(h.scope):
+        if sess is None or sess.scope != h.scope:
             sess = self._console_session(request)
-        if sess is None or not sess.can_view(h.scope):
-            return h, None
         return h, sess
 
     def _live_gone(self) -> web.Response:
@@ -387,10 +484,14 @@ class ConsoleServer:
         if "t" in request.query:
             got = self.auth.redeem(request.query.get("t"), scope=f"live:{hid}")
             if got is None or h is None or h.state != "open":
+                self._audit_refused()
                 return self._render("message.html", 401, title="Link not valid", session=None,
                                     message="This live-view link was already used, has expired, "
                                             "or its login has ended.")
             cookie, live_sess = got
+            if not await self._audited_sign_in(cookie, live_sess, mode="live_view",
+                                               run=h.run_id, profile=h.profile):
+                return self._audit_down()
             resp = self._render("moved.html", title="Live view", target=f"/live/{hid}", session=None)
             self._set_cookie(resp, LIVE_COOKIE, cookie, live_sess, f"/live/{hid}")
             return resp
@@ -414,6 +515,15 @@ class ConsoleServer:
         ws = web.WebSocketResponse(heartbeat=20, max_msg_size=16 * 1024)
         await ws.prepare(request)
         q = h.view.add_viewer()
+        waker = asyncio.Event()
+        self._wakers.add(waker)
+
+        async def watch() -> None:
+            # the socket's session ends (sign-out, expiry, the guard's stop): the socket too
+            while self._session_live(sess) and not h.view.closed.is_set():
+                waker.clear()
+                await self._until_changed(waker, sess)
+            h.view.end_viewer(q)
 
         async def pump() -> None:
             while True:
@@ -425,28 +535,34 @@ class ConsoleServer:
                     await ws.send_bytes(payload)
                 else:
                     await ws.send_str(json.dumps(payload))
+            # the handoff ended (its sessions end with it), or only this socket's session
+            ended = h.finishing or h.state != "open" or h.view.closed.is_set()
+            state = h.view.outcome if ended else "signed_out"
             with contextlib.suppress(Exception):
-                await ws.send_str(json.dumps({"t": "ended", "state": h.view.outcome}))
+                await ws.send_str(json.dumps({"t": "ended", "state": state}))
             await ws.close()
 
-        sender = asyncio.get_running_loop().create_task(pump())
+        loop = asyncio.get_running_loop()
+        sender = loop.create_task(pump())
+        watcher = loop.create_task(watch())
         try:
             async for msg in ws:
                 if msg.type != WSMsgType.TEXT or h.state != "open":
                     continue
-                if not self.auth.session(request.cookies.get(LIVE_COOKIE)) and \
-                        not self._console_session(request):
-                    break       # the session ended (the handoff ended): no more input
+                if not self._session_live(sess):
+                    break       # the session ended: no more input
                 try:
                     data = json.loads(msg.data)
                 except ValueError:
                     continue
                 await h.view.input(data)
         finally:
+            self._wakers.discard(waker)
             h.view.remove_viewer(q)
-            sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sender
+            for task in (sender, watcher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
             await ws.close()
         return ws
 

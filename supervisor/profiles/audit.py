@@ -56,6 +56,8 @@ EVENTS = frozenset({
     "login_checked", "handoff_opened", "handoff_confirmed", "policy_reloaded", "denials_aggregated",
     "handoff_viewed", "handoff_closed",
     "profile_resealed",       # the shared store: a reseal, in the transaction that stores it
+    # console sessions (by their public id, never a cookie or link value)
+    "console_signed_in", "console_signed_out", "console_sign_in_refused",
 })
 
 _TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)

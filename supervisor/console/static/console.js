@@ -9,6 +9,11 @@
     box.innerHTML = ev.data;
     box.dataset.updated = String(Date.now());
   });
+  source.addEventListener("ended", function () {
+    // the session ended (signed out, expired, the guard stopped): no reconnecting
+    source.close();
+    box.classList.add("stale");
+  });
   source.onerror = function () {
     box.classList.add("stale");
   };
