@@ -49,10 +49,6 @@ class Session:
     def is_console(self) -> bool:
         return self.scope == "console"
 
-    def can_view(self, scope: str) -> bool:
-        """A console session sees every live view, a live session only its own handoff."""
-        return self.scope == "console" or self.scope == scope
-
     def csrf_ok(self, token: str | None) -> bool:
         return bool(token) and hmac.compare_digest(self.csrf, str(token))
 
