@@ -173,6 +173,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                          tcp_port: int | None, token_file: Path | None,
                          console_at: tuple[str, int] | None) -> int:
     from sfguard.supervisor.browsers.browser_user import describe as describe_browser_user
+    from sfguard.supervisor.daemon import sd_notify
     from sfguard.supervisor.daemon.api import build_app
 
     if sock.exists() or sock.is_symlink():
@@ -244,6 +245,8 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print("\n".join(lines), flush=True)
+    sd_notify.notify("READY=1")    # Type=notify units (sfguard service print)
     await stop.wait()
+    sd_notify.notify("STOPPING=1")
     print("sfguard: stopping; every run is torn down as abandoned", flush=True)
     return 0
