@@ -7,6 +7,7 @@ and the same models, so a runner in another language can generate its client fro
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -28,6 +29,7 @@ from sfguard.supervisor.daemon.errors import (
     Unavailable,
     Unprocessable,
 )
+from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("sfguard.api")
 #: path parameters are validated like body fields (the same patterns as the models)
@@ -289,6 +291,15 @@ def openapi_document() -> dict[str, Any]:
         "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}},
                       "401": {"description": STATUS_TEXT[401], "x-error-codes": ["unauthorized"],
                               "content": {"application/json": {"schema": err}}}}}}
+    paths["/metrics"] = {"get": {
+        "summary": "Prometheus metrics", "operationId": "metrics", "security": [{}, {"bearer": []}],
+        "description": ("The guard's metrics in the Prometheus text format (version 0.0.4): decisions by "
+                        "outcome and reason, runs and stages by state, lease queue and waits, stage start "
+                        "latency, login checks, open handoffs, processes and memory by kind, free disk, "
+                        "policy and audit state. Labels never carry hosts, runs or profiles."),
+        "responses": {"200": {"description": "ok", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                      "401": {"description": STATUS_TEXT[401], "x-error-codes": ["unauthorized"],
+                              "content": {"application/json": {"schema": err}}}}}}
     components["ErrorBody"]["properties"]["code"]["enum"] = list(m.ERROR_CODES)
     return {
         "openapi": "3.1.0",
@@ -392,6 +403,14 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
     async def openapi(_request):
         return web.json_response(openapi_document())
     app.router.add_get("/v1/openapi.json", openapi)
+
+    async def metrics(_request):
+        """Prometheus text format (supervisor/daemon/metrics.py): the state is read on the loop,
+        the rest (decision log, processes, disk, audit) in a thread."""
+        snap = target.metrics.snapshot(target)
+        body = await asyncio.to_thread(target.metrics.render, snap)
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+    app.router.add_get("/metrics", metrics)
     return app
 
 

@@ -41,6 +41,7 @@ from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound
 from sfguard.supervisor.daemon.inventory import Inventory
 from sfguard.supervisor.daemon.logins import Logins
+from sfguard.supervisor.daemon.metrics import GuardMetrics
 from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunProxy
 from sfguard.supervisor.daemon.runs import (
     WAITING_STATES,
@@ -119,6 +120,8 @@ class Guard:
         self.records = RunRecords(self.runs_dir, self.scope, self.sessions)
         self.proxies = ProxyPool(lambda: RunProxy(None, self.policy_path, self.logs_dir / "decisions.log",
                                                   self.resolve))
+        # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
+        self.metrics = GuardMetrics(self.logs_dir / "decisions.log")
         # the services
         self.stages = Stages(self)
         self.teardown = Teardown(self)

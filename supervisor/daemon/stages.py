@@ -85,6 +85,8 @@ class Stages:
                         return
                     stage.store_wait = None
                     if isinstance(result, Waiting):
+                        if stage.state != StageState.WAITING:
+                            g.metrics.lease_waited()
                         stage.move(StageState.WAITING)
                         stage.waiting = result
                         return
@@ -96,6 +98,7 @@ class Stages:
                 t2 = time.monotonic()
                 await self.attach(run, browser, stage)
                 if stage.state == StageState.READY:
+                    g.metrics.stage_ready(time.monotonic() - t0)
                     # where a stage's start-up time goes (supervisor_bench measures the whole)
                     log.info("stage %s/%s ready in %.0f ms (lease %.0f, browser %.0f, session %.0f)",
                              run.run_id, stage.stage_id, (time.monotonic() - t0) * 1000,
