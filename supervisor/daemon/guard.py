@@ -40,6 +40,7 @@ from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound
 from sfguard.supervisor.daemon.inventory import Inventory
+from sfguard.supervisor.daemon.log_rotation import Retention, keep_rotated
 from sfguard.supervisor.daemon.logins import Logins
 from sfguard.supervisor.daemon.metrics import GuardMetrics
 from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunProxy
@@ -122,6 +123,9 @@ class Guard:
                                                   self.resolve))
         # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
         self.metrics = GuardMetrics(self.logs_dir / "decisions.log")
+        # the decision log rotates by size and age (supervisor/daemon/log_rotation.py)
+        self.log_retention = Retention()
+        self._rotate: asyncio.Task[None] | None = None
         # the services
         self.stages = Stages(self)
         self.teardown = Teardown(self)
@@ -190,15 +194,18 @@ class Guard:
         report["sandbox"] = stage_exec.prepare(self)
         await self.gate.start()
         self._watch = asyncio.get_running_loop().create_task(self.watchdog.loop())
+        self._rotate = asyncio.get_running_loop().create_task(
+            keep_rotated([self.logs_dir / "decisions.log"], self.log_retention))
         self.proxies.refill()
         return report
 
     async def stop(self) -> None:
         """Tear every run down as `abandoned`, then stop the gate."""
-        if self._watch:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        for task in (self._watch, self._rotate):
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await live.close_all(self)
         for run in list(self.runs.values()):
             if run.state == RunState.ACTIVE:

@@ -49,50 +49,93 @@ MAX_DECISION_LINE = 64 * 1024
 STAGE_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 
 
+#: how long a rotated-away decision log is still read: its writers reopen within a second
+ROTATED_GRACE_S = 5.0
+
+
+class _Reader:
+    """One open file of the decision log and its unfinished last line."""
+
+    def __init__(self, fh: Any):
+        self.fh, self.partial, self.left_at = fh, b"", 0.0
+
+
 class DecisionTail:
     """Counts the decision log's lines by (decision, reason) from where it stood when the guard
-    started. A replaced or shortened file (rotation) is read from its start."""
+    started. It keeps the file open: after a rotation (a rename) it goes on reading the old
+    file for a few seconds (a writer may still append to it until it reopens the name) and
+    reads the new one from its start, so no line is missed."""
 
     def __init__(self, path: Path):
         self.path = path
         self.counts: Counter[tuple[str, str]] = Counter()
-        self._ino, self._offset = self._stat()
-        self._partial = b""
+        self._cur: _Reader | None = None
+        self._old: list[_Reader] = []
+        self._open(at_end=True)
 
-    def _stat(self) -> tuple[int | None, int]:
+    def _open(self, at_end: bool) -> bool:
         try:
-            st = os.stat(self.path)
+            fh = open(self.path, "rb")  # noqa: SIM115 (kept open between scrapes)
         except OSError:
-            return None, 0
-        return st.st_ino, st.st_size
+            return False
+        if at_end:
+            fh.seek(0, os.SEEK_END)
+        if self._cur is not None:
+            self._cur.left_at = time.monotonic()
+            self._old.append(self._cur)
+        self._cur = _Reader(fh)
+        return True
+
+    def _drain(self, r: _Reader) -> None:
+        budget = DECISION_READ_LIMIT
+        while budget > 0:
+            data = r.fh.read(min(1024 * 1024, budget))
+            if not data:
+                return
+            budget -= len(data)
+            lines = (r.partial + data).split(b"\n")
+            r.partial = lines.pop()           # an unfinished last line waits for its end
+            if len(r.partial) > MAX_DECISION_LINE:
+                r.partial = b""
+            for line in lines:
+                self._count(line)
+
+    def _count(self, line: bytes) -> None:
+        if not line or len(line) > MAX_DECISION_LINE:
+            return
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(rec, dict) and isinstance(rec.get("decision"), str):
+            reason = rec.get("reason")
+            self.counts[(rec["decision"][:32], reason[:64] if isinstance(reason, str) else "")] += 1
 
     def read(self) -> Counter[tuple[str, str]]:
-        ino, size = self._stat()
-        if ino is None:
+        now = time.monotonic()
+        for r in list(self._old):
+            self._drain(r)
+            if now - r.left_at > ROTATED_GRACE_S:
+                r.fh.close()
+                self._old.remove(r)
+        if self._cur is None and not self._open(at_end=False):
             return self.counts
-        if ino != self._ino or size < self._offset:    # a new file: read it from its start
-            self._ino, self._offset, self._partial = ino, 0, b""
-        if size == self._offset:
-            return self.counts
-        with open(self.path, "rb") as fh:
-            fh.seek(self._offset)
-            data = fh.read(min(size - self._offset, DECISION_READ_LIMIT))
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()               # an unfinished last line waits for its end
-        if len(self._partial) > MAX_DECISION_LINE:
-            self._partial = b""
-        for line in lines:
-            if not line or len(line) > MAX_DECISION_LINE:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("decision"), str):
-                reason = rec.get("reason")
-                self.counts[(rec["decision"][:32], reason[:64] if isinstance(reason, str) else "")] += 1
+        assert self._cur is not None
+        self._drain(self._cur)
+        try:
+            st = os.stat(self.path)
+            mine = os.fstat(self._cur.fh.fileno())
+            replaced = (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev)
+        except FileNotFoundError:
+            replaced = False          # renamed, not yet recreated: the next scrape finds it
+        if replaced and self._open(at_end=False):
+            self._drain(self._cur)
         return self.counts
+
+    def close(self) -> None:
+        for r in [*self._old, *([self._cur] if self._cur else [])]:
+            r.fh.close()
+        self._old, self._cur = [], None
 
 
 def process_kind(proc: psutil.Process) -> str:
