@@ -81,13 +81,15 @@ class DecisionLog:
         self._quiet: Counter[tuple[str | None, str | None, str]] = Counter()
         self._quiet_other = 0
         self.counts: Counter[str] = Counter()  # decision -> number, for status
+        self.failing = False   # the last write failed (disk full): allowed requests are refused
 
     def write(self, *, run: str | None, client: str | None, method: str, host: str | None,
               port: int | None, decision: str, reason: str, rule: str | None,
-              addr: str | None) -> None:
-        """Write one decision line."""
+              addr: str | None) -> bool:
+        """Write one decision line. False when it could not be written (a full disk): the
+        caller must not let the request through (fail closed)."""
         self.counts[decision] += 1
-        self._emit({
+        return self._emit({
             "ts": _now(), "run": run, "client": client, "method": method,
             "host": _clean_host(host), "port": port, "decision": decision, "reason": reason,
             "rule": rule, "addr": addr,
@@ -150,9 +152,9 @@ class DecisionLog:
             pass                 # renamed and not yet recreated: open makes it
         self._open()
 
-    def _emit(self, record: dict[str, object]) -> None:
+    def _emit(self, record: dict[str, object]) -> bool:
         if self._stream is None:
-            return
+            return True
         line = _encode(record) + "\n"
         with self._lock:
             try:
@@ -165,7 +167,16 @@ class DecisionLog:
                     self._stream.write(line)
                     self._stream.flush()
             except (OSError, ValueError) as exc:  # a closed stdout must not stop the proxy
-                logger.error("cannot write the decision log: %s", type(exc).__name__)
+                if not self.failing:
+                    logger.error("cannot write the decision log (%s): allowed requests are refused "
+                                 "until it can be written again", getattr(exc, "strerror", None)
+                                 or type(exc).__name__)
+                self.failing = True
+                return False
+            if self.failing:
+                logger.warning("the decision log can be written again")
+                self.failing = False
+            return True
 
     def close(self) -> None:
         """Write the quiet aggregate and close an owned file."""
