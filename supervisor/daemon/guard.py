@@ -38,6 +38,7 @@ from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
+from sfguard.supervisor.daemon.deferred import Deferred
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound
 from sfguard.supervisor.daemon.inventory import Inventory
 from sfguard.supervisor.daemon.log_rotation import Retention, keep_rotated
@@ -126,6 +127,8 @@ class Guard:
         # the decision log rotates by size and age (supervisor/daemon/log_rotation.py)
         self.log_retention = Retention()
         self._rotate: asyncio.Task[None] | None = None
+        # reseals and lease releases a full disk put off (supervisor/daemon/deferred.py)
+        self.deferred = Deferred(self.stores, self.calls)
         # the services
         self.stages = Stages(self)
         self.teardown = Teardown(self)

@@ -136,8 +136,8 @@ ERROR_CODES = (
     "stage_not_waiting", "no_pipeline", "no_display", "browser_failed",
     # profiles
     "invalid_name", "profile_not_found", "profile_leased",
-    # a shared store (PostgreSQL) that does not answer
-    "store_unreachable",
+    # a shared store (PostgreSQL) that does not answer; the guard's own disk full
+    "store_unreachable", "disk_full",
     # login check, envelope verification, handoff
     "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
     "envelope_mismatch", "handoff_impossible", "handoff_not_found", "console_off",
@@ -321,12 +321,24 @@ class ConsoleInfo(Answer):
     url: str = Field(description="the operator console's address (log in with `sfguard console`)")
 
 
+class DiskState(Answer):
+    folder: Literal["home", "runtime"]
+    path: str
+    free_bytes: int | None = Field(description="free space; null when the folder cannot be read")
+    low: bool = Field(description="free space is under the `disk_low` threshold (512 MiB)")
+
+
 class StatusAnswer(Answer):
     guard: GuardInfo
     policy: PolicyState
     runs: list[RunInfo]
     leases: list[LeaseInfo]
     console: ConsoleInfo | None = None
+    disk: list[DiskState] = Field(default_factory=list, description=(
+        "free space where the guard writes (its home; the runtime folder of unsealed profiles)"))
+    pending: list[str] = Field(default_factory=list, description=(
+        "what a full disk put off and the guard does when space returns (a reseal, a lease "
+        "release), one line each"))
 
 
 class ProfileInfoAnswer(Answer):

@@ -39,6 +39,10 @@ ELSEWHERE = {
     ("POST", "/v1/runs/{run_id}/login-check", 200, None): "tests/daemon/test_real_browser.py (a real check)",
     ("POST", "/v1/runs/{run_id}/login-check/verify", 200, None): "tests/daemon/test_real_browser.py",
     ("GET", "/metrics", 200, None): "tests/daemon/test_metrics.py (the Prometheus text format)",
+    ("POST", "/v1/runs/{run_id}/stages", 503, "disk_full"): "tests/daemon/test_full_disk.py (a small tmpfs home)",
+    ("GET", "/v1/runs/{run_id}/stages/{stage_id}", 503, "disk_full"): "as the stage request (its long-poll answer)",
+    ("POST", "/v1/runs/{run_id}/login-check", 503, "disk_full"): "the same browser start as the stage request",
+    ("POST", "/v1/runs/{run_id}/handoff", 503, "disk_full"): "the same browser start as the stage request",
     ("POST", "/v1/runs/{run_id}/login-check", 400, "no_pipeline"):
         "only when the site policy's allow_always lets the check host through for '@pipeline' "
         "(otherwise 403 comes first); the same check as the stage request's no_pipeline, shown here",
