@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from sfguard import policy
+from sfguard.supervisor import home_format
 from sfguard.supervisor.browsers import agent_browser, browser_user, tools
 from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
 from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
@@ -94,6 +95,7 @@ class Guard:
                  browser_host: BrowserHost | None = None,
                  handoff: Callable[[], Handoff] = LocalWindowHandoff):
         self.home = ensure_home(home)
+        home_format.upgrade(self.home)   # an older home is migrated, a newer one refused
         # named here, created by start (a guard that is refused before it starts, or only
         # sweeps, leaves no empty folder in /dev/shm)
         self.runtime = runtime_path(self.home)

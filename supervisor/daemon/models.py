@@ -322,10 +322,11 @@ class ConsoleInfo(Answer):
 
 
 class DiskState(Answer):
+    """Free space where the guard writes; `low` under 512 MiB; free_bytes null when unreadable."""
     folder: Literal["home", "runtime"]
     path: str
-    free_bytes: int | None = Field(description="free space; null when the folder cannot be read")
-    low: bool = Field(description="free space is under the `disk_low` threshold (512 MiB)")
+    free_bytes: int | None
+    low: bool
 
 
 class StatusAnswer(Answer):
@@ -334,11 +335,9 @@ class StatusAnswer(Answer):
     runs: list[RunInfo]
     leases: list[LeaseInfo]
     console: ConsoleInfo | None = None
-    disk: list[DiskState] = Field(default_factory=list, description=(
-        "free space where the guard writes (its home; the runtime folder of unsealed profiles)"))
+    disk: list[DiskState] = Field(default_factory=list)
     pending: list[str] = Field(default_factory=list, description=(
-        "what a full disk put off and the guard does when space returns (a reseal, a lease "
-        "release), one line each"))
+        "what a full disk put off (a reseal, a lease release), done when space returns"))
 
 
 class ProfileInfoAnswer(Answer):
