@@ -34,6 +34,18 @@ def register(sub) -> None:
     a.add_argument("--run", metavar="ID", help="only records about this run")
     a.add_argument("--json", action="store_true", help="one JSON record per line")
     a.set_defaults(func=cmd_show)
+    a = asub.add_parser("archive", help="move old closed segments of the local log away, with an anchor",
+                        description=("Move the closed segments (<home>/audit.d/) whose records all come "
+                                     "before record --keep-from into --to (default <home>/audit.archive/), "
+                                     "record `audit_archived` in the chain and write the keyed anchor "
+                                     "(<home>/audit.anchor) that lets `verify` start after them. The "
+                                     "chain must verify first. Local store only; needs the audit key. "
+                                     "Exit 0 (also when nothing was old enough), 1 damaged, 2 usage."))
+    a.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    a.add_argument("--keep-from", metavar="SEQ", type=int, required=True,
+                   help="the first record to keep in the home")
+    a.add_argument("--to", metavar="DIR", help="where the segments go (default <home>/audit.archive)")
+    a.set_defaults(func=cmd_archive)
 
 
 def _sink(args):
@@ -86,4 +98,24 @@ def cmd_show(args) -> int:
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.get("ts", 0)))
             fields = " ".join(f"{k}={v}" for k, v in sorted((r.get("fields") or {}).items()))
             print(f"{r.get('seq'):>6} {when} {r.get('event'):<20} {fields}")
+    return 0
+
+
+def cmd_archive(args) -> int:
+    from pathlib import Path
+
+    from sfguard.supervisor.profiles.audit import AuditFieldError
+    from sfguard.supervisor.profiles.keys import KeyMissing
+    if args.keep_from < 1:
+        raise CliError("--keep-from: a record number from 1", 2)
+    sink = LocalAuditSink(existing_home(args.home))
+    try:
+        moved = sink.archive(args.keep_from, Path(args.to).absolute() if args.to else None)
+    except (AuditFieldError, KeyMissing) as exc:
+        raise CliError(str(exc), 1) from None
+    if not moved:
+        print("nothing archived: no closed segment ends before that record")
+        return 0
+    print(f"archived {len(moved)} segment(s) into {moved[0].parent}; the chain now starts after "
+          f"the anchor in {sink.anchor_path}")
     return 0

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "sfguard.cli.validate_cmd",
     "sfguard.cli.demo_cmd",
     "sfguard.cli.doctor_cmd",
+    "sfguard.cli.service_cmd",
     "sfguard.cli.completion_cmd",
     "sfguard.cli.stage_exec_cmd",
 )

@@ -97,6 +97,9 @@ class _Ctx:
         # read-only commands (list, show) never create the home, a key or a lease file
         self.read_only = read_only
         self.home = existing_home(args.home) if read_only else ensure_home(args.home)
+        if not read_only:     # a command that writes brings an older home up to this format
+            from sfguard.supervisor import home_format
+            home_format.upgrade(self.home)
         self.keys = default_key_provider(self.home)
         self.store = LocalProfileStore(self.home, self.keys)
         self.lease = LocalProfileLease(self.home)

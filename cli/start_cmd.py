@@ -51,6 +51,12 @@ def register(sub) -> None:
                         "sign in with `sfguard console`)")
     p.add_argument("--console-public", action="store_true",
                    help="allow a console address that is not loopback")
+    p.add_argument("--log-max-mb", metavar="MB", type=float, default=64,
+                   help="rotate the decision log at this size (default 64)")
+    p.add_argument("--log-max-age", metavar="HOURS", type=float, default=24,
+                   help="rotate the decision log when its first line is this old (default 24)")
+    p.add_argument("--log-keep", metavar="N", type=int, default=14,
+                   help="rotated decision logs kept (decisions.log.1 ... .N; default 14)")
     p.add_argument("--no-console", action="store_true",
                    help="no operator console (and so no live_view login handoff)")
     p.add_argument("--console-session", metavar="SECONDS", type=int, default=8 * 3600,
@@ -91,6 +97,12 @@ def run(args) -> int:
     except policy.PolicyError as exc:
         raise CliError(f"the site policy is invalid:\n{exc}", 2) from None
     except HomeError as exc:
+        raise CliError(str(exc), 2) from None
+    from sfguard.supervisor.daemon.log_rotation import Retention
+    guard.log_retention = Retention(int(args.log_max_mb * 1024 * 1024), args.log_max_age * 3600, args.log_keep)
+    try:
+        guard.log_retention.check()
+    except ValueError as exc:
         raise CliError(str(exc), 2) from None
     if args.token_file and args.tcp is None:
         raise CliError("--token-file needs --tcp PORT (the unix socket needs no token)", 2)
@@ -182,6 +194,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                          tcp_port: int | None, token_file: Path | None,
                          console_at: tuple[str, int, float] | None) -> int:
     from sfguard.supervisor.browsers.browser_user import describe as describe_browser_user
+    from sfguard.supervisor.daemon import sd_notify
     from sfguard.supervisor.daemon.api import build_app
 
     if sock.exists() or sock.is_symlink():
@@ -253,6 +266,8 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print("\n".join(lines), flush=True)
+    sd_notify.notify("READY=1")    # Type=notify units (sfguard service print)
     await stop.wait()
+    sd_notify.notify("STOPPING=1")
     print("sfguard: stopping; every run is torn down as abandoned", flush=True)
     return 0

@@ -42,6 +42,13 @@ def run(args) -> int:
     print(line)
     console = body.get("console")
     print(f"console {console['url']} (sign in: sfguard console)" if console else "console off")
+    for disk in body.get("disk", []):
+        free = disk["free_bytes"]
+        shown = f"{free / 2**20:.0f} MiB free" if free is not None else "free space unknown"
+        print(f"disk    {disk['folder']} {disk['path']}: {shown}"
+              + ("  DISK LOW: allowed requests are refused when nothing can be logged" if disk["low"] else ""))
+    for line in body.get("pending", []):
+        print(f"pending {line}")
     for r in body["runs"]:
         proxy = r["proxy"]
         print(f"run     {r['run_id']} {r['state']}" + (f" ({r['outcome']})" if r["outcome"] else "")

@@ -75,7 +75,9 @@ class ConnectGuard:
                 502, f"sfguard: {d.normalized_host} did not resolve.\n".encode(),
                 {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
             return None
-        self.s.log_decision(d, client=client, method=method, addr=addr)
+        if not self.s.log_decision(d, client=client, method=method, addr=addr):
+            flow.response = deny_response(self.s.unrecorded(d, client=client, method=method))
+            return None
         host_key, port_key = d.normalized_host, d.port
         if host_key is None or port_key is None:   # checked by check_addresses
             raise RuntimeError("an allowed decision without host or port")
@@ -141,7 +143,10 @@ class ConnectGuard:
         if last is not None and last.client is client and last.policy is site \
                 and last.host == host and last.port == port and last.host_header == host_header:
             d, addr = last.decision, last.address
-            self.s.log_decision(d, client=client, method=request.method, addr=addr)
+            if not self.s.log_decision(d, client=client, method=request.method, addr=addr):
+                conn.last_allowed = None
+                flow.response = deny_response(self.s.unrecorded(d, client=client, method=request.method))
+                return
         else:
             result = await self._decide(flow, client, host, port, host_header, check_host_header=True)
             if result is None:

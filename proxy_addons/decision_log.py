@@ -59,6 +59,10 @@ class DecisionLog:
     of the file (the console, the audit, a test) sees every line of an answered request, and
     a crash of the proxy loses none (no fsync: a crash of the machine may). One write per
     line also keeps lines whole when several processes append to the same file.
+
+    Rotation (the guard renames the file, supervisor/daemon/log_rotation.py): at most once a
+    second the writer compares the path's file with its own and reopens the path when they
+    differ. Lines written in between land at the end of the renamed file: none is lost.
     """
 
     def __init__(self, target: str | None = None) -> None:
@@ -66,24 +70,26 @@ class DecisionLog:
         self._own_file = False
         self._fd: int | None = None
         self._stream: IO[str] | None = None
+        self._path: str | None = None
+        self._checked = 0.0          # when the path was last compared with the open file
         if target == "-":
             self._stream = sys.stdout
         elif target:
-            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            os.fchmod(fd, 0o600)
-            self._stream = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
-            self._fd = fd  # lines go straight to the descriptor (one write each)
+            self._path = target
+            self._open()
             self._own_file = True
         self._quiet: Counter[tuple[str | None, str | None, str]] = Counter()
         self._quiet_other = 0
         self.counts: Counter[str] = Counter()  # decision -> number, for status
+        self.failing = False   # the last write failed (disk full): allowed requests are refused
 
     def write(self, *, run: str | None, client: str | None, method: str, host: str | None,
               port: int | None, decision: str, reason: str, rule: str | None,
-              addr: str | None) -> None:
-        """Write one decision line."""
+              addr: str | None) -> bool:
+        """Write one decision line. False when it could not be written (a full disk): the
+        caller must not let the request through (fail closed)."""
         self.counts[decision] += 1
-        self._emit({
+        return self._emit({
             "ts": _now(), "run": run, "client": client, "method": method,
             "host": _clean_host(host), "port": port, "decision": decision, "reason": reason,
             "rule": rule, "addr": addr,
@@ -120,12 +126,39 @@ class DecisionLog:
                 "addr": None, "count": other, "hosts": {},
             })
 
-    def _emit(self, record: dict[str, object]) -> None:
-        if self._stream is None:
+    def _open(self) -> None:
+        if self._path is None:
             return
+        fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        old = self._stream
+        self._stream = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+        self._fd = fd  # lines go straight to the descriptor (one write each)
+        if old is not None:
+            old.close()
+
+    def _follow_rotation(self) -> None:
+        """Reopen the path when it names another file than ours (renamed by a rotation)."""
+        now = time.monotonic()
+        if self._path is None or self._fd is None or now - self._checked < 1.0:
+            return
+        self._checked = now
+        try:
+            st = os.stat(self._path)
+            mine = os.fstat(self._fd)
+            if (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev):
+                return
+        except FileNotFoundError:
+            pass                 # renamed and not yet recreated: open makes it
+        self._open()
+
+    def _emit(self, record: dict[str, object]) -> bool:
+        if self._stream is None:
+            return True
         line = _encode(record) + "\n"
         with self._lock:
             try:
+                self._follow_rotation()
                 if self._fd is not None:
                     data = line.encode("ascii")
                     while data:  # a regular file takes it whole; loop on a short write anyway
@@ -134,7 +167,16 @@ class DecisionLog:
                     self._stream.write(line)
                     self._stream.flush()
             except (OSError, ValueError) as exc:  # a closed stdout must not stop the proxy
-                logger.error("cannot write the decision log: %s", type(exc).__name__)
+                if not self.failing:
+                    logger.error("cannot write the decision log (%s): allowed requests are refused "
+                                 "until it can be written again", getattr(exc, "strerror", None)
+                                 or type(exc).__name__)
+                self.failing = True
+                return False
+            if self.failing:
+                logger.warning("the decision log can be written again")
+                self.failing = False
+            return True
 
     def close(self) -> None:
         """Write the quiet aggregate and close an owned file."""

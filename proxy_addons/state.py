@@ -126,16 +126,27 @@ class GuardState:
         return state
 
     def log_decision(self, d: Decision, *, client: Client | None, method: str,
-                     addr: str | None = None) -> None:
-        """Record a decision: one line, or a count for quiet denials."""
+                     addr: str | None = None) -> bool:
+        """Record a decision: one line, or a count for quiet denials. False when the line
+        could not be written: an allowed request must then be refused (`unrecorded`)."""
         run = client.run if client and client.run else self.run
         name = client.name if client else None
         host = d.normalized_host if d.normalized_host is not None else d.host
         if d.quiet and not d.allowed:
             self.decision_log.count_quiet(run=run, client=name, host=host)
-            return
-        self.decision_log.write(run=run, client=name, method=method, host=host, port=d.port,
-                                decision=d.decision, reason=d.reason, rule=d.rule, addr=addr)
+            return True
+        return self.decision_log.write(run=run, client=name, method=method, host=host, port=d.port,
+                                       decision=d.decision, reason=d.reason, rule=d.rule, addr=addr)
+
+    def unrecorded(self, d: Decision, *, client: Client | None, method: str) -> Decision:
+        """The denial of an allowed request whose decision could not be recorded (fail closed:
+        every request that passes is in the log)."""
+        denied = self.policy.refuse(
+            d, "decision_log_unwritable",
+            "The guard refused this request because it could not record its decision (the "
+            "decision log cannot be written: is the guard's disk full?). Try again later.")
+        self.log_decision(denied, client=client, method=method)
+        return denied
 
     async def check_addresses(self, d: Decision) -> tuple[Decision, str | None]:
         """Resolve an allowed decision's host and check every address.

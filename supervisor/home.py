@@ -119,12 +119,18 @@ def existing_home(flag: str | os.PathLike | None = None) -> Path:
                         "or `sfguard profiles create` makes one)")
     if not home.is_dir():
         raise HomeError(f"{home} is a file, not a guard home folder")
+    from sfguard.supervisor import home_format  # noqa: PLC0415 (it imports this module)
+    home_format.check(home)        # a newer sfguard's home is refused, even for reading
     return home
 
 
 def ensure_home(flag: str | os.PathLike | None = None) -> Path:
-    """Resolve and create the guard home with mode 0700."""
-    return private_dir(resolve_home(flag))
+    """Resolve and create the guard home with mode 0700; a home of a newer format is refused
+    (supervisor/home_format.py; the guard and the commands that write migrate an older one)."""
+    home = private_dir(resolve_home(flag))
+    from sfguard.supervisor import home_format  # noqa: PLC0415 (it imports this module)
+    home_format.check(home)
+    return home
 
 
 def runtime_dir(home: Path) -> Path:

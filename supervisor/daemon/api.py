@@ -7,6 +7,7 @@ and the same models, so a runner in another language can generate its client fro
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -28,6 +29,7 @@ from sfguard.supervisor.daemon.errors import (
     Unavailable,
     Unprocessable,
 )
+from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("sfguard.api")
 #: path parameters are validated like body fields (the same patterns as the models)
@@ -87,7 +89,8 @@ STATUS_TEXT = {400: "bad input", 401: "no or a wrong bearer token (TCP listener 
                403: "refused by the site policy", 404: "no such run, stage or profile",
                405: "method not allowed on this route", 409: "conflicts with the current state",
                413: "body too large", 422: "the check could not decide", 500: "a bug: see the guard's log",
-               503: "the browser could not be started, or the shared store is unreachable"}
+               503: "the browser could not be started, the shared store is unreachable, or the guard's "
+                    "disk is full"}
 
 
 @dataclass(frozen=True)
@@ -146,14 +149,15 @@ ROUTES: tuple[Route, ...] = (
           m.StageRequest, ((200, m.StageReady), (202, m.StageWaiting)),
           _RUN + ((400, ("no_pipeline", "no_display")),
                   (409, ("run_ended", "stage_active", "attempt_used", "browser_failed")),
-                  (503, ("browser_failed",))),
+                  (503, ("browser_failed", "disk_full"))),
           "200 `ready` with the env to start the stage with; 202 `waiting` when another run "
           "holds the profile (poll the stage, or long-poll with ?wait=). The same request again "
           "(same stage_id, attempt and browser) is a resume and answers the same env."),
     Route("GET", "/v1/runs/{run_id}/stages/{stage_id}", "api_get_stage",
           "Poll a stage: the same answer as the request, identical env on resume",
           None, ((200, (m.StageReady, m.StageEnded)), (202, m.StageWaiting)),
-          _RUN + ((404, ("stage_not_found",)), (409, ("browser_failed",)), (503, ("browser_failed",))),
+          _RUN + ((404, ("stage_not_found",)), (409, ("browser_failed",)),
+                  (503, ("browser_failed", "disk_full"))),
           f"Without `wait`, answers at once. With `?wait=SECONDS` (0-{MAX_WAIT:.0f}) a waiting "
           "stage's answer is held until it is ready or failed, or the time is up (then 202 "
           "again); poll again at once. Without long-poll, poll every 1-2 seconds.",
@@ -185,7 +189,7 @@ ROUTES: tuple[Route, ...] = (
           m.LoginCheckRequest, ((200, m.LoginResultAnswer),),
           _RUN + ((400, ("no_pipeline", "invalid_pattern")), (403, ("login_check_not_allowed",)),
                   (409, ("run_ended", "profile_leased", "browser_failed")), (422, ("login_check_failed",)),
-                  (503, ("browser_failed", "store_unreachable"))),
+                  (503, ("browser_failed", "store_unreachable", "disk_full"))),
           "The guard opens login_check.url in the run's browser for the profile (leasing it if "
           "needed), reads the final address (and the selector) and matches the patterns. The "
           "runner puts this answer into the check stage's envelope; the guard keeps it for "
@@ -201,7 +205,7 @@ ROUTES: tuple[Route, ...] = (
           m.HandoffRequest, ((200, m.HandoffAnswer),),
           _RUN + ((400, ("no_pipeline",)), (404, ("stage_not_found",)),
                   (409, ("run_ended", "handoff_impossible", "profile_leased", "browser_failed")),
-                  (503, ("browser_failed", "store_unreachable"))),
+                  (503, ("browser_failed", "store_unreachable", "disk_full"))),
           "For a login stage's gate: reopens the run's browser on the profile headed (needs a "
           "display where the guard runs; 409 handoff_impossible names the cause) and answers the "
           "payload to show the person. End the login stage when the person confirms. With "
@@ -287,6 +291,15 @@ def openapi_document() -> dict[str, Any]:
         "summary": "This document", "description": "The OpenAPI document of this API.",
         "operationId": "openapi", "security": [{}, {"bearer": []}],
         "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}},
+                      "401": {"description": STATUS_TEXT[401], "x-error-codes": ["unauthorized"],
+                              "content": {"application/json": {"schema": err}}}}}}
+    paths["/metrics"] = {"get": {
+        "summary": "Prometheus metrics", "operationId": "metrics", "security": [{}, {"bearer": []}],
+        "description": ("The guard's metrics in the Prometheus text format (version 0.0.4): decisions by "
+                        "outcome and reason, runs and stages by state, lease queue and waits, stage start "
+                        "latency, login checks, open handoffs, processes and memory by kind, free disk, "
+                        "policy and audit state. Labels never carry hosts, runs or profiles."),
+        "responses": {"200": {"description": "ok", "content": {"text/plain": {"schema": {"type": "string"}}}},
                       "401": {"description": STATUS_TEXT[401], "x-error-codes": ["unauthorized"],
                               "content": {"application/json": {"schema": err}}}}}}
     components["ErrorBody"]["properties"]["code"]["enum"] = list(m.ERROR_CODES)
@@ -392,6 +405,14 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
     async def openapi(_request):
         return web.json_response(openapi_document())
     app.router.add_get("/v1/openapi.json", openapi)
+
+    async def metrics(_request):
+        """Prometheus text format (supervisor/daemon/metrics.py): the state is read on the loop,
+        the rest (decision log, processes, disk, audit) in a thread."""
+        snap = target.metrics.snapshot(target)
+        body = await asyncio.to_thread(target.metrics.render, snap)
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+    app.router.add_get("/metrics", metrics)
     return app
 
 

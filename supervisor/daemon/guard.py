@@ -32,15 +32,19 @@ from pathlib import Path
 from typing import Any
 
 from sfguard import policy
+from sfguard.supervisor import home_format
 from sfguard.supervisor.browsers import agent_browser, browser_user, tools
 from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
 from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
+from sfguard.supervisor.daemon.deferred import Deferred
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound
 from sfguard.supervisor.daemon.inventory import Inventory
+from sfguard.supervisor.daemon.log_rotation import Retention, keep_rotated
 from sfguard.supervisor.daemon.logins import Logins
+from sfguard.supervisor.daemon.metrics import GuardMetrics
 from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunProxy
 from sfguard.supervisor.daemon.runs import (
     WAITING_STATES,
@@ -91,6 +95,7 @@ class Guard:
                  browser_host: BrowserHost | None = None,
                  handoff: Callable[[], Handoff] = LocalWindowHandoff):
         self.home = ensure_home(home)
+        home_format.upgrade(self.home)   # an older home is migrated, a newer one refused
         # named here, created by start (a guard that is refused before it starts, or only
         # sweeps, leaves no empty folder in /dev/shm)
         self.runtime = runtime_path(self.home)
@@ -119,6 +124,13 @@ class Guard:
         self.records = RunRecords(self.runs_dir, self.scope, self.sessions)
         self.proxies = ProxyPool(lambda: RunProxy(None, self.policy_path, self.logs_dir / "decisions.log",
                                                   self.resolve))
+        # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
+        self.metrics = GuardMetrics(self.logs_dir / "decisions.log")
+        # the decision log rotates by size and age (supervisor/daemon/log_rotation.py)
+        self.log_retention = Retention()
+        self._rotate: asyncio.Task[None] | None = None
+        # reseals and lease releases a full disk put off (supervisor/daemon/deferred.py)
+        self.deferred = Deferred(self.stores, self.calls)
         # the services
         self.stages = Stages(self)
         self.teardown = Teardown(self)
@@ -187,15 +199,18 @@ class Guard:
         report["sandbox"] = stage_exec.prepare(self)
         await self.gate.start()
         self._watch = asyncio.get_running_loop().create_task(self.watchdog.loop())
+        self._rotate = asyncio.get_running_loop().create_task(
+            keep_rotated([self.logs_dir / "decisions.log"], self.log_retention))
         self.proxies.refill()
         return report
 
     async def stop(self) -> None:
         """Tear every run down as `abandoned`, then stop the gate."""
-        if self._watch:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        for task in (self._watch, self._rotate):
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await live.close_all(self)
         for run in list(self.runs.values()):
             if run.state == RunState.ACTIVE:

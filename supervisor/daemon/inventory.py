@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound, Unavailable
+from sfguard.supervisor.daemon.metrics import DISK_LOW_BYTES, disk_free
 from sfguard.supervisor.daemon.runs import holder_where, now_iso
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.store_ops import StoreSlow
@@ -17,6 +18,16 @@ if TYPE_CHECKING:
 
 #: `status` waits this long for the store's part (leases, queues); then answers without it
 STATUS_STORE_WAIT = 2.0
+
+
+def disk_state(home: Any, runtime: Any) -> list[dict[str, Any]]:
+    """Free space of the home and the runtime folder, with the `disk_low` flag."""
+    out = []
+    for folder, path in (("home", home), ("runtime", runtime)):
+        free = disk_free(path)
+        out.append({"folder": folder, "path": str(path), "free_bytes": free,
+                    "low": free is not None and free < DISK_LOW_BYTES})
+    return out
 
 
 class Inventory:
@@ -60,6 +71,8 @@ class Inventory:
             "runs": [r.public() for r in g.runs.values()],
             "leases": leases,
             "console": {"url": g.console.base_url} if g.console is not None else None,
+            "disk": disk_state(g.home, g.runtime),
+            "pending": g.deferred.pending(),
         }
 
     async def list_profiles(self) -> dict[str, Any]:

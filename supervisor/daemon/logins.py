@@ -53,6 +53,7 @@ class Logins:
             result = await check_login(browser.anchor.pipe, body.login_check,
                                        timeout=LOGIN_CHECK_TIMEOUT)
         except LoginCheckError as exc:
+            g.metrics.login_checked("failed")
             raise Unprocessable("login_check_failed", str(exc), "login_check") from None
         except ValueError as exc:
             raise BadRequest("invalid_pattern", str(exc), "login_check") from None
@@ -60,6 +61,7 @@ class Logins:
             if browser.client in run.proxy.clients:
                 await run.proxy.set_allow(browser.client, g.browser_allow(run, browser))
         run.login_results[body.profile] = result
+        g.metrics.login_checked("logged_in" if result.logged_in else "logged_out")
 
         def record_check() -> None:
             g.audit.record("login_checked", scope=g.scope, profile=browser.key,

@@ -136,8 +136,8 @@ ERROR_CODES = (
     "stage_not_waiting", "no_pipeline", "no_display", "browser_failed",
     # profiles
     "invalid_name", "profile_not_found", "profile_leased",
-    # a shared store (PostgreSQL) that does not answer
-    "store_unreachable",
+    # a shared store (PostgreSQL) that does not answer; the guard's own disk full
+    "store_unreachable", "disk_full",
     # login check, envelope verification, handoff
     "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
     "envelope_mismatch", "handoff_impossible", "handoff_not_found", "console_off",
@@ -321,12 +321,23 @@ class ConsoleInfo(Answer):
     url: str = Field(description="the operator console's address (log in with `sfguard console`)")
 
 
+class DiskState(Answer):
+    """Free space where the guard writes; `low` under 512 MiB; free_bytes null when unreadable."""
+    folder: Literal["home", "runtime"]
+    path: str
+    free_bytes: int | None
+    low: bool
+
+
 class StatusAnswer(Answer):
     guard: GuardInfo
     policy: PolicyState
     runs: list[RunInfo]
     leases: list[LeaseInfo]
     console: ConsoleInfo | None = None
+    disk: list[DiskState] = Field(default_factory=list)
+    pending: list[str] = Field(default_factory=list, description=(
+        "what a full disk put off (a reseal, a lease release), done when space returns"))
 
 
 class ProfileInfoAnswer(Answer):

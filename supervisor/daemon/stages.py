@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from sfguard.supervisor.browsers import browser_user
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon import models
+from sfguard.supervisor.daemon.deferred import no_space
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, GuardError, Unavailable
 from sfguard.supervisor.daemon.run_proxy import RunProxy, short_id
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, Stage, StageState
@@ -33,7 +34,11 @@ BROWSER_ERRORS = (AnchorError, GateError, ProfileError, RuntimeError, OSError)
 
 
 def browser_failed(exc: BaseException, message: str, field: str | None) -> GuardError:
-    """A browser that could not be had: a refused profile conflicts, anything else is away."""
+    """A browser that could not be had: a refused profile conflicts, a full disk is named as
+    such (it passes when space returns), anything else is away."""
+    if no_space(exc):
+        return Unavailable("disk_full", f"{message}: the guard has no disk space left (its home "
+                           f"or runtime folder is full: {exc}); free space, then ask again", field)
     if isinstance(exc, ProfileError):
         return Conflict("browser_failed", f"{message}: {exc}", field)
     return Unavailable("browser_failed", f"{message}: {exc}", field)
@@ -85,6 +90,8 @@ class Stages:
                         return
                     stage.store_wait = None
                     if isinstance(result, Waiting):
+                        if stage.state != StageState.WAITING:
+                            g.metrics.lease_waited()
                         stage.move(StageState.WAITING)
                         stage.waiting = result
                         return
@@ -96,6 +103,7 @@ class Stages:
                 t2 = time.monotonic()
                 await self.attach(run, browser, stage)
                 if stage.state == StageState.READY:
+                    g.metrics.stage_ready(time.monotonic() - t0)
                     # where a stage's start-up time goes (supervisor_bench measures the whole)
                     log.info("stage %s/%s ready in %.0f ms (lease %.0f, browser %.0f, session %.0f)",
                              run.run_id, stage.stage_id, (time.monotonic() - t0) * 1000,

@@ -11,6 +11,7 @@ import logging
 import shutil
 from typing import TYPE_CHECKING
 
+from sfguard.supervisor.daemon.deferred import no_space
 from sfguard.supervisor.daemon.runs import (
     Browser,
     Run,
@@ -89,10 +90,16 @@ class Teardown:
             try:
                 await g.calls.run(g.store.close, browser.profile, save=True)
             except Exception as exc:
-                problems.append(f"resealing profile {browser.profile.name} failed: {exc}; "
-                                "the previous sealed copy is kept")
-                with contextlib.suppress(Exception):
-                    await g.calls.run(g.store.close, browser.profile, save=False)
+                if no_space(exc):      # keep the login: resealed when space returns
+                    g.deferred.reseal_later(browser.profile, run.run_id)
+                    problems.append(f"resealing profile {browser.profile.name}: no space left "
+                                    f"({exc}); its unsealed copy and this run's lease are kept, "
+                                    "and the guard reseals it as soon as there is space")
+                else:
+                    problems.append(f"resealing profile {browser.profile.name} failed: {exc}; "
+                                    "the previous sealed copy is kept")
+                    with contextlib.suppress(Exception):
+                        await g.calls.run(g.store.close, browser.profile, save=False)
         if run.proxy is not None:
             with contextlib.suppress(RuntimeError):
                 await run.proxy.remove_client(browser.client)
@@ -115,9 +122,14 @@ class Teardown:
             run.problems += await self.close_browser(run, browser)
         if run.proxy is not None:
             await run.proxy.stop()
-        _released, problems = await g.calls.run(store_ops.release_run, g.stores,
-                                                run.run_id, outcome.value)
-        run.problems += problems
+        if g.deferred.holds(run.run_id):   # a reseal waits for space: so does the release
+            g.deferred.release_later(run.run_id, outcome.value)
+        else:
+            _released, problems = await g.calls.run(store_ops.release_run, g.stores,
+                                                    run.run_id, outcome.value)
+            if problems and g.deferred.no_space_problem(problems):
+                g.deferred.release_later(run.run_id, outcome.value)
+            run.problems += problems
         if run.workdir is not None:
             shutil.rmtree(run.workdir, ignore_errors=True)
         run.state = RunState.ENDED

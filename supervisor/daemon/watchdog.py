@@ -34,6 +34,11 @@ class Watchdog:
     async def once(self) -> None:
         g = self.g
         g.check_policy()
+        if await g.deferred.retry():        # a release landed: hand the profiles on
+            for run in list(g.runs.values()):
+                if run.state == RunState.ACTIVE:
+                    for stage in run.waiting_stages():
+                        await g.stages.advance(run, stage)
         for run in list(g.runs.values()):
             if run.state != RunState.ACTIVE:
                 continue

@@ -24,6 +24,17 @@ Appends from several processes are serialised with fcntl.flock on `<home>/audit.
 around read-head + append + fsync + write-head. The chain continues from the head file, so
 an edit, deletion, insertion, reordering or truncation stays visible to `verify()`.
 
+Segments (a guard runs for months): when `audit.log` reaches `segment_bytes` (default 8 MiB)
+or its first record is older than `segment_age_s` (default 30 days), it is closed under the
+lock: renamed to `<home>/audit.d/<first seq, 12 digits>.log` (0600). The chain goes on across
+segments: each segment's first record links to the last record of the one before, so
+`verify()` walks every segment in order of its first seq and then `audit.log`, and a removed,
+emptied, reordered or edited segment breaks the chain where it was. Old segments may be moved
+away only with `archive(keep_from_seq)`, which records `audit_archived` in the chain and writes
+`<home>/audit.anchor`: the seq and hash of the last record moved away, keyed like the head
+(whoever has no key cannot move the start of the chain). A chain that starts after seq 1 is
+intact only when the anchor names exactly where it starts.
+
 Only a fixed set of events and fields is accepted, each field validated: profile names, run
 ids, hosts, counts, short reason codes. Never cookie or token values.
 """
@@ -31,165 +42,50 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import hmac
 import json
 import os
 import re
-import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from sfguard.supervisor.home import FILE_MODE, atomic_write, ensure_home
+from sfguard.supervisor.profiles.audit_chain import (
+    EVENTS,
+    FIELDS,
+    GENESIS,
+    AuditFieldError,
+    ChainEnd,
+    VerifyResult,
+    canonical,
+    chain_record,
+    check_head,
+    clean_fields,
+    head_mac,
+    record_hash,
+    record_mac,
+    record_matches,
+    walk_chain,
+)
 from sfguard.supervisor.profiles.keys import KeyMissing
-from sfguard.supervisor.protocols import validate_name, validate_run_id
+
+#: what other modules import from here (the chain's names live in audit_chain.py)
+__all__ = ["EVENTS", "FIELDS", "GENESIS", "AuditFieldError", "ChainEnd", "VerifyResult", "canonical",
+           "chain_record", "check_head", "clean_fields", "head_mac", "record_hash", "record_mac",
+           "record_matches", "walk_chain", "LocalAuditSink", "LOG_FILE", "HEAD_FILE", "LOCK_FILE",
+           "SEGMENT_DIR", "ANCHOR_FILE", "ARCHIVE_DIR"]
 
 LOG_FILE = "audit.log"
 HEAD_FILE = "audit.head"
 LOCK_FILE = "audit.lock"
-GENESIS = "0" * 64
-
-EVENTS = frozenset({
-    "profile_created", "profile_leased", "profile_released", "profile_deleted", "scope_deleted",
-    "login_checked", "handoff_opened", "handoff_confirmed", "policy_reloaded", "denials_aggregated",
-    "handoff_viewed", "handoff_closed",
-    "profile_resealed",       # the shared store: a reseal, in the transaction that stores it
-    # console sessions (by their public id, never a cookie or link value)
-    "console_signed_in", "console_signed_out", "console_sign_in_refused",
-})
-
-_TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)
-_HOST_RE = re.compile(r"^[A-Za-z0-9._:\-\[\]*]{1,255}$", re.ASCII)
-_STAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$", re.ASCII)
-
-
-class AuditFieldError(ValueError):
-    """An audit event or field that is not allowed (the value itself is never echoed)."""
-
-
-def _host(v: Any) -> str:
-    if not isinstance(v, str) or not _HOST_RE.fullmatch(v):
-        raise AuditFieldError("host must be a plain host name or address")
-    return v.lower()
-
-
-def _count(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise AuditFieldError("count fields must be non-negative integers")
-    return v
-
-
-def _token(v: Any) -> str:
-    if not isinstance(v, str) or not _TOKEN_RE.fullmatch(v):
-        raise AuditFieldError("reason/outcome fields must be short lower-case codes")
-    return v
-
-
-def _hosts(v: Any) -> dict[str, int]:
-    """{host: count}: the aggregated denials of a period."""
-    if not isinstance(v, dict) or len(v) > 1000:
-        raise AuditFieldError("hosts must be a mapping host -> count (at most 1000)")
-    return {_host(h): _count(c) for h, c in v.items()}
-
-
-def _name(v: Any) -> str:
-    try:
-        return validate_name(v)
-    except ValueError:
-        raise AuditFieldError("profile/scope must be a valid profile name") from None
-
-
-def _run(v: Any) -> str:
-    try:
-        return validate_run_id(v)
-    except ValueError:
-        raise AuditFieldError("run must be a valid run id") from None
-
-
-def _stage(v: Any) -> str:
-    if not isinstance(v, str) or not _STAGE_RE.fullmatch(v):
-        raise AuditFieldError("stage must be a plain stage id")
-    return v
-
-
-def _flag(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise AuditFieldError("flag fields must be true or false")
-    return v
-
-
-def _digest(v: Any) -> str:
-    if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{8,64}", v):
-        raise AuditFieldError("digest fields must be hex")
-    return v
-
-
-FIELDS = {
-    "scope": _name, "profile": _name, "run": _run, "stage": _stage, "host": _host,
-    "hosts": _hosts, "count": _count, "profiles": _count, "pid": _count, "port": _count,
-    "outcome": _token, "reason": _token, "result": _token, "by": _token, "mode": _token,
-    "logged_in": _flag, "policy_sha256": _digest, "period_s": _count,
-}
-
-
-def canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def record_hash(rec: dict) -> str:
-    return hashlib.sha256(canonical({k: v for k, v in rec.items()
-                                     if k != "hash" and k != "mac"})).hexdigest()
-
-
-def record_mac(key: bytes, rec: dict) -> str:
-    """HMAC-SHA256 of the record without `mac` (its `hash` and `prev` included)."""
-    return hmac.new(key, canonical({k: v for k, v in rec.items() if k != "mac"}),
-                    hashlib.sha256).hexdigest()
-
-
-def head_mac(key: bytes, seq: int, digest: str) -> str:
-    return hmac.new(key, canonical({"hash": digest, "seq": seq, "what": "audit.head"}),
-                    hashlib.sha256).hexdigest()
-
-
-def clean_fields(event: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """The validated fields of an allowed event; AuditFieldError for anything else."""
-    if event not in EVENTS:
-        raise AuditFieldError(f"unknown audit event {ascii(event)[:60]}")
-    clean = {}
-    for name, value in fields.items():
-        check = FIELDS.get(name)
-        if check is None:
-            raise AuditFieldError(f"field {ascii(name)[:40]} is not allowed in audit records")
-        clean[name] = check(value)
-    return clean
-
-
-def chain_record(key: bytes, last_seq: int, last_hash: str, event: str,
-                 clean: dict[str, Any]) -> dict[str, Any]:
-    """The next record after (last_seq, last_hash): hashed and keyed."""
-    rec = {"seq": last_seq + 1, "ts": round(time.time(), 6), "event": event,
-           "fields": clean, "prev": last_hash}
-    rec["hash"] = record_hash(rec)
-    rec["mac"] = record_mac(key, rec)
-    return rec
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    ok: bool
-    records: int
-    line: int | None = None        # 1-based line of the first bad record
-    reason: str | None = None
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"audit log intact: {self.records} record(s)"
-        where = f"line {self.line}" if self.line else "log"
-        return f"audit log broken at {where}: {self.reason}"
-
+SEGMENT_DIR = "audit.d"
+ANCHOR_FILE = "audit.anchor"
+ARCHIVE_DIR = "audit.archive"
+#: the active log is closed into a segment at this size, or when its first record is this old
+SEGMENT_BYTES = 8 * 1024 * 1024
+SEGMENT_AGE_S = 30 * 86400
+_SEGMENT_RE = re.compile(r"^(\d{12})\.log$")
 
 class LocalAuditSink:
     """AuditSink writing `<home>/audit.log` with a keyed hash chain and a head file.
@@ -197,12 +93,16 @@ class LocalAuditSink:
     `keys` is the KeyProvider (default: `default_key_provider(home)`, as the profile store).
     `read_only` (`sfguard audit verify|show`): create nothing, neither the home nor the lock."""
 
-    def __init__(self, home: Path, keys: Any = None, read_only: bool = False):
+    def __init__(self, home: Path, keys: Any = None, read_only: bool = False,
+                 segment_bytes: int = SEGMENT_BYTES, segment_age_s: float = SEGMENT_AGE_S):
         self.read_only = read_only
         self.home = Path(home) if read_only else ensure_home(home)
         self.log_path = self.home / LOG_FILE
         self.head_path = self.home / HEAD_FILE
         self.lock_path = self.home / LOCK_FILE
+        self.segment_dir = self.home / SEGMENT_DIR
+        self.anchor_path = self.home / ANCHOR_FILE
+        self.segment_bytes, self.segment_age_s = segment_bytes, segment_age_s
         if keys is None:
             from sfguard.supervisor.profiles.keys import default_key_provider  # noqa: PLC0415
             keys = default_key_provider(self.home)
@@ -294,19 +194,129 @@ class LocalAuditSink:
             try:
                 os.write(fd, line)
                 os.fsync(fd)
+                size = os.fstat(fd).st_size
             finally:
                 os.close(fd)
             atomic_write(self.head_path, canonical({
                 "seq": rec["seq"], "hash": rec["hash"],
                 "mac": head_mac(key, rec["seq"], rec["hash"])}))
+            self._close_segment_if_due(size, rec["ts"])
         return rec
 
-    def _iter_lines(self) -> Iterator[tuple[int, bytes]]:
+    def _first_record(self, path: Path) -> dict[str, Any] | None:
         try:
-            with open(self.log_path, "rb") as fh:
-                yield from enumerate(fh, 1)
-        except FileNotFoundError:
+            with open(path, "rb") as fh:
+                first = fh.readline(1024 * 1024)
+            rec = json.loads(first)
+            return rec if isinstance(rec, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def _close_segment_if_due(self, size: int, now: float) -> None:
+        """Under the lock: close audit.log into audit.d/<first seq>.log when it is big or old
+        enough. The head stays as it is (it names the last record, wherever that lives)."""
+        first = self._first_record(self.log_path)
+        if first is None or not isinstance(first.get("seq"), int):
             return
+        age = now - float(first.get("ts") or now)
+        if size < self.segment_bytes and age < self.segment_age_s:
+            return
+        folder = self.segment_dir
+        folder.mkdir(mode=0o700, exist_ok=True)
+        target = folder / f"{first['seq']:012d}.log"
+        if target.exists():        # never overwrite a segment (a damaged home): keep appending
+            return
+        os.rename(self.log_path, target)
+        for d in (folder, self.home):       # the rename survives a crash
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def segments(self) -> list[Path]:
+        """Closed segments, oldest first (by the first seq in their name); other files in
+        audit.d are not segments and are reported by verify()."""
+        try:
+            names = sorted(n for n in os.listdir(self.segment_dir) if _SEGMENT_RE.fullmatch(n))
+        except FileNotFoundError:
+            return []
+        return [self.segment_dir / n for n in names]
+
+    def _files(self) -> list[Path]:
+        return [*self.segments(), self.log_path]
+
+    def _anchor(self) -> tuple[int, str, str | None] | None:
+        try:
+            d = json.loads(self.anchor_path.read_bytes())
+            mac = d.get("mac")
+            return int(d["seq"]), str(d["hash"]), (mac if isinstance(mac, str) else None)
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return (-1, "", None)
+
+    def archive(self, keep_from_seq: int, into: Path | None = None) -> list[Path]:
+        """Move every closed segment whose records all come before `keep_from_seq` into
+        `into` (default <home>/audit.archive/), record `audit_archived` in the chain and write
+        the keyed anchor that lets verify() start the chain after them. The chain must verify
+        first (an archive never hides damage). Returns the moved files' new paths."""
+        if self.read_only:
+            raise AuditFieldError("a read-only audit sink cannot archive")
+        result = self.verify()
+        if not result.ok:
+            raise AuditFieldError(f"the audit log does not verify, nothing archived: {result}")
+        key = self._audit_key(create=False)
+        if key is None:
+            raise KeyMissing("archiving needs the audit key (the anchor is keyed)")
+        target = Path(into) if into is not None else self.home / ARCHIVE_DIR
+        moved: list[Path] = []
+        with self._locked():
+            segs = self.segments()
+            starts = [int(p.name[:12]) for p in segs]
+            # a segment goes when the next file starts at or before keep_from_seq
+            bounds = starts[1:] + [self._first_seq_of_log()]
+            last_moved: tuple[int, str] | None = None
+            for seg, nxt in zip(segs, bounds, strict=True):
+                if nxt is None or nxt > keep_from_seq:
+                    break
+                last = _last_record_of(seg)
+                if last is None:
+                    break
+                target.mkdir(mode=0o700, parents=True, exist_ok=True)
+                dest = target / seg.name
+                os.replace(seg, dest)
+                moved.append(dest)
+                last_moved = last
+            if last_moved is None:
+                return []
+            atomic_write(self.anchor_path, canonical({
+                "seq": last_moved[0], "hash": last_moved[1],
+                "mac": head_mac(key, last_moved[0], last_moved[1], "audit.anchor")}))
+        self.record("audit_archived", seq=last_moved[0] + 1, segments=len(moved))
+        return moved
+
+    def _first_seq_of_log(self) -> int | None:
+        first = self._first_record(self.log_path)
+        seq = first.get("seq") if first else None
+        return seq if isinstance(seq, int) else None
+
+    def _iter_lines(self, where: list[tuple[int, str]] | None = None) -> Iterator[tuple[int, bytes]]:
+        """Every line of every segment, then of audit.log, numbered across them. `where` gets
+        (first global line number, file name) per closed segment, for naming a bad line."""
+        n = 0
+        for path in self._files():
+            if where is not None and path != self.log_path:
+                where.append((n + 1, f"{SEGMENT_DIR}/{path.name}"))
+            elif where is not None:
+                where.append((n + 1, ""))
+            try:
+                with open(path, "rb") as fh:
+                    for line in fh:
+                        n += 1
+                        yield n, line
+            except FileNotFoundError:
+                continue
 
     def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
         """Records (parsed, unverified) filtered by profile and/or run, oldest first."""
@@ -328,9 +338,20 @@ class LocalAuditSink:
                 key = self._audit_key(create=False)
             except Exception as exc:  # KeyMissing: damaged or not private
                 return VerifyResult(False, 0, None, f"the audit key cannot be used: {exc}")
-            walked = walk_chain(self._iter_lines(), key)
+            stray = self._stray_segment_files()
+            if stray:
+                return VerifyResult(False, 0, None, f"{SEGMENT_DIR}/{stray} is not a segment of this "
+                                    "log (renamed or put there by hand)")
+            start, problem = self._chain_start(key)
+            if problem:
+                return VerifyResult(False, 0, None, problem)
+            where: list[tuple[int, str]] = []
+            walked = walk_chain(self._iter_lines(where), key, start=start)
             if isinstance(walked, VerifyResult):
-                return walked
+                return _placed(walked, where)
+            bad = self._misnamed_segment()
+            if bad:
+                return VerifyResult(False, walked.count, None, bad)
             head = self._head_full()
             if head is None:
                 if walked.count:
@@ -343,79 +364,59 @@ class LocalAuditSink:
             return check_head(walked, head, key, f"head file {HEAD_FILE}")
 
 
-@dataclass(frozen=True)
-class ChainEnd:
-    """Where a verified walk over the records ended."""
-    prev_hash: str
-    seq: int
-    count: int
-    keyed: bool
-
-
-def record_matches(rec: dict[str, Any], profile: str | None, run: str | None) -> bool:
-    """The `records(profile=, run=)` filter of every AuditSink: unset means any."""
-    f = rec.get("fields") or {}
-    return (profile is None or f.get("profile") == profile) and (run is None or f.get("run") == run)
-
-
-def walk_chain(lines: Iterable[tuple[int, bytes]], key: bytes | None) -> VerifyResult | ChainEnd:
-    """Check every record (one canonical JSON line each, numbered from 1): hash, sequence,
-    link, event and MAC. A VerifyResult names the first bad record; a ChainEnd says the walk
-    was clean. Shared by every AuditSink that keeps the chain (file or database)."""
-    prev_hash, seq, count = GENESIS, 0, 0
-    keyed = False
-    for n, line in lines:
-        if not line.endswith(b"\n"):
-            return VerifyResult(False, count, n, "last line is incomplete (cut mid-record)")
+    def _stray_segment_files(self) -> str | None:
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError
-        except ValueError:
-            return VerifyResult(False, count, n, "not a JSON record")
-        if rec.get("hash") != record_hash(rec):
-            return VerifyResult(False, count, n, "record content does not match its hash (edited)")
-        if rec.get("seq") != seq + 1:
-            return VerifyResult(False, count, n, f"sequence number {rec.get('seq')} where "
-                                f"{seq + 1} was expected (record deleted, inserted or moved)")
-        if rec.get("prev") != prev_hash:
-            return VerifyResult(False, count, n, "does not chain to the previous record "
-                                "(record deleted, inserted or moved)")
-        if rec.get("event") not in EVENTS:
-            return VerifyResult(False, count, n, "unknown event")
-        if "mac" in rec:
-            if key is None:
-                return VerifyResult(False, count, n, "the record is keyed but the audit key "
-                                    "is missing (key deleted, or the log comes from "
-                                    "another home)")
-            if not isinstance(rec["mac"], str) or not hmac.compare_digest(
-                    rec["mac"], record_mac(key, rec)):
-                return VerifyResult(False, count, n, "record MAC does not match (rewritten "
-                                    "without the audit key)")
-            keyed = True
-        elif keyed:
-            return VerifyResult(False, count, n, "an unkeyed record after keyed ones "
-                                "(rewritten without the audit key)")
-        prev_hash, seq, count = rec["hash"], rec["seq"], count + 1
-    return ChainEnd(prev_hash, seq, count, keyed)
+            names = os.listdir(self.segment_dir)
+        except FileNotFoundError:
+            return None
+        return next((n for n in sorted(names) if not _SEGMENT_RE.fullmatch(n)), None)
+
+    def _misnamed_segment(self) -> str | None:
+        """A segment whose name is not its first record's seq (moved or renamed by hand)."""
+        for seg in self.segments():
+            first = self._first_record(seg)
+            if first is None:
+                return f"{SEGMENT_DIR}/{seg.name} is empty (emptied by hand)"
+            if first.get("seq") != int(seg.name[:12]):
+                return f"{SEGMENT_DIR}/{seg.name} starts at record {first.get('seq')} (renamed by hand)"
+        return None
+
+    def _chain_start(self, key: bytes | None) -> tuple[tuple[int, str], str | None]:
+        """Where the kept chain must start: (0, GENESIS), or after the anchor's record when
+        older segments were archived. An anchor must be keyed and name exactly the first kept
+        record's predecessor; checked by walk_chain against the first record it reads."""
+        anchor = self._anchor()
+        if anchor is None:
+            return (0, GENESIS), None
+        seq, digest, mac = anchor
+        if seq < 1 or key is None or mac is None or not hmac.compare_digest(
+                mac, head_mac(key, seq, digest, "audit.anchor")):
+            return (0, GENESIS), (f"{ANCHOR_FILE} is not a valid anchor (its MAC does not match: "
+                                  "written without the audit key)")
+        return (seq, digest), None
 
 
-def check_head(end: ChainEnd, head: tuple[int, str, str | None], key: bytes | None,
-               what: str) -> VerifyResult:
-    """Compare a clean walk's end with the head (seq, hash, mac) kept beside the records."""
-    seq, prev_hash, count = end.seq, end.prev_hash, end.count
-    if head[0] == seq and head[1] == prev_hash and count:
-        if key is not None and not end.keyed:
-            return VerifyResult(False, count, None, "the audit key exists but no record is "
-                                "keyed (log rewritten without the audit key)")
-        if end.keyed and (key is None or head[2] is None or not hmac.compare_digest(
-                head[2], head_mac(key, head[0], head[1]))):
-            return VerifyResult(False, count, None, f"{what} MAC does not "
-                                "match (rewritten without the audit key)")
-    if head[0] != seq or head[1] != prev_hash:
-        if head[0] > seq:
-            return VerifyResult(False, count, count + 1, f"log ends at record {seq} but the "
-                                f"{what} says {head[0]} (tail truncated)")
-        return VerifyResult(False, count, count or None,
-                            f"last record (seq {seq}) does not match the {what} (seq {head[0]})")
-    return VerifyResult(True, count)
+def _last_record_of(path: Path) -> tuple[int, str] | None:
+    """(seq, hash) of a segment's last record."""
+    last = None
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                last = line
+        if last is None:
+            return None
+        rec = json.loads(last)
+        return int(rec["seq"]), str(rec["hash"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _placed(result: VerifyResult, where: list[tuple[int, str]]) -> VerifyResult:
+    """A walk's VerifyResult with its global line number turned into the file's own."""
+    if result.line is None or not where:
+        return result
+    start, name = max(((s, n) for s, n in where if s <= result.line), default=(1, ""))
+    if not name:
+        return VerifyResult(result.ok, result.records, result.line - start + 1, result.reason)
+    return VerifyResult(result.ok, result.records, result.line - start + 1, result.reason, name)
+

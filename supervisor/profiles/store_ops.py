@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import functools
 import logging
 from collections.abc import Callable
@@ -53,6 +54,9 @@ def release_run(stores, run: str, outcome: str) -> tuple[list[ProfileKey], list[
     try:
         released = stores.lease.release_all(run)
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return [], [f"releasing the run's leases failed: {exc}; the guard releases them as "
+                        "soon as there is space (no_space)"]
         return [], [f"releasing the run's leases failed: {exc}; the next start of the guard "
                     "releases them"]
     problems = []

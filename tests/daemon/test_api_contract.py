@@ -38,6 +38,11 @@ ELSEWHERE = {
         "the model refuses a bad URL pattern first (invalid_request, tests/daemon/test_validate_parity.py)",
     ("POST", "/v1/runs/{run_id}/login-check", 200, None): "tests/daemon/test_real_browser.py (a real check)",
     ("POST", "/v1/runs/{run_id}/login-check/verify", 200, None): "tests/daemon/test_real_browser.py",
+    ("GET", "/metrics", 200, None): "tests/daemon/test_metrics.py (the Prometheus text format)",
+    ("POST", "/v1/runs/{run_id}/stages", 503, "disk_full"): "tests/daemon/test_full_disk.py (a small tmpfs home)",
+    ("GET", "/v1/runs/{run_id}/stages/{stage_id}", 503, "disk_full"): "as the stage request (its long-poll answer)",
+    ("POST", "/v1/runs/{run_id}/login-check", 503, "disk_full"): "the same browser start as the stage request",
+    ("POST", "/v1/runs/{run_id}/handoff", 503, "disk_full"): "the same browser start as the stage request",
     ("POST", "/v1/runs/{run_id}/login-check", 400, "no_pipeline"):
         "only when the site policy's allow_always lets the check host through for '@pipeline' "
         "(otherwise 403 comes first); the same check as the stage request's no_pipeline, shown here",
@@ -142,6 +147,9 @@ def test_document_covers_exactly_the_served_routes(daemon):
         for method, op in ops.items():
             assert op["summary"] and op["description"], (method, path)
             for status, resp in op["responses"].items():
+                if path == "/metrics" and status == "200":
+                    assert list(resp["content"]) == ["text/plain"]    # the Prometheus text format
+                    continue
                 schema = resp["content"]["application/json"]["schema"]
                 if int(status) < 300 and path != "/v1/openapi.json":
                     assert schema != {"type": "object"}, (method, path, status)   # typed answers

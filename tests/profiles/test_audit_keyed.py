@@ -4,6 +4,7 @@ still verify with the plain hash chain."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -127,7 +128,7 @@ def _legacy_log(home, n=3):
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     prev, lines = GENESIS, []
     for i in range(1, n + 1):
-        rec = {"seq": i, "ts": 1.0 + i, "event": "profile_leased",
+        rec = {"seq": i, "ts": time.time() - 60 + i, "event": "profile_leased",
                "fields": {"profile": "shop", "run": f"run-{i}", "scope": "local"}, "prev": prev}
         rec["hash"] = prev = record_hash(rec)
         lines.append(canonical(rec) + b"\n")

@@ -1,0 +1,101 @@
+"""`sfguard service`: run the guard as a systemd service (docs/operator-guide.md)."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from sfguard.cli.main import CliError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("service", help="run the guard as a systemd service",
+                       description=("The guard as a system service: `print` writes a hardened "
+                                    "systemd unit for this installation to stdout, `ensure-users` "
+                                    "creates the unprivileged browser and stage users (the unit "
+                                    "runs it before the guard starts, as /etc is read-only for "
+                                    "the guard itself)."))
+    ss = p.add_subparsers(dest="service_command", metavar="SUBCOMMAND")
+    ss.required = True
+    pr = ss.add_parser("print", help="print the systemd unit",
+                       description=("Print a systemd unit (Type=notify, restart on failure, "
+                                    "read-only system, six capabilities) that runs `sfguard start` "
+                                    "on --home. Install it as /etc/systemd/system/sfguard.service."))
+    pr.add_argument("--home", metavar="DIR", default=None,
+                    help="the guard home of the service (default /var/lib/sfguard)")
+    pr.add_argument("--exec", metavar="PATH", dest="exe", default=None,
+                    help="the sfguard executable (default: the one running this command)")
+    pr.add_argument("--policy", metavar="FILE", help="a site policy file for `start --policy`")
+    pr.add_argument("--api-group", metavar="GROUP", help="for `start --api-group`")
+    pr.add_argument("--browser-user", metavar="USER", help="for `start --browser-user`")
+    pr.add_argument("--stage-user", metavar="USER", help="for `start --stage-user`")
+    pr.set_defaults(func=run_print)
+    eu = ss.add_parser("ensure-users", help="create the browser and stage users when missing",
+                       description=("Create the unprivileged system users a root guard runs its "
+                                    "browsers and stages as (own group, no home, no shell), when "
+                                    "missing. Needs root. Exit 0 when both exist afterwards."))
+    eu.add_argument("--browser-user", metavar="USER", help="default sfguard-browser")
+    eu.add_argument("--stage-user", metavar="USER", help="default sfguard-stage")
+    eu.set_defaults(func=run_ensure_users)
+
+
+def _this_executable() -> Path:
+    """The `sfguard` script of this installation (its venv's bin/, or the one on PATH)."""
+    beside = Path(sys.executable).parent / "sfguard"
+    if beside.is_file():
+        return beside.absolute()
+    found = shutil.which("sfguard")
+    if found:
+        return Path(found).absolute()
+    raise CliError("cannot tell where the sfguard executable is: give --exec PATH", 2)
+
+
+def _install_paths(exe: Path) -> tuple[Path, ...]:
+    """The folders this installation runs from: the script's, its venv's, the Python it was
+    made from (a venv links to it), the package's source (an editable install)."""
+    import os
+
+    import sfguard
+    paths = [exe.parent, Path(sys.prefix), Path(sys.base_prefix),
+             Path(os.path.realpath(sys.executable)).parent.parent,
+             Path(os.path.realpath(sfguard.__file__)).parent.parent]
+    return tuple(p.absolute() for p in paths)
+
+
+def run_print(args) -> int:
+    from sfguard.supervisor.daemon.service_unit import DEFAULT_HOME, ServiceUnitError, unit_text
+    exe = Path(args.exe) if args.exe else _this_executable()
+    try:
+        text = unit_text(exe, Path(args.home) if args.home else DEFAULT_HOME,
+                         Path(args.policy) if args.policy else None, api_group=args.api_group,
+                         browser_user=args.browser_user, stage_user=args.stage_user,
+                         install_paths=_install_paths(exe))
+    except ServiceUnitError as exc:
+        raise CliError(str(exc), 2) from None
+    sys.stdout.write(text)
+    return 0
+
+
+def run_ensure_users(args) -> int:
+    import os
+
+    from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
+    from sfguard.supervisor.stage import sandbox
+    if os.geteuid() != 0:
+        raise CliError("needs root: a guard that is not root runs its browsers and stages as itself", 2)
+    made = []
+    for role, name in (("browser", args.browser_user or DEFAULT_BROWSER_USER),
+                       ("stage", args.stage_user or sandbox.DEFAULT_STAGE_USER)):
+        existed = sandbox.lookup_user(name) is not None
+        try:
+            user = sandbox.ensure_system_user(name, role)
+        except sandbox.SandboxError as exc:
+            raise CliError(str(exc), 1) from None
+        made.append(f"{role} user {user.name} (uid {user.uid}){'' if existed else ': created'}")
+    browser, stage = (sandbox.lookup_user(n) for n in (args.browser_user or DEFAULT_BROWSER_USER,
+                                                        args.stage_user or sandbox.DEFAULT_STAGE_USER))
+    if browser and stage and (browser.uid == stage.uid or browser.gid == stage.gid):
+        raise CliError("the browser and stage users share a uid or group: a stage could reach "
+                       "the browser's profile", 1)
+    print("\n".join(made))
+    return 0

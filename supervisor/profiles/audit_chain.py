@@ -1,0 +1,248 @@
+"""The audit chain's pure part, shared by every AuditSink (the home's file, the PostgreSQL
+table): the events and fields a record may carry, the canonical form, hashes and MACs, and the
+walk that checks a chain. No files, no database (supervisor/profiles/audit.py, pg_audit.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sfguard.supervisor.protocols import validate_name, validate_run_id
+
+GENESIS = "0" * 64
+
+EVENTS = frozenset({
+    "profile_created", "profile_leased", "profile_released", "profile_deleted", "scope_deleted",
+    "login_checked", "handoff_opened", "handoff_confirmed", "policy_reloaded", "denials_aggregated",
+    "handoff_viewed", "handoff_closed",
+    "profile_resealed",       # the shared store: a reseal, in the transaction that stores it
+    "audit_archived",         # segments moved away (`sfguard audit archive`); the anchor names where it starts
+    # console sessions (by their public id, never a cookie or link value)
+    "console_signed_in", "console_signed_out", "console_sign_in_refused",
+})
+
+_TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)
+_HOST_RE = re.compile(r"^[A-Za-z0-9._:\-\[\]*]{1,255}$", re.ASCII)
+_STAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$", re.ASCII)
+
+
+class AuditFieldError(ValueError):
+    """An audit event or field that is not allowed (the value itself is never echoed)."""
+
+
+def _host(v: Any) -> str:
+    if not isinstance(v, str) or not _HOST_RE.fullmatch(v):
+        raise AuditFieldError("host must be a plain host name or address")
+    return v.lower()
+
+
+def _count(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise AuditFieldError("count fields must be non-negative integers")
+    return v
+
+
+def _token(v: Any) -> str:
+    if not isinstance(v, str) or not _TOKEN_RE.fullmatch(v):
+        raise AuditFieldError("reason/outcome fields must be short lower-case codes")
+    return v
+
+
+def _hosts(v: Any) -> dict[str, int]:
+    """{host: count}: the aggregated denials of a period."""
+    if not isinstance(v, dict) or len(v) > 1000:
+        raise AuditFieldError("hosts must be a mapping host -> count (at most 1000)")
+    return {_host(h): _count(c) for h, c in v.items()}
+
+
+def _name(v: Any) -> str:
+    try:
+        return validate_name(v)
+    except ValueError:
+        raise AuditFieldError("profile/scope must be a valid profile name") from None
+
+
+def _run(v: Any) -> str:
+    try:
+        return validate_run_id(v)
+    except ValueError:
+        raise AuditFieldError("run must be a valid run id") from None
+
+
+def _stage(v: Any) -> str:
+    if not isinstance(v, str) or not _STAGE_RE.fullmatch(v):
+        raise AuditFieldError("stage must be a plain stage id")
+    return v
+
+
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise AuditFieldError("flag fields must be true or false")
+    return v
+
+
+def _digest(v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{8,64}", v):
+        raise AuditFieldError("digest fields must be hex")
+    return v
+
+
+FIELDS = {
+    "scope": _name, "profile": _name, "run": _run, "stage": _stage, "host": _host,
+    "hosts": _hosts, "count": _count, "profiles": _count, "pid": _count, "port": _count,
+    "outcome": _token, "reason": _token, "result": _token, "by": _token, "mode": _token,
+    "logged_in": _flag, "policy_sha256": _digest, "period_s": _count,
+    "seq": _count, "segments": _count,
+}
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def record_hash(rec: dict) -> str:
+    return hashlib.sha256(canonical({k: v for k, v in rec.items()
+                                     if k != "hash" and k != "mac"})).hexdigest()
+
+
+def record_mac(key: bytes, rec: dict) -> str:
+    """HMAC-SHA256 of the record without `mac` (its `hash` and `prev` included)."""
+    return hmac.new(key, canonical({k: v for k, v in rec.items() if k != "mac"}),
+                    hashlib.sha256).hexdigest()
+
+
+def head_mac(key: bytes, seq: int, digest: str, what: str = "audit.head") -> str:
+    return hmac.new(key, canonical({"hash": digest, "seq": seq, "what": what}),
+                    hashlib.sha256).hexdigest()
+
+
+def clean_fields(event: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The validated fields of an allowed event; AuditFieldError for anything else."""
+    if event not in EVENTS:
+        raise AuditFieldError(f"unknown audit event {ascii(event)[:60]}")
+    clean = {}
+    for name, value in fields.items():
+        check = FIELDS.get(name)
+        if check is None:
+            raise AuditFieldError(f"field {ascii(name)[:40]} is not allowed in audit records")
+        clean[name] = check(value)
+    return clean
+
+
+def chain_record(key: bytes, last_seq: int, last_hash: str, event: str,
+                 clean: dict[str, Any]) -> dict[str, Any]:
+    """The next record after (last_seq, last_hash): hashed and keyed."""
+    rec = {"seq": last_seq + 1, "ts": round(time.time(), 6), "event": event,
+           "fields": clean, "prev": last_hash}
+    rec["hash"] = record_hash(rec)
+    rec["mac"] = record_mac(key, rec)
+    return rec
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    ok: bool
+    records: int
+    line: int | None = None        # 1-based line of the first bad record (in `segment`)
+    reason: str | None = None
+    segment: str | None = None     # the file of that line when it is not audit.log itself
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"audit log intact: {self.records} record(s)"
+        where = f"line {self.line}" if self.line else "log"
+        if self.segment:
+            where = f"{self.segment} {where}" if self.line else self.segment
+        return f"audit log broken at {where}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class ChainEnd:
+    """Where a verified walk over the records ended."""
+    prev_hash: str
+    seq: int
+    count: int
+    keyed: bool
+
+
+def record_matches(rec: dict[str, Any], profile: str | None, run: str | None) -> bool:
+    """The `records(profile=, run=)` filter of every AuditSink: unset means any."""
+    f = rec.get("fields") or {}
+    return (profile is None or f.get("profile") == profile) and (run is None or f.get("run") == run)
+
+
+def walk_chain(lines: Iterable[tuple[int, bytes]], key: bytes | None,
+               start: tuple[int, str] = (0, GENESIS)) -> VerifyResult | ChainEnd:
+    """Check every record (one canonical JSON line each, numbered from 1): hash, sequence,
+    link, event and MAC. A VerifyResult names the first bad record; a ChainEnd says the walk
+    was clean. Shared by every AuditSink that keeps the chain (file or database). `start`:
+    the (seq, hash) the first record must follow (an archived beginning, LocalAuditSink)."""
+    seq, prev_hash = start
+    count = 0
+    keyed = start[0] > 0        # only a keyed chain can be archived
+    for n, line in lines:
+        if not line.endswith(b"\n"):
+            return VerifyResult(False, count, n, "last line is incomplete (cut mid-record)")
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError
+        except ValueError:
+            return VerifyResult(False, count, n, "not a JSON record")
+        if rec.get("hash") != record_hash(rec):
+            return VerifyResult(False, count, n, "record content does not match its hash (edited)")
+        if rec.get("seq") != seq + 1:
+            if count == 0 and seq == 0 and isinstance(rec.get("seq"), int) and rec["seq"] > 1:
+                return VerifyResult(False, count, n, f"the chain starts at record {rec['seq']}: "
+                                    f"records 1 to {rec['seq'] - 1} are missing (a segment removed "
+                                    "or emptied; old segments may only be moved away with "
+                                    "`sfguard audit archive`, which records an anchor)")
+            return VerifyResult(False, count, n, f"sequence number {rec.get('seq')} where "
+                                f"{seq + 1} was expected (record deleted, inserted or moved)")
+        if rec.get("prev") != prev_hash:
+            return VerifyResult(False, count, n, "does not chain to the previous record "
+                                "(record deleted, inserted or moved)")
+        if rec.get("event") not in EVENTS:
+            return VerifyResult(False, count, n, "unknown event")
+        if "mac" in rec:
+            if key is None:
+                return VerifyResult(False, count, n, "the record is keyed but the audit key "
+                                    "is missing (key deleted, or the log comes from "
+                                    "another home)")
+            if not isinstance(rec["mac"], str) or not hmac.compare_digest(
+                    rec["mac"], record_mac(key, rec)):
+                return VerifyResult(False, count, n, "record MAC does not match (rewritten "
+                                    "without the audit key)")
+            keyed = True
+        elif keyed:
+            return VerifyResult(False, count, n, "an unkeyed record after keyed ones "
+                                "(rewritten without the audit key)")
+        prev_hash, seq, count = rec["hash"], rec["seq"], count + 1
+    return ChainEnd(prev_hash, seq, count, keyed)
+
+
+def check_head(end: ChainEnd, head: tuple[int, str, str | None], key: bytes | None,
+               what: str) -> VerifyResult:
+    """Compare a clean walk's end with the head (seq, hash, mac) kept beside the records."""
+    seq, prev_hash, count = end.seq, end.prev_hash, end.count
+    if head[0] == seq and head[1] == prev_hash and count:
+        if key is not None and not end.keyed:
+            return VerifyResult(False, count, None, "the audit key exists but no record is "
+                                "keyed (log rewritten without the audit key)")
+        if end.keyed and (key is None or head[2] is None or not hmac.compare_digest(
+                head[2], head_mac(key, head[0], head[1]))):
+            return VerifyResult(False, count, None, f"{what} MAC does not "
+                                "match (rewritten without the audit key)")
+    if head[0] != seq or head[1] != prev_hash:
+        if head[0] > seq:
+            return VerifyResult(False, count, count + 1, f"log ends at record {seq} but the "
+                                f"{what} says {head[0]} (tail truncated)")
+        return VerifyResult(False, count, count or None,
+                            f"last record (seq {seq}) does not match the {what} (seq {head[0]})")
+    return VerifyResult(True, count)
