@@ -30,12 +30,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import ipaddress
 import json
 import logging
-import shlex
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +41,10 @@ from aiohttp import WSMsgType, web
 
 from sfguard.policy import join_host_port
 from sfguard.supervisor.console import handoff as live
+from sfguard.supervisor.console import pages
 from sfguard.supervisor.console.auth import LINK_TTL, SESSION_TTL, ConsoleAuth, Session
+from sfguard.supervisor.console.listen import ConsoleError, parse_listen  # noqa: F401 (start_cmd imports them here)
+from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("sfguard.console")
 
@@ -56,9 +56,6 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
        "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 SSE_STEP = 1.0
 SSE_HEARTBEAT = 15.0
-DECISIONS_TAIL = 5000
-DECISIONS_SHOWN = 200
-AUDIT_SHOWN = 50
 PAGES = ("overview", "decisions", "profiles", "audit")
 REFUSED_PERIOD = 60.0       # refused sign-in links: at most one audit record a minute
 
@@ -68,34 +65,6 @@ def _text(value: object) -> str | None:
 
 
 NO_SESSION_TEXT = "no session for this live view: open its link, or sign in with `sfguard console`\n"
-
-
-class ConsoleError(Exception):
-    pass
-
-
-def parse_listen(value: str, public: bool) -> tuple[str, int]:
-    """`[HOST:]PORT` -> (host, port). Non-loopback hosts need `public`."""
-    host, sep, port = value.rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", value
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        port_n = int(port)
-        if not 0 <= port_n <= 65535:
-            raise ValueError
-    except ValueError:
-        raise ConsoleError(f"--console wants [HOST:]PORT with a port from 0 to 65535, got {value!r}") from None
-    if host != "localhost":
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            raise ConsoleError(f"--console: {host!r} is not an IP address") from None
-        if not ip.is_loopback and not public:
-            raise ConsoleError(f"--console {value}: {host} is not a loopback address; the console "
-                               "is for this machine's operator (add --console-public to listen "
-                               "there anyway)")
-    return host, port_n
 
 
 def _fmt_ts(ts: Any) -> str:
@@ -222,6 +191,7 @@ class ConsoleServer:
         for name in PAGES[1:]:
             app.router.add_get(f"/{name}", self.h_page)
         app.router.add_get("/events", self.h_events)
+        app.router.add_get("/metrics", self.h_metrics)
         app.router.add_get("/static/{name}", self.h_static)
         app.router.add_get("/live/{hid}", self.h_live)
         app.router.add_get("/live/{hid}/ws", self.h_live_ws)
@@ -341,82 +311,18 @@ class ConsoleServer:
         ctx = await self.page_context(page, dict(request.query))
         return self._render(f"{page}.html", page=page, session=sess, **ctx)
 
+    async def h_metrics(self, request: web.Request) -> web.StreamResponse:
+        """The guard's Prometheus metrics (supervisor/daemon/metrics.py) for a console session,
+        as the control API serves them."""
+        if self._console_session(request) is None:
+            return web.Response(status=401, text="sign in with a link from `sfguard console`\n")
+        g = self.guard
+        body = await asyncio.to_thread(g.metrics.render, g.metrics.snapshot(g))
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
     async def page_context(self, page: str, query: dict[str, str]) -> dict[str, Any]:
-        if page == "overview":
-            return await self._overview()
-        if page == "decisions":
-            return self._decisions(query)
-        if page == "profiles":
-            return await self._profiles()
-        return self._audit()
-
-    async def _overview(self) -> dict[str, Any]:
-        status = await self.guard.status()
-        handoffs = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
-                    for h in self.handoffs.values() if h.state == "open"]
-        return {"gs": status, "handoffs": handoffs}
-
-    def _decisions(self, query: dict[str, str]) -> dict[str, Any]:
-        filters = {k: query.get(k, "").strip()[:200] for k in ("run", "stage", "host", "decision", "reason")}
-        rows: deque = deque(maxlen=DECISIONS_TAIL)
-        path = self.guard.logs_dir / "decisions.log"
-        with contextlib.suppress(FileNotFoundError):
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    rows.append(line)
-        out = []
-        for line in reversed(rows):
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(d, dict):
-                continue
-            stage = str(d.get("stage") or d.get("client") or "")
-            rec = {"ts": d.get("ts"), "run": str(d.get("run") or (stage.split("/")[0] if "/" in stage else "")),
-                   "stage": stage, "method": d.get("method"), "host": str(d.get("host") or ""),
-                   "port": d.get("port"), "decision": str(d.get("decision") or ""),
-                   "reason": str(d.get("reason") or ""), "rule": d.get("rule"),
-                   "source": d.get("source") or "proxy"}
-            if any(v and v.lower() not in str(rec[k]).lower() for k, v in filters.items()):
-                continue
-            rec["explain"] = self._explain(rec)
-            out.append(rec)
-            if len(out) >= DECISIONS_SHOWN:
-                break
-        return {"rows": out, "filters": filters}
-
-    def _explain(self, rec: dict) -> str | None:
-        if rec["source"] != "proxy" or not rec["host"]:
-            return None
-        target = rec["host"] + (f":{rec['port']}" if rec["port"] not in (None, 80, 443) else "")
-        argv = ["sfguard", "policy", "explain", target, "--policy", str(self.guard.policy_path)]
-        run = self.guard.runs.get(rec["run"])
-        if run is not None:
-            allow = sorted({a for s in run.stages.values() for a in s.browser_req.allow_domains})
-            for a in allow:
-                argv += ["--allow", a]
-        return shlex.join(argv)
-
-    async def _profiles(self) -> dict[str, Any]:
-        answer = await self.guard.list_profiles()
-        checks: dict[str, dict] = {}
-        with contextlib.suppress(Exception):
-            for rec in self.guard.audit.records():
-                if rec.get("event") == "login_checked":
-                    f = rec.get("fields") or {}
-                    checks[str(f.get("profile"))] = {"ts": rec.get("ts"), "result": f.get("result")}
-        rows = [dict(p, state="leased" if p["leased_by"] else "sealed", check=checks.get(p["name"]))
-                for p in answer["profiles"]]
-        return {"profiles": rows}
-
-    def _audit(self) -> dict[str, Any]:
-        result = self.guard.audit.verify()
-        records = self.guard.audit.records()[-AUDIT_SHOWN:]
-        shown = [{"seq": r.get("seq"), "ts": r.get("ts"), "event": r.get("event"),
-                  "fields": " ".join(f"{k}={v}" for k, v in sorted((r.get("fields") or {}).items()))}
-                 for r in reversed(records)]
-        return {"verify": result, "records": shown}
+        """What a page shows (supervisor/console/pages.py)."""
+        return await pages.page_context(self.guard, self.handoffs, page, query)
 
     # -- live updates ------------------------------------------------------------------------
     async def h_events(self, request: web.Request) -> web.StreamResponse:
