@@ -122,6 +122,9 @@ class Decision:
 METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "169.254.169.254", "fd00:ec2::254", "100.100.100.200"))
 
+#: The link-local blocks: like the metadata addresses, opened only address by address.
+LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+
 # Special-purpose address ranges, most specific first. Addresses that embed an IPv4 address
 # (IPv4-mapped, NAT64, 6to4) are also judged by that IPv4 address.
 _SPECIAL_RANGES: list[tuple[IPNetwork, str]] = [

@@ -199,3 +199,24 @@ def test_explain_metadata_names_who_can_open_it(tmp_path):
     proc = sfguard("policy", "explain", "169.254.169.254", "--policy", str(pol),
                    "--allow", "169.254.169.254", "--json")
     assert json.loads(proc.stdout)["reason"] == RUN
+
+
+# (policy text, fields `policy validate` warns about: special addresses listed where they do nothing)
+LINT = [
+    ("version: 1\nallow_always: [10.0.0.5, 93.184.216.34]\n", ["allow_always[0]"]),
+    ("version: 1\nallow_always: [10.0.0.5]\nprivate_networks:\n  allow: [10.0.0.0/8]\n", []),
+    ("version: 1\nprivate_networks:\n  allow: [169.254.0.0/16, 169.254.169.254]\n",
+     ["private_networks.allow[0]"]),
+    ('version: 1\nprivate_networks:\n  allow: ["fd00::/8", "fd00:ec2::254", 10.0.0.0/8]\n',
+     ["private_networks.allow[0]"]),
+    ('version: 1\nprivate_networks:\n  allow: ["fe80::/64", 127.0.0.0/8]\n', ["private_networks.allow[0]"]),
+]
+
+
+@pytest.mark.parametrize("text,fields", LINT)
+def test_validate_warns_about_special_addresses_that_do_nothing(text, fields):
+    from sfguard.policy.lint import lint_text
+    warnings = lint_text(parse_policy(text, "sites.yaml"), text)
+    assert [w.field for w in warnings] == fields, warnings
+    for w in warnings:
+        assert w.line is not None and w.hint
