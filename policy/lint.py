@@ -124,7 +124,7 @@ def _special_warnings(site: SitePolicy, lists: dict[str, list[tuple[Any, int, st
         held = [str(a) for a in sorted(METADATA_ADDRESSES, key=str)
                 if a.version == net.version and a in net]
         example = held[0] if held else "169.254.169.254"
-        if any(net.overlaps(b) for b in LINK_LOCAL if b.version == net.version):  # type: ignore[arg-type]
+        if any(net.overlaps(b) for b in LINK_LOCAL if b.version == net.version):
             held.insert(0, "link-local addresses")
         if held:
             out.append(_warn(site, pos, field,
