@@ -209,17 +209,12 @@ def _read_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Addr
 
 
 def exempting_network(net: IPNetwork) -> bool:
-    """True when an IP/CIDR pattern for `net` may exempt its addresses from the private-address
-    check: the whole range lies inside one special-purpose block (``127.0.0.1``,
-    ``10.0.0.0/8``, ``fd00::/8``). A range that spans public space or several blocks
-    (``0.0.0.0/1``, ``8.0.0.0/5``) exempts nothing."""
-    for block, _label in _SPECIAL_RANGES:
-        if isinstance(net, ipaddress.IPv4Network):
-            if isinstance(block, ipaddress.IPv4Network) and net.subnet_of(block):
-                return True
-        elif isinstance(block, ipaddress.IPv6Network) and net.subnet_of(block):
-            return True
-    return False
+    """True when the range `net` lies wholly inside one special-purpose block (``127.0.0.1``,
+    ``10.0.0.0/8``, ``fd00::/8``): such a range is not a catch-all, however wide
+    (policy.patterns), and a run's pattern for it needs the reviewer's consent
+    (`SitePolicy.run_pattern_refusal`). A range that spans public space or several blocks
+    (``0.0.0.0/1``, ``8.0.0.0/5``) is not."""
+    return _special_in(net) is not None
 
 
 def exact_only(label: str) -> bool:
