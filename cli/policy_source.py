@@ -8,6 +8,7 @@ template (policy/sites.yaml). The commands say which file they checked, and why,
 """
 from __future__ import annotations
 
+import http.client
 from dataclasses import dataclass
 
 
@@ -31,7 +32,7 @@ def policy_source(policy_flag: str | None, home_flag: str | None) -> PolicySourc
     if home.is_dir():
         try:
             status, body = GuardClient(home, timeout=10).call("GET", "/v1/status")
-        except (GuardUnavailable, OSError):
+        except (GuardUnavailable, OSError, http.client.HTTPException):   # no (usable) guard there
             status, body = 0, None
         if status == 200 and isinstance(body, dict):
             file = (body.get("policy") or {}).get("file")
