@@ -72,6 +72,10 @@ def test_the_example_pipeline_is_valid(tmp_path):
     assert res.returncode == 1
     refused = [line for line in res.stdout.splitlines() if "[reviewer_only_address]" in line]
     assert len(refused) == 3, res.stdout
+    # and the check page on 127.0.0.1: no advice to add it to allow_domains (that cannot help)
+    checks = [line for line in res.stdout.splitlines() if "login_check.url" in line]
+    assert len(checks) == 2 and all("only the security reviewer can" in c for c in checks)
+    assert "to allow_domains" not in res.stdout
 
 
 def test_the_example_uses_topology_a_and_only_the_fixture_site():
