@@ -42,7 +42,7 @@ from typing import Any, TypedDict
 from sfguard.policy.errors import MalformedHost
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, printable_host
 from sfguard.policy.index import Match, RuleSet, suffixes
-from sfguard.policy.patterns import Pattern
+from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
 
 DEFAULT_PORTS = frozenset({80, 443})
 #: The only reasons that report mode turns into "would_deny": the allow and block lists.
@@ -218,8 +218,7 @@ def exempting_network(net: IPNetwork) -> bool:
 
 
 def exact_only(label: str) -> bool:
-    """True for the special kinds that only an entry naming the very address may open: cloud
-    metadata and every other link-local address (also embedded in IPv6)."""
+    """True for the kinds only an exact-address entry opens: link-local and cloud metadata."""
     return "link-local" in label or "metadata" in label
 
 
@@ -454,6 +453,19 @@ class SitePolicy:
             if other.version == net.version and net.subnet_of(other):  # type: ignore[arg-type]
                 return None   # (a metadata address inside stays refused: `consents`)
         return f"{net} is a {label} range: " + self._who_can(net, label)
+
+    def allow_domains_refusals(self, domains: Iterable[str]) -> list[tuple[int, str]]:
+        """(index, message) of each allow_domains entry `run_pattern_refusal` refuses; the words
+        of `sfguard validate` and the stage API. Invalid patterns are left to the schema."""
+        out: list[tuple[int, str]] = []
+        for i, text in enumerate(domains):
+            try:
+                why = self.run_pattern_refusal(parse_pattern(text, allow_list=True))
+            except PatternError:
+                continue
+            if why is not None:
+                out.append((i, f"{text!r}: {why} [{REVIEWER_ONLY}]"))
+        return out
 
     def refuse(self, decision: Decision, reason: str, explanation: str) -> Decision:
         """A denial for a check the proxy makes itself (sni_mismatch, host_header_mismatch, ...)

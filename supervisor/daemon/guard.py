@@ -340,7 +340,7 @@ class Guard:
         if existing is not None and body.attempt <= existing.attempt:
             raise Conflict("attempt_used", f"attempt {body.attempt} of stage {body.stage_id!r} "
                            "has ended; use a new attempt number", "attempt")
-        refused = models.allow_domains_refusals(self.site_policy, body.browser.allow_domains)
+        refused = self.site_policy.allow_domains_refusals(body.browser.allow_domains)
         if refused:  # every entry, each at its field; `field` names the first
             raise Forbidden(policy.REVIEWER_ONLY, "; ".join(
                 f"browser.allow_domains.{i}: {msg}" for i, msg in refused),

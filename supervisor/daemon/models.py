@@ -80,23 +80,6 @@ def _one_pattern(text: str) -> str:
 AllowPattern = Annotated[str, StringConstraints(min_length=1, max_length=300), AfterValidator(_one_pattern)]
 
 
-def allow_domains_refusals(site: policy.SitePolicy, domains: list[str]) -> list[tuple[int, str]]:
-    """Every allow_domains entry the site policy keeps from a run, as (index, message): a
-    special-purpose address or range that private_networks.allow does not open (the reviewer's
-    consent, docs/policy.md "Special addresses"). The same words in `sfguard validate` and the
-    stage API. Entries that are not valid patterns are left to the schema."""
-    out: list[tuple[int, str]] = []
-    for i, text in enumerate(domains):
-        try:
-            pattern = policy.parse_pattern(text, allow_list=True)
-        except policy.PatternError:
-            continue
-        why = site.run_pattern_refusal(pattern)
-        if why is not None:
-            out.append((i, f"{text!r}: {why} [{policy.REVIEWER_ONLY}]"))
-    return out
-
-
 def check_profile_name(v: str | None) -> str | None:
     """A profile field: a profile name, '@pipeline', or None (a throw-away browser)."""
     if v is None or v == PIPELINE_PROFILE:

@@ -18,7 +18,7 @@ from sfguard import policy
 from sfguard.policy.yamlpos import mark_place, validate_at, yaml_error_mark
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.handoff import HandoffPayload
-from sfguard.supervisor.daemon.models import STAGE_ID, BrowserField, allow_domains_refusals, error_message
+from sfguard.supervisor.daemon.models import STAGE_ID, BrowserField, error_message
 from sfguard.supervisor.pipeline.report import Issue, PipelineReport, Route, StageInfo
 from sfguard.supervisor.pipeline.topology import check_login_topology
 from sfguard.supervisor.pipeline.yamldoc import YamlDoc, error_path, kind, locate_in, mark
@@ -314,7 +314,7 @@ class Validator:
         refused: dict[int, str] = {}
         if self.site_policy is not None:
             texts = [t if isinstance(t, str) else "" for t in domains]
-            refused = dict(allow_domains_refusals(self.site_policy, texts))
+            refused = dict(self.site_policy.allow_domains_refusals(texts))
         for j, text in enumerate(domains):
             enode, epath = locate_in(doc, node, path, ("allow_domains", j))
             try:
