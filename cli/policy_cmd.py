@@ -1,11 +1,12 @@
 """`sfguard policy validate|explain`: check a site policy and explain its decisions.
 
-    sfguard policy validate [--policy FILE | FILE] [--strict] [--json]
-        exit 0 with a one-line summary when FILE (default: the shipped policy) is valid, after
+    sfguard policy validate [--policy FILE | FILE] [--home DIR] [--strict] [--json]
+        exit 0 with a one-line summary when FILE (default: the policy the guard of the home
+        enforces, see cli/policy_source.py; the file checked is named on stderr) is valid, after
         any warnings (duplicate entries, allow_always entries a block rule shadows), each as
         "warning: file:line:col: field: message (hint: ...)"; exit 1 with every error when it
         is not valid, or with --strict when there are warnings; 2 when it cannot be read.
-    sfguard policy explain HOST[:PORT]... | - [--allow PATTERNS] [--policy FILE] [--json] [--exit-code]
+    sfguard policy explain HOST[:PORT]... | - [--allow PATTERNS] [--policy FILE | --home DIR] [--json] [--exit-code]
         for each host (`-`: one per line from stdin): the normalised host and port, the
         decision, the reason code and the rule that decided. A host without a port is explained
         once when every policy port gets the same decision, else once per port. Exit 0 when
@@ -22,7 +23,11 @@ import json
 import sys
 
 from sfguard import policy
+from sfguard.cli.policy_source import policy_source
 from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
+
+HOME_HELP = ("guard home whose policy to check (default $SFGUARD_HOME or ~/.stageflow/guard): the "
+             "policy its running guard enforces, else its sites.yaml; the file checked is named on stderr")
 
 
 class _Usage(Exception):
@@ -42,9 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     val = psub.add_parser("validate", help="check a policy file",
                           description="Check a policy file; exit 0 when valid, 1 with every error when not.")
     val.add_argument("file", nargs="?", metavar="FILE",
-                     help="policy file (default: the shipped policy/sites.yaml); same as --policy FILE")
+                     help="policy file (default: the policy of the guard home, see --home); "
+                          "same as --policy FILE")
     val.add_argument("--policy", dest="policy_file", metavar="FILE",
-                     help="policy file (default: the shipped policy/sites.yaml)")
+                     help="policy file (default: the policy of the guard home, see --home)")
+    val.add_argument("--home", metavar="DIR", help=HOME_HELP)
     val.add_argument("--strict", action="store_true",
                      help="treat warnings (duplicate entries, shadowed allow_always) as errors")
     val.add_argument("--json", action="store_true",
@@ -62,7 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "- reads hosts from stdin, one per line")
     exp.add_argument("--allow", action="append", default=[], metavar="PATTERNS",
                      help="a run's allow_domains, comma-separated (may be repeated)")
-    exp.add_argument("--policy", metavar="FILE", help="policy file (default: the shipped one)")
+    exp.add_argument("--policy", metavar="FILE",
+                     help="policy file (default: the policy of the guard home, see --home)")
+    exp.add_argument("--home", metavar="DIR", help=HOME_HELP)
     exp.add_argument("--json", action="store_true", help="one JSON object per host per line")
     exp.add_argument("--exit-code", action="store_true",
                      help="exit 1 when any host is denied (report mode: would be denied)")
@@ -86,12 +95,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print("sfguard policy validate: error: give the policy file once (FILE or --policy FILE)",
               file=sys.stderr)
         return 2
-    path = args.policy_file or args.file
+    source = policy_source(args.policy_file or args.file, args.home)
+    path = source.path
+    print(source.line(), file=sys.stderr)
     try:
         p, warnings = lint_policy(path)
     except policy.PolicyError as exc:
         if args.json:
-            print(json.dumps({"file": path or str(policy.default_policy_path()), "valid": False,
+            print(json.dumps({"file": path, "valid": False,
                               "errors": [dataclasses.asdict(i) for i in exc.issues],
                               "more": exc.more}))
             return 2 if _unreadable(exc) else 1
@@ -150,8 +161,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    source = policy_source(args.policy, args.home)
     try:
-        p = policy.load_policy(args.policy)
+        p = policy.load_policy(source.path)
     except policy.PolicyError as exc:
         raise _Usage("the policy is not valid:\n" + str(exc) +
                        "\n(run `sfguard policy validate` for details)") from None
@@ -172,11 +184,12 @@ def _explain(args: argparse.Namespace) -> int:
             raise _Usage("no hosts on stdin (one HOST[:PORT] per line)")
     denied = False
     first = True
+    print(source.line(), file=sys.stderr)
     for text in hosts:
         for decision in explain_ports(p, text, allow):
             denied = denied or not decision.allowed or decision.would_deny
             if args.json:
-                print(json.dumps(decision.as_dict(), ensure_ascii=False))
+                print(json.dumps({**decision.as_dict(), "policy": p.source}, ensure_ascii=False))
             else:
                 if not first:
                     print()
@@ -256,4 +269,5 @@ def _no_rule(d: policy.Decision) -> str:
         "port_not_allowed": "the port is not in the policy's ports",
         "not_allowed": "no rule allows it",
         "private_address": "the address check",
+        "reviewer_only_address": "a run cannot open this address; private_networks.allow can",
     }.get(code, "built-in check")

@@ -1,6 +1,6 @@
 """`sfguard policy test|replay|diff`: assert a policy in CI and see what a change would do.
 
-    sfguard policy test FILE... [--policy FILE] [--json]
+    sfguard policy test FILE... [--policy FILE | --home DIR] [--json]
         run case files (policy/casefile.py); one line per failing case with its file:line, then
         `N passed, M failed`. Exit 0 all passed, 1 some failed, 2 unusable input.
     sfguard policy replay DECISION_LOG --policy CANDIDATE [--allow P] [--json] [--exit-code]
@@ -21,6 +21,7 @@ from typing import Any
 
 from sfguard import policy
 from sfguard.cli.main import CliError
+from sfguard.cli.policy_source import PolicySource, policy_source
 from sfguard.policy import casefile, diff, replay
 
 MAX_LOG_BYTES = 512 * 1024 * 1024
@@ -36,7 +37,12 @@ def register(psub: argparse._SubParsersAction) -> None:
                      "'N passed, M failed'. Exit 0 all passed, 1 a case failed, 2 unusable input."))
     t.add_argument("files", nargs="+", metavar="FILE", help="case files (YAML)")
     t.add_argument("--policy", metavar="FILE",
-                   help="policy to test (default: the file's own policy: entry, else the shipped one)")
+                   help="policy to test (default: the file's own policy: entry, else the policy "
+                        "of the guard home, see --home)")
+    t.add_argument("--home", metavar="DIR",
+                   help="guard home whose policy to test when a case file names none (default "
+                        "$SFGUARD_HOME or ~/.stageflow/guard): the policy its running guard "
+                        "enforces, else its sites.yaml")
     t.add_argument("--json", action="store_true", help="print one JSON object with every result")
     t.set_defaults(func=cmd_test)
 
@@ -124,13 +130,17 @@ def cmd_test(args: argparse.Namespace) -> int:
         raise CliError("unusable case file(s):\n" + "\n".join(problems), 2)
     policies: dict[str, policy.SitePolicy] = {}
     results: list[casefile.CaseResult] = []
+    home_source: PolicySource | None = None
     for cf in files:
         if args.policy:
             path = args.policy
         elif cf.policy:
             path = str(Path(cf.file).parent / cf.policy)
         else:
-            path = str(policy.default_policy_path())
+            if home_source is None:
+                home_source = policy_source(None, args.home)
+                print(home_source.line(), file=sys.stderr)
+            path = home_source.path
         if path not in policies:
             policies[path] = _load_policy(path)
         results += casefile.run_cases(policies[path], cf.cases)

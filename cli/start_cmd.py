@@ -23,7 +23,9 @@ def register(sub) -> None:
                                     "every run is torn down. Exit 3 when a guard already runs on "
                                     "this home, 2 for an unusable home or policy."))
     p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
-    p.add_argument("--policy", metavar="FILE", help="site policy (default: the shipped policy/sites.yaml)")
+    p.add_argument("--policy", metavar="FILE",
+                   help="site policy (default: HOME/sites.yaml, made 0600 from the shipped "
+                        "template policy/sites.yaml on first start; edits apply live)")
     p.add_argument("--store", metavar="URL",
                    help="where profiles, leases and audit live: 'local' (the home, default) or "
                         "postgresql://... shared by several guard hosts (default $SFGUARD_STORE; "

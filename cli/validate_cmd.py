@@ -1,4 +1,4 @@
-"""`sfguard validate PIPELINE.yaml [--policy FILE] [--no-tool-check]`: check a pipeline's browser
+"""`sfguard validate PIPELINE.yaml [--policy FILE | --home DIR] [--no-tool-check]`: check a pipeline's browser
 stages before a run.
 
 Prints one line per finding, `FILE:LINE:COL: PATH: MESSAGE` (warnings say `warning:`), then a
@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from sfguard import policy
+from sfguard.cli.policy_source import policy_source
 from sfguard.supervisor.pipeline.spec import validate_pipeline
 
 
@@ -22,15 +23,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "login check patterns, the check -> login -> work routing, and that "
                      "agent-browser and a browser are installed. Exit 0 valid, 1 errors, 2 unusable input."))
     p.add_argument("pipeline", metavar="PIPELINE.yaml", help="the pipeline file")
-    p.add_argument("--policy", metavar="FILE", help="site policy (default: the shipped policy/sites.yaml)")
+    p.add_argument("--policy", metavar="FILE",
+                   help="site policy (default: the policy of the guard home, see --home)")
+    p.add_argument("--home", metavar="DIR",
+                   help="guard home whose policy to check against (default $SFGUARD_HOME or "
+                        "~/.stageflow/guard): the policy its running guard enforces, else its "
+                        "sites.yaml, else the shipped template; the file checked is named on stderr")
     p.add_argument("--no-tool-check", action="store_true",
                    help="do not look for agent-browser and a browser on this machine")
     p.set_defaults(func=cmd_validate)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    source = policy_source(args.policy, args.home)
+    print(source.line(), file=sys.stderr)
     try:
-        report = validate_pipeline(args.pipeline, policy_path=args.policy,
+        report = validate_pipeline(args.pipeline, policy_path=source.path,
                                    check_tools=not args.no_tool_check)
     except policy.PolicyError as exc:
         print(f"sfguard validate: error: the site policy is invalid:\n{exc}", file=sys.stderr)

@@ -14,7 +14,14 @@ Pure code: no sockets, no processes, nothing of ours imported. The pieces:
 
 See docs/policy.md for the reviewer's guide and docs/design.md 4.1 for the contract.
 """
-from sfguard.policy.engine import DEFAULT_PORTS, Decision, SitePolicy, special_address
+from sfguard.policy.engine import (
+    DEFAULT_PORTS,
+    METADATA_ADDRESSES,
+    REVIEWER_ONLY,
+    Decision,
+    SitePolicy,
+    special_address,
+)
 from sfguard.policy.errors import MalformedHost, PolicyError, PolicyIssue
 from sfguard.policy.hosts import allow_pattern_for_url, join_host_port, normalize_host, split_host_port, url_host_port
 from sfguard.policy.index import Match, RuleSet, compile_patterns
@@ -24,7 +31,8 @@ from sfguard.policy.watch import PolicyWatcher
 
 __all__ = [
     "allow_pattern_for_url", "join_host_port", "url_host_port",
-    "DEFAULT_PORTS", "Decision", "MAX_POLICY_BYTES", "MalformedHost", "Match", "Pattern",
+    "DEFAULT_PORTS", "METADATA_ADDRESSES", "REVIEWER_ONLY", "Decision", "MAX_POLICY_BYTES",
+    "MalformedHost", "Match", "Pattern",
     "PatternError", "PolicyError", "PolicyWatcher", "PolicyIssue", "RuleSet", "SitePolicy", "compile_patterns",
     "default_policy_path", "load_policy", "normalize_host", "parse_pattern", "parse_policy",
     "special_address", "split_host_port",

@@ -11,7 +11,14 @@ Order (docs/design.md 4.1), first answer wins:
    host matches `allow_always`         -> allow allowed_by_policy
 5. anything else                       -> deny  not_allowed
 
-After DNS the proxy calls `check_address` for every resolved address (private_address), and it
+A special-purpose address (loopback, private, link-local, CGNAT, ULA, ...) is the security
+reviewer's to open, never a run's: an IP literal host in such a range is denied in step 3
+(`reviewer_only_address`) unless the policy's `private_networks.allow` covers it, whatever the
+allow lists say; after DNS the proxy calls `check_address` for every resolved address of a name
+and applies the same rule (`private_address`). Link-local addresses, which hold the cloud
+metadata services, and the other metadata addresses (`METADATA_ADDRESSES`) are covered only by
+an entry that is that very address, never by a wider range. `run_pattern_refusal` says the same
+about a run's IP and CIDR patterns before a run (`sfguard validate`, the stage API). The proxy
 refuses SNI or Host header mismatches itself through `refuse`.
 
 `mode: report` relaxes only the allow and block lists: a `not_allowed` or `blocked_by_policy`
@@ -20,9 +27,8 @@ other check (malformed host, port, private and special addresses, SNI and Host a
 credentials, request limits) denies in every mode, and `check_address` judges the addresses of
 a would-deny host like those of an allowed one.
 
-An IP or CIDR pattern exempts an address from the private-address check only when the pattern
-lies inside one special-purpose block (``127.0.0.1``, ``10.1.0.0/16``): a wide pattern such as
-``0.0.0.0/1`` never opens loopback, private or metadata addresses.
+An allowing IP or CIDR pattern (a run's, or allow_always) never exempts an address from that
+rule: only `private_networks.allow` does (docs/policy.md, "Special addresses").
 """
 from __future__ import annotations
 
@@ -36,10 +42,13 @@ from typing import Any, TypedDict
 from sfguard.policy.errors import MalformedHost
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, printable_host
 from sfguard.policy.index import Match, RuleSet, suffixes
+from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
 
 DEFAULT_PORTS = frozenset({80, 443})
 #: The only reasons that report mode turns into "would_deny": the allow and block lists.
 REPORT_RELAXES = frozenset({"not_allowed", "blocked_by_policy"})
+#: A special-purpose IP literal (or IP/CIDR pattern) that only private_networks.allow can open.
+REVIEWER_ONLY = "reviewer_only_address"
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -107,11 +116,22 @@ class Decision:
         }
 
 
+#: Cloud metadata services (instance credentials): AWS, GCP, Azure, Oracle (169.254.169.254),
+#: AWS over IPv6 (fd00:ec2::254), Alibaba (100.100.100.200). Like every link-local address they
+#: are opened only by a private_networks.allow entry that is that very address.
+METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
+    "169.254.169.254", "fd00:ec2::254", "100.100.100.200"))
+
+#: The link-local blocks: like the metadata addresses, opened only address by address.
+LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+
 # Special-purpose address ranges, most specific first. Addresses that embed an IPv4 address
 # (IPv4-mapped, NAT64, 6to4) are also judged by that IPv4 address.
 _SPECIAL_RANGES: list[tuple[IPNetwork, str]] = [
     (ipaddress.ip_network(n), label) for n, label in [
         ("169.254.169.254/32", "link-local (cloud metadata)"),
+        ("fd00:ec2::254/128", "unique local (cloud metadata)"),
+        ("100.100.100.200/32", "carrier-grade NAT (cloud metadata)"),
         ("0.0.0.0/8", "unspecified ('this network')"),
         ("10.0.0.0/8", "private (RFC 1918)"),
         ("100.64.0.0/10", "carrier-grade NAT (RFC 6598)"),
@@ -189,17 +209,25 @@ def _read_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Addr
 
 
 def exempting_network(net: IPNetwork) -> bool:
-    """True when an IP/CIDR pattern for `net` may exempt its addresses from the private-address
-    check: the whole range lies inside one special-purpose block (``127.0.0.1``,
-    ``10.0.0.0/8``, ``fd00::/8``). A range that spans public space or several blocks
-    (``0.0.0.0/1``, ``8.0.0.0/5``) exempts nothing."""
-    for block, _label in _SPECIAL_RANGES:
-        if isinstance(net, ipaddress.IPv4Network):
-            if isinstance(block, ipaddress.IPv4Network) and net.subnet_of(block):
-                return True
-        elif isinstance(block, ipaddress.IPv6Network) and net.subnet_of(block):
-            return True
-    return False
+    """True when the range `net` lies wholly inside one special-purpose block (``127.0.0.1``,
+    ``10.0.0.0/8``, ``fd00::/8``): such a range is not a catch-all, however wide
+    (policy.patterns), and a run's pattern for it needs the reviewer's consent
+    (`SitePolicy.run_pattern_refusal`). A range that spans public space or several blocks
+    (``0.0.0.0/1``, ``8.0.0.0/5``) is not."""
+    return _special_in(net) is not None
+
+
+def exact_only(label: str) -> bool:
+    """True for the kinds only an exact-address entry opens: link-local and cloud metadata."""
+    return "link-local" in label or "metadata" in label
+
+
+def _special_in(net: IPNetwork) -> tuple[IPNetwork, str] | None:
+    """The special-purpose block that wholly holds `net` (see exempting_network), or None."""
+    for block, label in _SPECIAL_RANGES:
+        if block.version == net.version and net.subnet_of(block):  # type: ignore[arg-type]
+            return block, label
+    return None
 
 
 class SitePolicy:
@@ -208,7 +236,8 @@ class SitePolicy:
     def __init__(self, *, source: str, mode: str = "enforce", ports: Iterable[int] = DEFAULT_PORTS,
                  tab_quota: int = 8, block: RuleSet | None = None,
                  allow_always: RuleSet | None = None, quiet: RuleSet | None = None,
-                 private_networks: Iterable[str] = (), version: int = 1):
+                 private_networks: Iterable[str] = (), version: int = 1,
+                 private_lines: Iterable[int] = ()):
         if mode not in ("enforce", "report"):
             raise ValueError("mode is 'enforce' or 'report'")
         self.source = source
@@ -221,6 +250,10 @@ class SitePolicy:
         self.allow_always = allow_always if allow_always is not None else RuleSet(label)
         self.quiet = quiet if quiet is not None else RuleSet(label)
         self.private_networks = tuple(ipaddress.ip_network(n) for n in private_networks)
+        lines = list(private_lines)
+        #: the source line of each private_networks.allow entry (0: unknown)
+        self.private_lines = tuple(lines[i] if i < len(lines) else 0
+                                   for i in range(len(self.private_networks)))
 
     def __repr__(self) -> str:
         return (f"SitePolicy(source={self.source!r}, mode={self.mode!r}, ports={sorted(self.ports)}, "
@@ -287,6 +320,10 @@ class SitePolicy:
                 (f"{normalized} is blocked by the site policy{why}. "
                  "A run's allow_domains cannot override the block list."), is_ip, None, parents)
 
+        if is_ip:
+            refused = self._reviewer_only(host, port, normalized, parents)
+            if refused is not None:
+                return refused
         if port_match is not None:
             return self._allowed(host, port, normalized, port_reason, port_match)
         if allow is not None:
@@ -324,17 +361,111 @@ class SitePolicy:
                                f"{decision.normalized_host} resolved to something that is not an IP address.")
         if label is None:
             return decision
-        for net in self.private_networks:
-            if addr.version == net.version and addr in net:
-                return decision
-        if decision.allowed_by_ip and decision.network:
-            net = ipaddress.ip_network(decision.network)
-            if addr.version == net.version and addr in net and exempting_network(net):
-                return decision
+        if self.consents(addr, label) is not None:
+            return decision
         return self.refuse(
             decision, "private_address",
-            (f"{decision.normalized_host} resolves to {addr}, a {label} address; the guard does not "
-             "connect to such addresses unless private_networks.allow lists them."))
+            (f"{decision.normalized_host} resolves to {addr}, a {label} address; "
+             + self._who_can(addr, label)))
+
+    # -- special-purpose addresses: the reviewer's consent ----------------------------------
+    def consents(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                 label: str) -> str | None:
+        """The private_networks.allow entry that opens the special address `addr` (of kind
+        `label`), as its rule text, or None. Link-local and cloud metadata addresses only by an
+        entry that is that very address. The one rule for IP literals, resolved addresses and
+        a run's IP patterns."""
+        exact = exact_only(label)
+        for i, net in enumerate(self.private_networks):
+            if addr.version != net.version or addr not in net:
+                continue
+            if exact and net.num_addresses != 1:
+                continue
+            return self._private_rule(i)
+        return None
+
+    def _private_rule(self, i: int) -> str:
+        line = self.private_lines[i]
+        label = self.source.replace("\\", "/").rsplit("/", 1)[-1] or self.source
+        net = self.private_networks[i]
+        text = str(net.network_address) if net.num_addresses == 1 else str(net)
+        return f"{label}:{line} {text}" if line else f"{label} private_networks.allow {text}"
+
+    def _wider_entry(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+        """A private_networks.allow range that holds `addr` but may not open it (too wide)."""
+        for i, net in enumerate(self.private_networks):
+            if addr.version == net.version and addr in net:
+                return self._private_rule(i)
+        return None
+
+    def _who_can(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address | IPNetwork,
+                 label: str) -> str:
+        """The end of every special-address refusal: the run cannot, the reviewer can, where."""
+        text = (f"a run's allow_domains cannot open it; only the security reviewer can, by "
+                f"listing it in private_networks.allow of {self.source}")
+        if exact_only(label):
+            one = addr.network_address if isinstance(addr, IPNetwork) else addr
+            wider = self._wider_entry(one)
+            text += (f" as the exact address {one} (a link-local or cloud metadata address is "
+                     "never opened by a range")
+            text += f"; {wider} is a range)." if wider else ")."
+        else:
+            text += "."
+        return text
+
+    def _reviewer_only(self, host: str, port: int | None, normalized: str,
+                       parents: list[str] | None) -> Decision | None:
+        """decide()'s step for an IP literal host: a special address that the policy does not
+        open is denied before any allow list is looked at."""
+        try:
+            addr, label = _read_address(normalized)
+        except ValueError:
+            return None
+        if label is None or self.consents(addr, label) is not None:
+            return None
+        return self._finish(host, port, normalized, False, REVIEWER_ONLY, self._wider_entry(addr),
+                            f"{normalized} is a {label} address: " + self._who_can(addr, label),
+                            True, None, parents)
+
+    def run_pattern_refusal(self, pattern: Pattern) -> str | None:
+        """Why a run may not name this allow_domains pattern (None: it may). An IP pattern of a
+        special address, or a CIDR pattern wholly inside a special-purpose block, needs the
+        reviewer's consent (`consents`; a CIDR: one private_networks.allow entry holding all
+        of it, and never a link-local or metadata range). A CIDR that only overlaps special
+        space is fine: those addresses are refused at connect time. Pure."""
+        net = pattern.network
+        if net is None:
+            return None
+        if net.num_addresses == 1:
+            addr, label = _read_address(str(net.network_address))
+            if label is None or self.consents(addr, label) is not None:
+                return None
+            return f"{addr} is a {label} address: " + self._who_can(addr, label)
+        found = _special_in(net)
+        if found is None:
+            return None
+        _block, label = found
+        if exact_only(label):
+            return (f"{net} is a {label} range: a run's allow_domains cannot open it, and "
+                    "private_networks.allow opens a link-local or cloud metadata address only as "
+                    f"that exact address (the security reviewer's, in {self.source}).")
+        for other in self.private_networks:
+            if other.version == net.version and net.subnet_of(other):  # type: ignore[arg-type]
+                return None   # (a metadata address inside stays refused: `consents`)
+        return f"{net} is a {label} range: " + self._who_can(net, label)
+
+    def allow_domains_refusals(self, domains: Iterable[str]) -> list[tuple[int, str]]:
+        """(index, message) of each allow_domains entry `run_pattern_refusal` refuses; the words
+        of `sfguard validate` and the stage API. Invalid patterns are left to the schema."""
+        out: list[tuple[int, str]] = []
+        for i, text in enumerate(domains):
+            try:
+                why = self.run_pattern_refusal(parse_pattern(text, allow_list=True))
+            except PatternError:
+                continue
+            if why is not None:
+                out.append((i, f"{text!r}: {why} [{REVIEWER_ONLY}]"))
+        return out
 
     def refuse(self, decision: Decision, reason: str, explanation: str) -> Decision:
         """A denial for a check the proxy makes itself (sni_mismatch, host_header_mismatch, ...)

@@ -7,7 +7,10 @@ the field and a hint:
   `private_networks.allow`, or anywhere in `block` (every group counts as one list);
 - shadowed `allow_always` entries: a `block` rule matches the entry's host on a port the entry
   is meant for, so the block wins (the decision order puts `block` first) and the entry is
-  dead for that port.
+  dead for that port;
+- special addresses that do nothing: an `allow_always` IP or CIDR of a special-purpose range
+  that `private_networks.allow` does not open, and a `private_networks.allow` range over
+  link-local or cloud metadata addresses (those open only as the exact address).
 
 Warnings do not make a policy invalid: `sfguard policy validate` lists them and exits 0, and
 `--strict` turns them into errors.
@@ -18,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sfguard.policy.engine import SitePolicy
+from sfguard.policy.engine import LINK_LOCAL, METADATA_ADDRESSES, SitePolicy
 from sfguard.policy.errors import PolicyIssue
 from sfguard.policy.hosts import join_host_port
 from sfguard.policy.patterns import PLAIN_NAME, Pattern, PatternError, parse_pattern
@@ -95,8 +98,41 @@ def lint_text(site: SitePolicy, text: str) -> list[PolicyIssue]:
             f"{_short(text_)} is shadowed by block rule {'; '.join(rules)} ({scope}; "
             f"block is checked first)",
             f"remove the entry or the block rule ({what} {host} on port {shown})"))
+    warnings += _special_warnings(site, lists)
     warnings.sort(key=lambda w: (w.line or 0, w.col or 0))
     return warnings
+
+
+def _special_warnings(site: SitePolicy, lists: dict[str, list[tuple[Any, int, str]]]) -> list[PolicyIssue]:
+    """Special addresses the reviewer listed where they do nothing: an allow_always IP or CIDR
+    that private_networks.allow does not open (it allows nothing), and a private_networks.allow
+    range over link-local or cloud metadata addresses (those open only as exact addresses)."""
+    out: list[PolicyIssue] = []
+    for text_, pos, field in lists["allow_always"]:
+        pattern = _pattern(text_)
+        if pattern is None or pattern.network is None:
+            continue
+        why = site.run_pattern_refusal(pattern)
+        if why is not None:
+            out.append(_warn(site, pos, field, f"{_short(text_)} allows nothing: {why}",
+                             "list it in private_networks.allow too, or remove it"))
+    for text_, pos, field in lists["private_networks.allow"]:
+        pattern = _pattern(text_)
+        net = pattern.network if pattern is not None else None
+        if net is None or net.num_addresses == 1:
+            continue
+        held = [str(a) for a in sorted(METADATA_ADDRESSES, key=str)
+                if a.version == net.version and a in net]
+        example = held[0] if held else "169.254.169.254"
+        if any(net.overlaps(b) for b in LINK_LOCAL if b.version == net.version):
+            held.insert(0, "link-local addresses")
+        if held:
+            out.append(_warn(site, pos, field,
+                             f"{_short(text_)} does not open {', '.join(held)}: link-local and "
+                             "cloud metadata addresses open only through an entry that is the "
+                             "exact address",
+                             f"list the one address you mean, e.g. - {example}"))
+    return out
 
 
 def _items(seq: Any, field: str) -> Iterator[tuple[Any, int, str]]:

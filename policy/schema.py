@@ -160,6 +160,7 @@ class _Builder:
         self.allow_always = RuleSet(label)
         self.quiet = RuleSet(label)
         self.private: list[str] = []
+        self.private_lines: list[int] = []
 
     def issue(self, pos: int, field: str, message: str, hint: str | None) -> None:
         if len(self.issues) >= MAX_ISSUES:
@@ -197,6 +198,7 @@ class _Builder:
                            "name hosts in allow_always; list address ranges here, e.g. 10.0.0.0/8")
                 return
             self.private.append(pattern.key if pattern.kind == "cidr" else str(pattern.network))
+            self.private_lines.append(unpack(pos)[0])
             return
         if rules is not None:
             rules.add(pattern, unpack(pos)[0], reason)
@@ -309,4 +311,5 @@ def _parse(text: str, source: str) -> SitePolicy:
 
     return SitePolicy(source=source, mode=model.mode, ports=model.ports, tab_quota=model.tab_quota,
                       block=build.block, allow_always=build.allow_always, quiet=build.quiet,
-                      private_networks=build.private, version=model.version)
+                      private_networks=build.private, version=model.version,
+                      private_lines=build.private_lines)

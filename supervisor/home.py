@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 DEFAULT_HOME = Path("~/.stageflow/guard")
+#: the live site policy of a guard started without --policy: in the home, beside the rest of
+#: the guard's configuration, so that an upgrade of the installed package never replaces it
+POLICY_NAME = "sites.yaml"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
@@ -131,6 +134,27 @@ def ensure_home(flag: str | os.PathLike | None = None) -> Path:
     from sfguard.supervisor import home_format  # noqa: PLC0415 (it imports this module)
     home_format.check(home)
     return home
+
+
+def home_policy_path(home: Path) -> Path:
+    """Where the live site policy of `home` is (not created): HOME/sites.yaml."""
+    return home / POLICY_NAME
+
+
+def ensure_home_policy(home: Path) -> Path:
+    """HOME/sites.yaml, created from the shipped template (policy/sites.yaml) when missing:
+    0600, written atomically (a half-written policy is never seen). An existing file, or a
+    symlink a reviewer put there (e.g. to /etc/sfguard/sites.yaml), is left as it is: it is
+    the reviewers' file, edited live."""
+    from sfguard import policy  # noqa: PLC0415 (only the guard's start needs the template)
+
+    path = home_policy_path(home)
+    if os.path.lexists(path):
+        return path
+    data = policy.default_policy_path().read_bytes()
+    with atomic_file(path) as fh:
+        fh.write(data)
+    return path
 
 
 def runtime_dir(home: Path) -> Path:

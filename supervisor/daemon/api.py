@@ -69,11 +69,18 @@ def _loc(loc: tuple) -> str:
 
 
 def validation_error(exc: ValidationError, model: type[BaseModel]) -> BadRequest:
-    """The first error, worded as `sfguard validate` words it (sfguard.supervisor.daemon.models.error_message)."""
-    first = exc.errors()[0]
-    field = m.field_path(first["loc"]) or None
-    msg = m.error_message(first, model)
-    return BadRequest("invalid_request", f"{field}: {msg}" if field else msg, field)
+    """Every error (at most 20), each worded as `sfguard validate` words it
+    (sfguard.supervisor.daemon.models.error_message) after its field, joined by "; "; `field`
+    names the first."""
+    errors = exc.errors()
+    parts = []
+    for err in errors[:20]:
+        where = m.field_path(err["loc"]) or None
+        msg = m.error_message(err, model)
+        parts.append(f"{where}: {msg}" if where else msg)
+    if len(errors) > 20:
+        parts.append(f"... and {len(errors) - 20} more")
+    return BadRequest("invalid_request", "; ".join(parts), m.field_path(errors[0]["loc"]) or None)
 
 
 #: the longest a stage GET may wait for a change (`?wait=SECONDS`)
@@ -147,7 +154,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/runs/{run_id}/stages", "api_request_stage",
           "Ask for a stage's browser: ready with the stage env, or waiting for a lease",
           m.StageRequest, ((200, m.StageReady), (202, m.StageWaiting)),
-          _RUN + ((400, ("no_pipeline", "no_display")),
+          _RUN + ((400, ("no_pipeline", "no_display")), (403, ("reviewer_only_address",)),
                   (409, ("run_ended", "stage_active", "attempt_used", "browser_failed")),
                   (503, ("browser_failed", "disk_full"))),
           "200 `ready` with the env to start the stage with; 202 `waiting` when another run "

@@ -40,7 +40,7 @@ from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
-from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound
+from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, NotFound
 from sfguard.supervisor.daemon.inventory import Inventory
 from sfguard.supervisor.daemon.log_rotation import Retention, keep_rotated
 from sfguard.supervisor.daemon.logins import Logins
@@ -62,7 +62,14 @@ from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
 from sfguard.supervisor.daemon.teardown import Teardown
 from sfguard.supervisor.daemon.watchdog import Watchdog
 from sfguard.supervisor.gate.cdp_gate import CdpGate
-from sfguard.supervisor.home import ensure_home, private_dir, revoke_traverse, runtime_dir, runtime_path
+from sfguard.supervisor.home import (
+    ensure_home,
+    ensure_home_policy,
+    private_dir,
+    revoke_traverse,
+    runtime_dir,
+    runtime_path,
+)
 from sfguard.supervisor.profiles.store_ops import StoreCalls
 from sfguard.supervisor.profiles.stores import Stores, open_stores
 from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileError, ProfileKey, StoreUnavailable
@@ -100,7 +107,10 @@ class Guard:
         # sweeps, leaves no empty folder in /dev/shm)
         self.runtime = runtime_path(self.home)
         self.scope = scope
-        self.policy_path = Path(policy_path or policy.default_policy_path()).absolute()
+        # the live policy: --policy FILE, else HOME/sites.yaml (made from the shipped template
+        # on first start); `sfguard policy explain|validate|test --home` read it from status
+        self.policy_path = (Path(policy_path).absolute() if policy_path
+                            else ensure_home_policy(self.home))
         self.policy_watch = policy.PolicyWatcher(self.policy_path)  # raises PolicyError if invalid
         self.resolve = dict(resolve or {})
         # the local home, or a shared PostgreSQL (`--store` / $SFGUARD_STORE): supervisor/profiles/stores.py
@@ -345,6 +355,11 @@ class Guard:
         if existing is not None and body.attempt <= existing.attempt:
             raise Conflict("attempt_used", f"attempt {body.attempt} of stage {body.stage_id!r} "
                            "has ended; use a new attempt number", "attempt")
+        refused = self.site_policy.allow_domains_refusals(body.browser.allow_domains)
+        if refused:  # every entry, each at its field; `field` names the first
+            raise Forbidden(policy.REVIEWER_ONLY, "; ".join(
+                f"browser.allow_domains.{i}: {msg}" for i, msg in refused),
+                f"browser.allow_domains.{refused[0][0]}")
         headed = self._effective_headed(body.browser)
         if body.browser.profile is not None:
             self.profile_key(run, body.browser.profile)  # validate now (bad input is refused)

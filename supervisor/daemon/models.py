@@ -133,6 +133,7 @@ ERROR_CODES = (
     "method_not_allowed", "http_error", "internal",
     # runs and stages
     "run_exists", "run_not_found", "run_ended", "stage_not_found", "stage_active", "attempt_used",
+    "reviewer_only_address",
     "stage_not_waiting", "no_pipeline", "no_display", "browser_failed",
     # profiles
     "invalid_name", "profile_not_found", "profile_leased",

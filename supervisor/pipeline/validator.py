@@ -311,6 +311,10 @@ class Validator:
         return result
 
     def _allow_domains(self, doc: YamlDoc, node: yaml.Node, path: str, domains: list) -> None:
+        refused: dict[int, str] = {}
+        if self.site_policy is not None:
+            texts = [t if isinstance(t, str) else "" for t in domains]
+            refused = dict(self.site_policy.allow_domains_refusals(texts))
         for j, text in enumerate(domains):
             enode, epath = locate_in(doc, node, path, ("allow_domains", j))
             try:
@@ -318,6 +322,9 @@ class Validator:
             except policy.PatternError as exc:
                 self.issue(doc, enode, epath, f"{exc.message}: {text!r}"
                            + (f" (hint: {exc.hint})" if exc.hint else ""), "browser")
+                continue
+            if j in refused:
+                self.issue(doc, enode, epath, refused[j], policy.REVIEWER_ONLY)
                 continue
             if self.site_policy is None:
                 continue
@@ -344,6 +351,10 @@ class Validator:
         d = self.site_policy.decide(parts.hostname or "", port, allow)
         if not d.allowed or d.reason.startswith("would_deny"):
             enode, epath = locate_in(doc, node, path, ("login_check", "url"))
+            if d.reason == policy.REVIEWER_ONLY:   # no allow_domains entry can open it
+                self.issue(doc, enode, epath, f"the proxy would deny the check page ({d.reason}): "
+                           f"{d.explanation}", "check_url_denied")
+                return
             self.issue(doc, enode, epath,
                        f"the proxy would deny the check page ({d.reason}): add "
                        f"{policy.join_host_port(parts.hostname or '', parts.port)!r} to allow_domains",

@@ -165,6 +165,20 @@ def start_real_guard(tmp_path: Path, site: int, *hosts: str, **env_extra: str) -
     return d
 
 
+def write_home_policy(home: Path) -> Path:
+    """The guard home's live policy (HOME/sites.yaml, what `sfguard start` without --policy
+    enforces): the shipped template with the reviewer's consent for the fixture site on
+    127.0.0.1 (private_networks.allow), as `sfguard demo` writes it."""
+    from sfguard import policy
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    text = policy.default_policy_path().read_text()
+    assert text.endswith("private_networks:\n  allow: []\n")
+    path = home / "sites.yaml"
+    path.write_text(text.replace("allow: []\n", 'allow: ["127.0.0.1/32"]\n'))
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture
 def fake_cdp():
     f = FakeCdp()
@@ -187,6 +201,7 @@ def daemon(tmp_path, fake_cdp):
     ab.mkdir(mode=0o700, exist_ok=True)
     (ab / "fake-control.json").write_text(json.dumps(
         {"cdp_url": fake_cdp.url, "log": str(tmp_path / "fake-ab.jsonl")}))
+    write_home_policy(home)
     d = Daemon(home.absolute(), env, tmp_path / "daemon.log")
     d.start()
     yield d

@@ -27,6 +27,8 @@ ELSEWHERE = {
         "a shared store whose database is away while the run is granted the profile (the grant "
         "path of tests/pg/test_outage.py)",
     ("POST", "/v1/runs/{run_id}/handoff", 503, "store_unreachable"): "as login-check",
+    ("POST", "/v1/runs/{run_id}/stages", 403, "reviewer_only_address"):
+        "tests/daemon/test_guard_fakes.py and test_validate_parity.py (a special address)",
     ("POST", "/v1/runs/{run_id}/stages", 409, "browser_failed"): "tests/browser_host (a broken browser)",
     ("POST", "/v1/runs/{run_id}/stages", 503, "browser_failed"): "tests/browser_host (a broken browser)",
     ("GET", "/v1/runs/{run_id}/stages/{stage_id}", 409, "browser_failed"): "tests/browser_host",

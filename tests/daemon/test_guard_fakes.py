@@ -238,3 +238,51 @@ async def test_start_checks_the_fake_seams_and_reports_damage(tmp_path, monkeypa
         assert report["damaged_profiles"] == ["alpha"]
     finally:
         await guard.stop()
+
+
+# --- special addresses only with the reviewer's consent (issue 35, sections 1 and 6) ---------
+
+# (allow_domains, status, code, the fields the message names, the first one in `field`);
+# the guard's policy is its home's sites.yaml, made from the template: no private_networks
+SPECIAL = [
+    (["169.254.169.254"], 403, "reviewer_only_address", ["browser.allow_domains.0"]),
+    (["fd00:ec2::254"], 403, "reviewer_only_address", ["browser.allow_domains.0"]),
+    (["::ffff:169.254.169.254"], 403, "reviewer_only_address", ["browser.allow_domains.0"]),
+    (["*.example.com", "127.0.0.0/8", "93.184.216.34", "10.0.0.0/8", "[::1]:8080"], 403,
+     "reviewer_only_address",
+     ["browser.allow_domains.1", "browser.allow_domains.3", "browser.allow_domains.4"]),
+    # every bad pattern of a list is named, not only the first
+    (["*.linkedin.com", "0.0.0.0/0", "*.com", "::/0"], 400, "invalid_request",
+     ["browser.allow_domains.1", "browser.allow_domains.2", "browser.allow_domains.3"]),
+]
+
+
+@pytest.mark.parametrize("allow,status,code,fields", SPECIAL, ids=[",".join(s[0]) for s in SPECIAL])
+async def test_a_stage_may_not_name_a_special_address(api, allow, status, code, fields):
+    assert (await api.call("POST", "/v1/runs", {"run_id": "r1"}))[0] == 201
+    got_status, got = await api.call("POST", "/v1/runs/r1/stages", stage("s", allow_domains=allow))
+    assert (got_status, got["error"]["code"], got["error"]["field"]) == (status, code, fields[0]), got
+    message = got["error"]["message"]
+    named = [f"browser.allow_domains.{i}" for i in range(len(allow))
+             if f"browser.allow_domains.{i}: " in message]
+    assert named == fields, message
+    if code == "reviewer_only_address":
+        assert "only the security reviewer can" in message
+        assert f"private_networks.allow of {api.guard.policy_path}" in message
+    # nothing was started for it
+    assert (await api.call("GET", "/v1/runs/r1/stages/s"))[0] == 404
+
+
+async def test_the_reviewer_consents_in_the_live_policy(api):
+    # the same stage is accepted once the home's policy lists the range (hot reload)
+    path = api.guard.policy_path
+    assert path == api.guard.home / "sites.yaml"
+    assert (await api.call("POST", "/v1/runs", {"run_id": "r1"}))[0] == 201
+    body = stage("s", allow_domains=["10.0.0.0/8", "93.184.216.34"])
+    assert (await api.call("POST", "/v1/runs/r1/stages", body))[0] == 403
+    path.write_text(path.read_text().replace("allow: []", 'allow: ["10.0.0.0/8"]'))
+    api.guard.check_policy()
+    assert api.guard.site_policy.private_networks
+    status, got = await api.call("POST", "/v1/runs/r1/stages", body)
+    assert status in (200, 202, 503), got      # past the policy (the fake browser may be away)
+    assert got.get("error", {}).get("code") != "reviewer_only_address", got

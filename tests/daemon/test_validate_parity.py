@@ -36,10 +36,17 @@ GOOD = [
 ]
 
 
-def validator_paths(tmp_path, browser) -> set[str]:
+#: refused by the site policy (403 in the API): a special address without the reviewer's consent
+POLICY_BAD = [
+    ({"headed": False, "allow_domains": ["127.0.0.1:8080", "169.254.169.254"]}, "allow_domains.1"),
+    ({"headed": False, "allow_domains": ["10.0.0.0/8"]}, "allow_domains.0"),
+]
+
+
+def validator_paths(tmp_path, browser, policy_path=None) -> set[str]:
     f = tmp_path / "p.yaml"
     f.write_text(yaml.safe_dump({"stages": [{"id": "s", "browser": browser}]}))
-    report = validate_pipeline(f, check_tools=False)
+    report = validate_pipeline(f, policy_path=policy_path, check_tools=False)
     prefix = "stages[0].browser."
     return {re.sub(r"\[(\d+)\]", r".\1", i.path[len(prefix):]) for i in report.errors
             if i.path.startswith(prefix)}
@@ -60,8 +67,18 @@ def test_validate_and_api_refuse_alike(daemon, tmp_path):
             report = validate_pipeline(tmp_path / "p.yaml", check_tools=False)
             assert body["error"]["message"].split(": ", 1)[1] == report.errors[0].message
     assert mismatches == []
+    # the site policy the guard enforces (its home's sites.yaml), checked by both alike
+    live = daemon.home / "sites.yaml"
+    for n, (browser, path) in enumerate(POLICY_BAD):
+        status, body = daemon.call("POST", "/v1/runs/parity/stages",
+                                   {"stage_id": f"p{n}", "attempt": 1, "browser": browser})
+        assert (status, body["error"]["code"], body["error"]["field"]) == (
+            403, "reviewer_only_address", f"browser.{path}"), body
+        assert validator_paths(tmp_path, browser, live) == {path}
+        report = validate_pipeline(tmp_path / "p.yaml", policy_path=live, check_tools=False)
+        assert body["error"]["message"].split(": ", 1)[1] == report.errors[0].message
     for n, browser in enumerate(GOOD):
-        assert validator_paths(tmp_path, browser) == set()
+        assert validator_paths(tmp_path, browser, live) == set()
         status, body = daemon.call("POST", "/v1/runs/parity/stages",
                                    {"stage_id": f"good{n}", "attempt": 1, "browser": browser})
         assert status in (200, 202), body

@@ -42,7 +42,9 @@ private_networks:
 """
 
 RUN_ALLOW = ["*.example.com", "api.partner.net:8443", "127.0.0.1", "10.0.0.0/8", "[::1]:8080",
-             "fd00:1::/64", "blocked.example.net:8080"]
+             "fd00:1::/64", "blocked.example.net:8080", "93.184.0.0/16", "2606:4700::/32"]
+#: the same policy, with the reviewer's consent for the run's private ranges
+CONSENT = "    - 10.0.0.0/8\n    - 127.0.0.1\n    - ::1\n    - fd00:1::/64\n"
 
 ALLOW = "allow"
 DENY = "deny"
@@ -99,23 +101,30 @@ CASES = [
     ("x.bad1.example.org", 443, DENY, "not_allowed", None, "x.bad1.example.org"),
     # IPv4 literals and CIDRs
     ("10.66.1.2", 443, DENY, "blocked_by_policy", "sites.yaml:14 10.66.0.0/16", "10.66.1.2"),
-    ("10.1.2.3", 443, ALLOW, "allowed_by_run", "--allow 10.0.0.0/8", "10.1.2.3"),
+    # a special address is the reviewer's (private_networks.allow), never a run's: the run's
+    # 10.0.0.0/8 and 127.0.0.1 do not open them (tests/policy/test_special_addresses.py)
+    ("10.1.2.3", 443, DENY, "reviewer_only_address", None, "10.1.2.3"),
     ("11.1.2.3", 443, DENY, "not_allowed", None, "11.1.2.3"),
-    ("127.0.0.1", 443, ALLOW, "allowed_by_run", "--allow 127.0.0.1", "127.0.0.1"),
-    ("127.0.0.1.", 443, ALLOW, "allowed_by_run", "--allow 127.0.0.1", "127.0.0.1"),
-    ("127.0.0.2", 443, DENY, "not_allowed", None, "127.0.0.2"),
-    ("198.51.100.7", 443, ALLOW, "allowed_by_policy", "sites.yaml:8 198.51.100.7", "198.51.100.7"),
+    ("127.0.0.1", 443, DENY, "reviewer_only_address", None, "127.0.0.1"),
+    ("127.0.0.1.", 443, DENY, "reviewer_only_address", None, "127.0.0.1"),
+    ("127.0.0.2", 443, DENY, "reviewer_only_address", None, "127.0.0.2"),
+    ("93.184.216.34", 443, ALLOW, "allowed_by_run", "--allow 93.184.0.0/16", "93.184.216.34"),
+    # allow_always does not open a special (here: documentation) address either
+    ("198.51.100.7", 443, DENY, "reviewer_only_address", None, "198.51.100.7"),
+    ("192.168.50.7", 443, DENY, "not_allowed", None, "192.168.50.7"),  # consented, not allowed
     # IPv4-mapped IPv6 is its IPv4
-    ("::ffff:127.0.0.1", 443, ALLOW, "allowed_by_run", "--allow 127.0.0.1", "127.0.0.1"),
-    ("[::ffff:7f00:1]", 443, ALLOW, "allowed_by_run", "--allow 127.0.0.1", "127.0.0.1"),
+    ("::ffff:127.0.0.1", 443, DENY, "reviewer_only_address", None, "127.0.0.1"),
+    ("::ffff:93.184.1.1", 443, ALLOW, "allowed_by_run", "--allow 93.184.0.0/16", "93.184.1.1"),
+    ("[::ffff:7f00:1]", 443, DENY, "reviewer_only_address", None, "127.0.0.1"),
     ("::ffff:10.66.0.9", 443, DENY, "blocked_by_policy", "sites.yaml:14 10.66.0.0/16", "10.66.0.9"),
     # IPv6 literals and CIDRs
-    ("[::1]", 8080, ALLOW, "allowed_by_run", "--allow [::1]:8080", "::1"),
-    ("::1", 443, DENY, "not_allowed", None, "::1"),
+    ("[::1]", 8080, DENY, "reviewer_only_address", None, "::1"),
+    ("::1", 443, DENY, "reviewer_only_address", None, "::1"),
     ("2001:db8:bad::5", 443, DENY, "blocked_by_policy", "sites.yaml:22 2001:db8:bad::/48", "2001:db8:bad::5"),
-    ("2001:db8:bae::5", 443, DENY, "not_allowed", None, "2001:db8:bae::5"),
-    ("[FD00:1::ABCD]", 443, ALLOW, "allowed_by_run", "--allow fd00:1::/64", "fd00:1::abcd"),
-    ("fd00:2::1", 443, DENY, "not_allowed", None, "fd00:2::1"),
+    ("2001:db8:bae::5", 443, DENY, "reviewer_only_address", None, "2001:db8:bae::5"),
+    ("2606:4700::1", 443, ALLOW, "allowed_by_run", "--allow 2606:4700::/32", "2606:4700::1"),
+    ("[FD00:1::ABCD]", 443, DENY, "reviewer_only_address", None, "fd00:1::abcd"),
+    ("fd00:2::1", 443, DENY, "reviewer_only_address", None, "fd00:2::1"),
     # malformed: denied before anything else
     ("2130706433", 443, DENY, "malformed_host", None, None),
     ("0177.0.0.1", 443, DENY, "malformed_host", None, None),
@@ -163,7 +172,8 @@ def test_no_run_allow_list_means_only_allow_always(site):
     assert site.decide("docs.python.org", 443, None).reason == "allowed_by_policy"
 
 
-def test_allowed_by_ip_and_network(site, run_allow):
+def test_allowed_by_ip_and_network(run_allow):
+    site = parse_policy(POLICY + CONSENT, "sites.yaml")
     by_cidr = site.decide("10.1.2.3", 443, run_allow)
     assert (by_cidr.allowed_by_ip, by_cidr.network) == (True, "10.0.0.0/8")
     by_ip = site.decide("127.0.0.1", 443, run_allow)
@@ -284,21 +294,21 @@ def test_check_address(site, run_allow, address, reason, words):
 
 
 @pytest.mark.parametrize("host,inside,outside", [
-    ("10.1.2.3", ["10.1.2.3", "10.200.0.1", "::ffff:10.9.9.9"], ["192.168.1.1", "127.0.0.1", "11.0.0.1"]),
-    ("127.0.0.1", ["127.0.0.1"], ["127.0.0.2", "10.0.0.1"]),
-    ("[::1]", ["::1"], ["fe80::1", "fd00:1::1"]),
+    ("10.1.2.3", ["10.1.2.3", "10.200.0.1", "::ffff:10.9.9.9", "127.0.0.1"],
+     ["192.168.1.1", "127.0.0.2", "169.254.169.254"]),
+    ("[::1]", ["::1", "10.0.0.1"], ["fe80::1", "fd00:2::1", "fd00:ec2::254"]),
 ])
-def test_allowed_by_ip_exempts_only_inside_the_pattern(site, run_allow, host, inside, outside):
+def test_only_the_reviewers_consent_opens_an_address(run_allow, host, inside, outside):
+    # The allowing pattern no longer matters: only private_networks.allow opens an address.
+    site = parse_policy(POLICY + CONSENT, "sites.yaml")
     port = 8080 if host == "[::1]" else 443
     allowed = site.decide(host, port, run_allow)
     assert allowed.allowed_by_ip
     for address in inside:
-        assert site.check_address(allowed, address).reason == allowed.reason, address
+        assert site.check_address(allowed, address) is allowed, address
     for address in outside:
-        if address == "11.0.0.1":  # public: fine whatever the pattern
-            assert site.check_address(allowed, address).allowed
-            continue
         assert site.check_address(allowed, address).reason == "private_address", address
+    assert site.check_address(allowed, "11.0.0.1") is allowed   # public: fine
 
 
 def test_check_address_leaves_denials_alone(site, run_allow):

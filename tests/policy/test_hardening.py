@@ -70,35 +70,33 @@ def test_catch_all_refused_by_the_proxy_cli():
     assert "catch-all" in proc.stderr
 
 
-# --- an IP pattern exempts an address only inside one private block ---------------------------
+# --- an IP pattern exempts nothing: only private_networks.allow opens a special address ------
 
-# (allow pattern, address, decision reason after check_address)
+# (allow pattern, address, decision reason after check_address) under a policy without consent
 EXEMPTIONS = [
-    ("127.0.0.1", "127.0.0.1", "allowed_by_run"),
-    ("127.0.0.0/8", "127.0.0.9", "allowed_by_run"),
-    ("10.1.0.0/16", "10.1.2.3", "allowed_by_run"),
-    ("::1", "::1", "allowed_by_run"),
-    ("fd00::/8", "fd00::5", "allowed_by_run"),
-    ("100.0.0.0/8", "100.64.0.1", "private_address"),     # spans CGNAT and public space
-    ("8.0.0.0/8", "8.8.8.8", "allowed_by_run"),           # public: no exemption needed
-    ("2001:db8::/32", "2001:db8::1", "allowed_by_run"),   # inside the documentation block
+    ("127.0.0.1", "127.0.0.1", "reviewer_only_address"),
+    ("127.0.0.0/8", "127.0.0.9", "reviewer_only_address"),
+    ("10.1.0.0/16", "10.1.2.3", "reviewer_only_address"),
+    ("::1", "::1", "reviewer_only_address"),
+    ("fd00::/8", "fd00::5", "reviewer_only_address"),
+    ("100.0.0.0/8", "100.64.0.1", "reviewer_only_address"),  # spans CGNAT and public space
+    ("8.0.0.0/8", "8.8.8.8", "allowed_by_run"),                 # public: no consent needed
+    ("2001:db8::/32", "2001:db8::1", "reviewer_only_address"),  # documentation block
 ]
 
 
 @pytest.mark.parametrize("pattern,address,reason", EXEMPTIONS)
-def test_ip_pattern_exemption(pattern, address, reason):
+def test_ip_pattern_exempts_nothing(pattern, address, reason):
     site = parse_policy("version: 1\n", "t.yaml")
     d = site.decide(address, 443, compile_patterns([pattern]))
-    assert d.allowed
     assert site.check_address(d, address).reason == reason
 
 
 def test_wide_pattern_in_block_of_its_own_does_not_open_loopback():
-    # Even a range accepted as a pattern exempts nothing outside its single private block.
     site = parse_policy("version: 1\n", "t.yaml")
     assert not policy.engine.exempting_network(__import__("ipaddress").ip_network("0.0.0.0/1"))
     d = site.decide("127.0.0.1", 443, compile_patterns(["127.0.0.1"]))
-    assert site.check_address(d, "127.0.0.1").allowed
+    assert d.reason == "reviewer_only_address"
 
 
 # --- report mode keeps the hard checks ------------------------------------------------------
@@ -107,10 +105,10 @@ REPORT = "version: 1\nmode: report\n"
 
 # (HOST[:PORT] for explain, decision, reason)
 REPORT_EXPLAIN = [
-    ("169.254.169.254", "deny", "private_address"),
-    ("127.0.0.1", "deny", "private_address"),
-    ("[::1]:443", "deny", "private_address"),
-    ("10.0.0.1:80", "deny", "private_address"),
+    ("169.254.169.254", "deny", "reviewer_only_address"),
+    ("127.0.0.1", "deny", "reviewer_only_address"),
+    ("[::1]:443", "deny", "reviewer_only_address"),
+    ("10.0.0.1:80", "deny", "reviewer_only_address"),
     ("example.com:8443", "deny", "port_not_allowed"),
     ("0x7f.1", "deny", "malformed_host"),
     ("example.com:443", "allow", "would_deny:not_allowed"),
@@ -132,7 +130,7 @@ def test_report_mode_note_is_true(tmp_path):
     path = tmp_path / "report.yaml"
     path.write_text(REPORT)
     proc = sfguard("policy", "explain", "169.254.169.254", "--policy", str(path))
-    assert "DENY (private_address)" in proc.stdout
+    assert "DENY (reviewer_only_address)" in proc.stdout
     assert "every other check still denies" in proc.stdout
 
 
@@ -203,7 +201,7 @@ URL_PATTERNS = [
 @pytest.mark.parametrize("url,pattern,target", URL_PATTERNS)
 def test_allow_pattern_for_url_allows_exactly_that_url(url, pattern, target):
     assert policy.allow_pattern_for_url(url) == pattern
-    site = parse_policy("version: 1\n", "t.yaml")
+    site = parse_policy("version: 1\nprivate_networks:\n  allow: [127.0.0.1, \"::1\"]\n", "t.yaml")
     d = site.decide(target[0], target[1], compile_patterns([pattern]))
     assert d.allowed and d.reason == "allowed_by_run", d.explanation
 

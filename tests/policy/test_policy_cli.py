@@ -85,8 +85,8 @@ def test_explain_human_output():
 
 
 def test_explain_json_lines(tmp_path):
-    proc = sfguard("policy", "explain", "www.linkedin.com", "[::1]:8080", "api.example.com:8443",
-                   "user:pw@example.com", "--allow", "*.example.com,[::1]:8080", "--allow",
+    proc = sfguard("policy", "explain", "www.linkedin.com", "[2606:4700::1]:8080", "api.example.com:8443",
+                   "user:pw@example.com", "--allow", "*.example.com,[2606:4700::1]:8080", "--allow",
                    "api.example.com:8443", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -96,7 +96,7 @@ def test_explain_json_lines(tmp_path):
     assert got == [
         ("www.linkedin.com", None, "deny", "blocked_by_policy",
          f"sites.yaml:{shipped_line('*.linkedin.com')} *.linkedin.com"),
-        ("::1", 8080, "allow", "allowed_by_run", "--allow [::1]:8080"),
+        ("2606:4700::1", 8080, "allow", "allowed_by_run", "--allow [2606:4700::1]:8080"),
         ("api.example.com", 8443, "allow", "allowed_by_run", "--allow api.example.com:8443"),
         (None, None, "deny", "malformed_host", None),
     ]
@@ -106,9 +106,12 @@ def test_explain_json_lines(tmp_path):
 def test_explain_ip_literal_gets_the_address_check():
     proc = sfguard("policy", "explain", "169.254.169.254", "--allow", "*.example.com", "--json")
     row = json.loads(proc.stdout)
-    assert (row["decision"], row["reason"]) == ("deny", "not_allowed")
-    # allowed by a name pattern cannot happen for an IP; allowed by a CIDR is exempt inside it
+    assert (row["decision"], row["reason"]) == ("deny", "reviewer_only_address")
+    # no allow pattern of a run opens it (tests/policy/test_special_addresses.py)
     proc = sfguard("policy", "explain", "169.254.169.254", "--allow", "169.254.0.0/16", "--json")
+    row = json.loads(proc.stdout)
+    assert (row["decision"], row["reason"]) == ("deny", "reviewer_only_address")
+    proc = sfguard("policy", "explain", "2606:4700::1", "--allow", "2606:4700::/32", "--json")
     row = json.loads(proc.stdout)
     assert (row["decision"], row["reason"], row["allowed_by_ip"]) == ("allow", "allowed_by_run", True)
 

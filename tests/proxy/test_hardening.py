@@ -313,11 +313,11 @@ def report_guard(proxies, tmp_path, upstream, http_server):
 @pytest.mark.parametrize("target,reason", [
     ("site-a.test", "private_address"),      # allowed host, loopback address
     ("loop.example", "private_address"),     # not-allowed host, loopback address
-    ("127.0.0.1", "private_address"),
-    ("[::1]", "private_address"),
-    ("169.254.169.254", "private_address"),  # cloud metadata
+    ("127.0.0.1", "reviewer_only_address"),        # an IP literal: before the lists
+    ("[::1]", "reviewer_only_address"),
+    ("169.254.169.254", "reviewer_only_address"),  # cloud metadata
     ("meta.example", "private_address"),
-    ("169.254.7.7", "private_address"),      # link-local
+    ("169.254.7.7", "reviewer_only_address"),      # link-local
     ("link.example", "private_address"),
     ("0x7f.1", "malformed_host"),
 ])
@@ -393,9 +393,10 @@ def test_catch_all_allow_is_refused_at_start(proxies, allow):
 
 
 def test_wide_allowed_range_does_not_open_loopback(proxies, tmp_path, upstream):
-    # 64.0.0.0/2 is refused; 127.0.0.0/8 would be exempt (one private block): a /8 that spans
-    # public space and CGNAT (100.0.0.0/8) does not exempt 100.64.0.1.
+    # 64.0.0.0/2 is refused; an allowed range never opens a special address: a /8 that spans
+    # public space and CGNAT (100.0.0.0/8) does not open 100.64.0.1 (only private_networks.allow
+    # would).
     pol = write_policy(tmp_path / "p.yaml", ports=(80, 443, upstream.port))
     p = proxies(["--allow", "100.0.0.0/8", "--policy", str(pol), "--client", f"a:{TOKEN_A}"])
     r = connect(p.port, f"100.64.0.1:{upstream.port}", A)
-    assert r.status == 403 and r.headers["x-sfguard-decision"] == "deny; reason=private_address"
+    assert r.status == 403 and r.headers["x-sfguard-decision"] == "deny; reason=reviewer_only_address"

@@ -169,18 +169,26 @@ def test_missing_or_wrong_credentials_get_407(guard, echo_server, auth):
     assert TOKEN_A not in guard.stderr()
 
 
-@pytest.mark.parametrize("resolve_to,allow,expected", [
-    ("127.0.0.1", "site-x.test", "private_address"),        # loopback, not in private allow
-    ("169.254.169.254", "site-x.test", "private_address"),  # cloud metadata: denied before connect
-    ("10.1.2.3", "site-x.test", "private_address"),
-    ("127.0.0.1", "127.0.0.1", "allow"),                    # allowed by an explicit IP pattern
-])
-def test_private_addresses_denied_unless_allowed_by_ip(proxies, tmp_path, echo_server,
-                                                        resolve_to, allow, expected):
-    pol = write_policy(tmp_path / "p.yaml", ports=(80, 443, echo_server.port))
+# (what site-x.test resolves to, the client's allow list, private_networks.allow, the CONNECT
+# host, the answer): special addresses only with the reviewer's consent (issue 35)
+SPECIAL = [
+    ("127.0.0.1", "site-x.test", [], "site-x.test", "private_address"),    # loopback, not consented
+    ("169.254.169.254", "site-x.test", [], "site-x.test", "private_address"),  # metadata: before connect
+    ("10.1.2.3", "site-x.test", [], "site-x.test", "private_address"),
+    ("127.0.0.1", "site-x.test", ["127.0.0.1/32"], "site-x.test", "allow"),   # the reviewer's consent
+    ("169.254.169.254", "site-x.test", ["169.254.0.0/16"], "site-x.test", "private_address"),  # a range
+    ("127.0.0.1", "127.0.0.1", [], "127.0.0.1", "reviewer_only_address"),   # the run's IP pattern alone
+    ("127.0.0.1", "127.0.0.0/8", [], "[::ffff:127.0.0.1]", "reviewer_only_address"),
+    ("127.0.0.1", "127.0.0.1", ["127.0.0.1/32"], "127.0.0.1", "allow"),
+]
+
+
+@pytest.mark.parametrize("resolve_to,allow,private,target,expected", SPECIAL)
+def test_special_addresses_need_the_reviewers_consent(proxies, tmp_path, echo_server, resolve_to,
+                                                      allow, private, target, expected):
+    pol = write_policy(tmp_path / "p.yaml", ports=(80, 443, echo_server.port), private_allow=private)
     p = proxies(["--allow", allow, "--policy", str(pol), "--client", f"a:{TOKEN_A}",
                  "--resolve", f"site-x.test={resolve_to}"])
-    target = "127.0.0.1" if allow == "127.0.0.1" else "site-x.test"
     reply = connect(p.port, f"{target}:{echo_server.port}", A)
     if expected == "allow":
         assert reply.status == 200
@@ -190,6 +198,7 @@ def test_private_addresses_denied_unless_allowed_by_ip(proxies, tmp_path, echo_s
     else:
         assert reply.status == 403
         assert reply.headers["x-sfguard-decision"] == f"deny; reason={expected}"
+        assert b"security reviewer" in reply.body
         assert echo_server.connections == 0
 
 

@@ -59,11 +59,23 @@ def test_valid_pipeline_exits_0_with_a_summary():
     assert "valid.yaml: valid (2 stages, 1 with a browser)" in res.stderr
 
 
-def test_the_example_pipeline_is_valid():
-    res = sfguard(str(EXAMPLE.relative_to(ROOT)), cwd=ROOT)
+def test_the_example_pipeline_is_valid(tmp_path):
+    from sfguard.supervisor.demo.run import write_demo_policy
+    demo = write_demo_policy(tmp_path / "sites.yaml", 8080)   # consents to 127.0.0.1
+    res = sfguard(str(EXAMPLE.relative_to(ROOT)), "--policy", str(demo), cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout == ""
     assert "valid (3 stages, 3 with a browser)" in res.stderr
+    # without the reviewer's consent its fixture site on 127.0.0.1 is refused, at each entry
+    res = sfguard(str(EXAMPLE.relative_to(ROOT)), "--no-tool-check", "--policy",
+                  "policy/sites.yaml", cwd=ROOT)
+    assert res.returncode == 1
+    refused = [line for line in res.stdout.splitlines() if "[reviewer_only_address]" in line]
+    assert len(refused) == 3, res.stdout
+    # and the check page on 127.0.0.1: no advice to add it to allow_domains (that cannot help)
+    checks = [line for line in res.stdout.splitlines() if "login_check.url" in line]
+    assert len(checks) == 2 and all("only the security reviewer can" in c for c in checks)
+    assert "to allow_domains" not in res.stdout
 
 
 def test_the_example_uses_topology_a_and_only_the_fixture_site():
@@ -105,7 +117,7 @@ def test_a_pipeline_without_browser_stages_needs_no_tools(tmp_path):
 def test_policy_option_blocks_and_report_mode_warns(tmp_path):
     block = tmp_path / "block.yaml"
     block.write_text("version: 1\nmode: enforce\nblock:\n  - pattern: \"*.example.com\"\n"
-                     "    reason: \"no examples\"\n")
+                     "    reason: \"no examples\"\nprivate_networks:\n  allow: [127.0.0.1/32]\n")
     res = sfguard("valid.yaml", "--policy", str(block))
     assert res.returncode == 1
     assert res.stdout.startswith("valid.yaml:7:41: stages[0].browser.allow_domains[1]: "
