@@ -179,7 +179,8 @@ def main() -> int:
                 stage(ab.path, a2["env"], "open", url)
             time.sleep(2)          # let start-up work settle before the idle figure
             sizes = pss_by_kind(daemon.pid, marks)
-            tree = [p.pid for p in guard_processes(daemon.pid, marks) if kind_of(p, daemon.pid) in ("guard", "proxy")]
+            tree = [p.pid for p in guard_processes(daemon.pid, marks)
+                    if kind_of(p, daemon.pid) in ("guard", "proxy")]
             c0, t0 = cpu_seconds(tree), time.monotonic()
             time.sleep(args.idle)
             idle = (cpu_seconds(tree) - c0) / (time.monotonic() - t0) * 100
@@ -208,8 +209,9 @@ def main() -> int:
               f"{ours/mb:>9.1f} {idle:>11.1f}")
     n, f, sizes, _ = results[-1]
     ours = (sizes["guard"] + sizes["proxy"] + sizes["agent_browser"]) / n / mb
-    print(f"targets at {n} runs: guard's part {ours:.1f} MB per run (<= 15: {'met' if ours <= 15 else 'NOT met'}); "
-          f"first stage {f/base:.2f}x the {results[0][0]}-run figure (<= 1.5: {'met' if f / base <= 1.5 else 'NOT met'})")
+    met = {True: "met", False: "NOT met"}
+    print(f"targets at {n} runs: guard's part {ours:.1f} MB per run (<= 15: {met[ours <= 15]}); "
+          f"first stage {f/base:.2f}x the {results[0][0]}-run figure (<= 1.5: {met[f / base <= 1.5]})")
     return 0
 
 
