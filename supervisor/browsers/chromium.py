@@ -64,11 +64,14 @@ PIPE_READ_FD, PIPE_WRITE_FD = 3, 4
 
 
 def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_port: int | None,
-                  headed: bool, no_sandbox: bool) -> list[str]:
+                  headed: bool, no_sandbox: bool, window_title: str | None = None) -> list[str]:
     argv = [str(browser_path), *AGENT_BROWSER_FLAGS, *GUARD_FLAGS,
             f"--user-data-dir={profile_dir}"]
     if not headed:
         argv.append("--headless=new")
+    elif window_title:
+        # the window's whole title (X11 WM_NAME): which guard, profile and site it is
+        argv.append(f"--window-name={window_title}")
     if proxy_port is not None:
         argv += [f"--proxy-server=http://127.0.0.1:{int(proxy_port)}",
                  f"--proxy-bypass-list={PROXY_BYPASS}"]
@@ -80,7 +83,8 @@ def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_p
 
 def browser_env(base: dict[str, str] | None = None, *,
                 profile_dir: str | os.PathLike | None = None,
-                home: str | os.PathLike | None = None) -> dict[str, str]:
+                home: str | os.PathLike | None = None,
+                xauthority: str | os.PathLike | None = None) -> dict[str, str]:
     """A scrubbed environment: no proxy variables (Chromium would not use them with
     --proxy-server, but nothing inherited should matter), only plain session variables.
 
@@ -92,7 +96,8 @@ def browser_env(base: dict[str, str] | None = None, *,
 
     With `home` (a browser user's own folder): HOME and TMPDIR are that folder, and nothing
     that points into the guard user's own folders is passed (its runtime dir, caches, config,
-    X authority file): the browser writes only where its user may."""
+    X authority file): the browser writes only where its user may. `xauthority`: the grant
+    file of its display (supervisor/browsers/xdisplay.py), the only X authority it gets."""
     src = os.environ if base is None else base
     keep: tuple[str, ...] = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY", "WAYLAND_DISPLAY",
             "XAUTHORITY", "FONTCONFIG_PATH", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
@@ -101,6 +106,8 @@ def browser_env(base: dict[str, str] | None = None, *,
     env = {k: src[k] for k in keep if src.get(k)}
     if home is not None:
         env["HOME"] = env["TMPDIR"] = os.fspath(home)
+    if xauthority is not None:
+        env["XAUTHORITY"] = os.fspath(xauthority)
     if profile_dir is not None:
         env["BREAKPAD_DUMP_LOCATION"] = os.path.join(os.fspath(profile_dir), CRASH_DIR)
     return env

@@ -38,7 +38,7 @@ import psutil
 
 from sfguard.supervisor.browsers import agent_browser as ab
 from sfguard.supervisor.browsers import browser_user as bu
-from sfguard.supervisor.browsers import chromium
+from sfguard.supervisor.browsers import chromium, xdisplay
 from sfguard.supervisor.daemon.sweep import ProcRecord, terminate_recorded, wait_gone
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
 from sfguard.supervisor.home import HomeError, private_dir
@@ -68,6 +68,8 @@ class AnchorSpec:
     headed: bool = False
     temp_root: Path | None = None
     allow_direct: bool = False
+    #: the title of a headed browser's window (xdisplay.window_title: profile, site)
+    window_title: str | None = None
 
 
 @dataclass
@@ -84,6 +86,8 @@ class Anchor:
     launch_seconds: float
     headed: bool = False
     home_dir: Path | None = None     # the browser user's HOME for this browser (removed at close)
+    #: a root guard's headed browser: its grant of the display (xdisplay.grant, removed at close)
+    xauth_file: Path | None = field(default=None, repr=False)
     #: the about:blank tab Chromium opened at start, until a stage session takes it
     blank_tab: str | None = field(default=None, repr=False)
 
@@ -342,19 +346,35 @@ agent-browser sessions attached to the CDP gate."""
         if not Path(spec.browser_path).is_absolute():
             self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError("the browser path must be an absolute path")
+        xauth_file: Path | None = None
+        env = chromium.browser_env(profile_dir=profile_dir, home=home_dir)
+        if spec.headed and env.get("DISPLAY"):
+            try:
+                if user is not None:
+                    assert home_dir is not None
+                    display = xdisplay.local_display(env)
+                    assert display is not None
+                    xauth_file = await asyncio.to_thread(xdisplay.grant, display, user, home_dir)
+                    env["XAUTHORITY"] = str(xauth_file)
+                await asyncio.to_thread(xdisplay.probe, env, user)
+            except (xdisplay.DisplayError, OSError) as exc:
+                xdisplay.revoke(xauth_file)
+                self._drop_temp(profile_dir, temp_profile, home_dir)
+                raise AnchorError(f"could not show the window of anchor {spec.session}: {exc}") from None
         if find_browser_process(profile_dir, self._uids) is not None:
             # The lease should prevent this; this is the safety net (a second Chromium on a
             # profile in use would hand its work to the first one and exit).
+            xdisplay.revoke(xauth_file)
             self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError(f"the profile of session {spec.session} is already open in another browser")
         argv = chromium.chromium_args(browser_path=spec.browser_path, profile_dir=profile_dir,
                                       proxy_port=proxy_port, headed=spec.headed,
-                                      no_sandbox=self.no_sandbox)
+                                      no_sandbox=self.no_sandbox, window_title=spec.window_title)
         proc = pipe = None
         records: list[ProcRecord] = []
         try:
             proc, reader, writer = await chromium.spawn(
-                argv, env=chromium.browser_env(profile_dir=profile_dir, home=home_dir),
+                argv, env=env,
                 cwd=str(profile_dir), user=user.uid if user else None,
                 group=user.gid if user else None)
             rec = ProcRecord.of(proc.pid, "browser")
@@ -372,12 +392,13 @@ agent-browser sessions attached to the CDP gate."""
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(proc.wait(), 3)
             await asyncio.to_thread(chromium.end_helpers, profile_dir, 3.0, self._uids)
+            xdisplay.revoke(xauth_file)
             self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError(f"could not launch anchor {spec.session}: the browser {what}") from None
         return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
                       temp_profile=temp_profile, socket_dir=socket_dir, processes=records,
                       launch_seconds=time.monotonic() - started, headed=spec.headed,
-                      home_dir=home_dir, blank_tab=blank_tab)
+                      home_dir=home_dir, blank_tab=blank_tab, xauth_file=xauth_file)
 
     @staticmethod
     def _drop_temp(profile_dir: Path, temp_profile: bool, home_dir: Path | None = None) -> None:
@@ -409,6 +430,7 @@ agent-browser sessions attached to the CDP gate."""
             await asyncio.wait_for(anchor.proc.wait(), 3)
         # the crash handler lives outside the group and may outlive the browser by a moment
         helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir, 3.0, self._uids)
+        xdisplay.revoke(anchor.xauth_file)   # the browser user loses the display with its browser
         self._drop_temp(anchor.profile_dir, anchor.temp_profile, anchor.home_dir)
         return CloseReport(graceful=graceful and exited and not terminated,
                            terminated=terminated + helpers, removed_files=[],

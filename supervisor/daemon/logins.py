@@ -101,10 +101,12 @@ class Logins:
             raise Conflict("handoff_impossible", str(exc), None) from None
         browser = await g.leased_browser(run, body.profile, headed=True)
         assert run.proxy is not None and browser.anchor is not None
-        if not browser.headed:  # reopen the anchor headed, same profile, same proxy client
+        if not browser.headed or browser.site != body.site:
+            # reopen the anchor headed, same profile, same proxy client, its window titled
+            # with the site and the profile
             async with browser.lock:
                 await g.host.close_anchor(browser.anchor)
-                browser.headed = True
+                browser.headed, browser.site = True, body.site
                 browser.anchor = await g.stages.launch(run, browser, browser.anchor.profile_dir)
                 await g.watchdog.reattach(run, browser)
         if body.url:

@@ -100,6 +100,7 @@ class Browser:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     restarts: int = 0
     closing: bool = False          # being closed: the watchdog must not restart it
+    site: str | None = None        # the site a login handoff shows it for (in its window's title)
 
 
 @dataclass

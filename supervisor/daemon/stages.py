@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sfguard.supervisor.browsers import browser_user
+from sfguard.supervisor.browsers import browser_user, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.deferred import no_space
@@ -202,7 +202,9 @@ class Stages:
         spec = AnchorSpec(session=f"sfa-{short_id()}", socket_dir=g.socket_dir,
                           config_path=g.config_path, browser_path=g.browser_tool.path,
                           profile_dir=profile_dir, proxy_url=proxy.url_for(browser.client),
-                          headed=browser.headed, temp_root=run.workdir)
+                          headed=browser.headed, temp_root=run.workdir,
+                          window_title=xdisplay.window_title(
+                              browser.profile.name if browser.profile else None, browser.site))
         return await g.host.launch_anchor(spec)
 
     async def ensure_anchor(self, run: Run, key: ProfileKey, headed: bool) -> Browser:
