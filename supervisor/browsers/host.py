@@ -7,17 +7,17 @@ never talk to it directly: they run their own agent-browser sessions attached wi
 the CDP gate, which relays their WebSocket connections onto the pipe
 (`open_stage_session` / `close_stage_session`).
 
-launch:  profile dir (or a temp one) -> `chromium --remote-debugging-pipe ...` in its own
-         process group (sfguard.supervisor.browsers.chromium) -> Browser.getVersion over the pipe -> target
-         discovery and browser-wide proxy authentication (Fetch, the credential stays here)
-         -> the browser pid recorded as a ProcRecord (pid + create_time).
+launch:  profile dir (or a temp one) -> `chromium --remote-debugging-pipe ...` in its own process
+         group (browsers/chromium.py; a headed one on a display granted by browsers/xdisplay.py)
+         -> Browser.getVersion, target discovery and browser-wide proxy authentication over the
+         pipe (Fetch, the credential stays here) -> its pid recorded as a ProcRecord.
 close:   Browser.close over the pipe (graceful: cookies flushed) -> wait for the process to
          exit -> terminate_recorded() for anything still alive -> delete a throw-away profile.
 alive:   the process runs AND its pipe is open; the pipe closing means the browser is dead.
 
-With a browser user (a root guard, supervisor/browsers/browser_user.py) the browser runs as that user
-with Chromium's sandbox on: its profile is handed over to it, it gets a HOME of its own in the
-run's folder, and the folders above are opened for it to cross (never to list).
+With a browser user (a root guard, browsers/browser_user.py) the browser runs as that user with
+Chromium's sandbox on: its profile is handed to it, a HOME of its own in the run's folder, and
+the folders above are opened for it to cross (never to list).
 
 Errors are AnchorError with messages free of secrets (no proxy credential).
 """
@@ -88,13 +88,11 @@ class Anchor:
     home_dir: Path | None = None     # the browser user's HOME for this browser (removed at close)
     #: a root guard's headed browser: its grant of the display (xdisplay.grant, removed at close)
     xauth_file: Path | None = field(default=None, repr=False)
-    #: the about:blank tab Chromium opened at start, until a stage session takes it
-    blank_tab: str | None = field(default=None, repr=False)
+    blank_tab: str | None = field(default=None, repr=False)   # Chromium's start-up tab, until taken
 
     def take_blank_tab(self) -> str | None:
-        """The browser's start-up tab, once: the first stage session attaches to it instead of
-        making agent-browser create a tab of its own (a new window and renderer: the slowest
-        step of a session start). None when it is taken, or was not a plain about:blank tab."""
+        """The browser's start-up tab, once (the first stage session attaches to it: a new tab is
+        the slowest step of a session start). None when taken, or not a plain about:blank tab."""
         tab, self.blank_tab = self.blank_tab, None
         return tab
 
@@ -346,21 +344,12 @@ agent-browser sessions attached to the CDP gate."""
         if not Path(spec.browser_path).is_absolute():
             self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError("the browser path must be an absolute path")
-        xauth_file: Path | None = None
         env = chromium.browser_env(profile_dir=profile_dir, home=home_dir)
-        if spec.headed and env.get("DISPLAY"):
-            try:
-                if user is not None:
-                    assert home_dir is not None
-                    display = xdisplay.local_display(env)
-                    assert display is not None
-                    xauth_file = await asyncio.to_thread(xdisplay.grant, display, user, home_dir)
-                    env["XAUTHORITY"] = str(xauth_file)
-                await asyncio.to_thread(xdisplay.probe, env, user)
-            except (xdisplay.DisplayError, OSError) as exc:
-                xdisplay.revoke(xauth_file)
-                self._drop_temp(profile_dir, temp_profile, home_dir)
-                raise AnchorError(f"could not show the window of anchor {spec.session}: {exc}") from None
+        try:   # a headed browser: the display granted to its user and checked as that user
+            xauth_file = await xdisplay.prepare(env, spec.headed, user, home_dir)
+        except (xdisplay.DisplayError, OSError) as exc:
+            self._drop_temp(profile_dir, temp_profile, home_dir)
+            raise AnchorError(f"could not show the window of anchor {spec.session}: {exc}") from None
         if find_browser_process(profile_dir, self._uids) is not None:
             # The lease should prevent this; this is the safety net (a second Chromium on a
             # profile in use would hand its work to the first one and exit).

@@ -21,11 +21,13 @@ message instead of a browser that exits during start.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from sfguard.supervisor.browsers.browser_user import BrowserUser
 
@@ -139,3 +141,25 @@ def probe(env: dict[str, str], user: BrowserUser | None) -> None:
                            "a headed browser cannot show its window there. Run the stage "
                            "headless, use the console's live view, or start the guard in the "
                            "desktop session that owns the display")
+
+
+async def prepare(env: dict[str, str], headed: bool, user: Any, home_dir: Path | None) -> Path | None:
+    """Before a browser starts: for a headed one with a DISPLAY, grant a root guard's browser
+    user that display (its own X authority file, pointed at by XAUTHORITY in `env`) and probe
+    it as that user. The grant file, or None. DisplayError (the grant revoked) when it cannot
+    be opened."""
+    if not headed or not env.get("DISPLAY"):
+        return None
+    xauth_file: Path | None = None
+    try:
+        if user is not None:
+            display = local_display(env)
+            if display is None or home_dir is None:
+                raise DisplayError(f"the display {env.get('DISPLAY')!r} is not a local one")
+            xauth_file = await asyncio.to_thread(grant, display, user, home_dir)
+            env["XAUTHORITY"] = str(xauth_file)
+        await asyncio.to_thread(probe, env, user)
+    except BaseException:
+        revoke(xauth_file)
+        raise
+    return xauth_file
