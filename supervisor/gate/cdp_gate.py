@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import hmac
 import itertools
@@ -84,6 +85,7 @@ class _Stage:
     # the tabs the guard gave the stage (add_stage, create_stage_tab): announced to every
     # connection of the stage; a tab one connection opened is announced to that one only
     assigned: set[str] = field(default_factory=set)
+    creating: int = 0   # Target.createTarget calls in flight on all its connections (the quota)
     relays: set[_Relay] = field(default_factory=set)
     methods: collections.Counter = field(default_factory=collections.Counter)
 
@@ -331,6 +333,9 @@ class _Relay:
         # it a dozen round trips each (issue 37). Ownership stays per stage: attach, close and
         # getTargets cover every tab of the stage.
         self.mine: set[str] = set()
+        self.creating = 0                  # this connection's createTarget calls in flight
+        self.no_creates = asyncio.Event()
+        self.no_creates.set()
 
     async def close(self) -> None:
         log.debug("stage %s conn %d: closed", self.stage.key, self.n)
@@ -345,6 +350,8 @@ class _Relay:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.stage.creating -= self.creating   # unanswered (browser gone, or timed out)
+            self.creating = 0
 
     # client -> Chrome
     async def _client_to_upstream(self) -> None:
@@ -358,6 +365,7 @@ class _Relay:
             method = data.get("method") if isinstance(data, dict) else None
             if self.gate._record and isinstance(method, str):
                 self.stage.methods[policy.safe_method_name(method)] += 1
+            self.ctx.pending_creates = self.stage.creating   # the quota is the stage's
             reason = policy.check_command(data, self.ctx)
             if reason is None:
                 key = (data.get("sessionId"), data["id"])
@@ -366,14 +374,16 @@ class _Relay:
             if reason is not None:
                 self.gate._refused(self.stage, method or "", reason)
                 if isinstance(data, dict) and "id" in data:
-                    await self.client.send_str(json.dumps(policy.refusal_message(
+                    await self._out(json.dumps(policy.refusal_message(
                         data.get("id"), method or "<malformed>", reason, data.get("sessionId"))))
                 continue
             if method in _INSPECTED_REPLIES:
                 self.pending[key] = method
                 self.pending_ids[data["id"]] += 1
                 if method == "Target.createTarget":
-                    self.ctx.pending_creates += 1
+                    self.creating += 1
+                    self.stage.creating += 1
+                    self.no_creates.clear()
             if method == "Target.createTarget" and data.get("sessionId") is None:
                 # Each stage tab in its own window: a tab behind another one in a headless
                 # window is hidden and not painted, and commands that need a frame hang
@@ -384,6 +394,12 @@ class _Relay:
                           data["id"], " (session)" if data.get("sessionId") else "")
             # Re-serialised: Chrome sees exactly what the policy saw (no duplicate-key tricks).
             await self.upstream.send(data)
+        # The client is gone. Tabs it asked for are still being made: wait (bounded) for the
+        # answers, so that they become the stage's (quota, closed at stage end) instead of
+        # being left behind by whoever closes the connection right after createTarget.
+        if self.creating:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.no_creates.wait(), CONNECT_TIMEOUT_S)
         await self.upstream.close()
 
     # Chrome -> client
@@ -400,13 +416,13 @@ class _Relay:
                 if int(m.group(1)) in self.pending_ids:
                     await self._reply(json.loads(text))
                 else:
-                    await self.client.send_str(text)
+                    await self._out(text)
                 continue
             m = _EVENT_RE.match(head)
             name = m.group(1).decode() if m else None
             if name is not None and name not in _TARGET_EVENTS \
                     and name not in policy.NETWORK_EVENTS_TO_REDACT:
-                await self.client.send_str(text)
+                await self._out(text)
                 continue
             try:
                 data = json.loads(text)
@@ -416,13 +432,23 @@ class _Relay:
                 if (data.get("sessionId"), data.get("id")) in self.pending:
                     await self._reply(data)
                 else:
-                    await self.client.send_str(json.dumps(data))
+                    await self._out(json.dumps(data))
             else:
                 await self._event(data)
         await self.client.close()
 
     async def _send(self, data: dict) -> None:
-        await self.client.send_str(json.dumps(data))
+        await self._out(json.dumps(data))
+
+    async def _out(self, text: str) -> None:
+        """To the client; nothing once it is gone (the relay may still be finishing its
+        bookkeeping, see the end of `_client_to_upstream`)."""
+        if self.client.closed:
+            return
+        try:
+            await self.client.send_str(text)
+        except ConnectionError:
+            pass
 
     async def _reply(self, data: dict) -> None:
         key = (data.get("sessionId"), data.get("id"))
@@ -435,7 +461,10 @@ class _Relay:
             del self.pending_ids[key[1]]
         result = data.get("result")
         if method == "Target.createTarget":
-            self.ctx.pending_creates -= 1
+            self.creating -= 1
+            self.stage.creating -= 1
+            if self.creating == 0:
+                self.no_creates.set()
             tid = result.get("targetId") if isinstance(result, dict) else None
             if isinstance(tid, str) and tid:
                 self.stage.targets.add(tid)
@@ -458,7 +487,7 @@ class _Relay:
 
     async def _release_held(self) -> None:
         """After a createTarget reply: pass held events that turned out to be ours, drop the rest."""
-        if self.ctx.pending_creates > 0:
+        if self.creating > 0:
             return
         held, self.held = self.held, []
         for name, data in held:
@@ -524,7 +553,7 @@ class _Relay:
         if name in _TARGET_EVENTS:
             if self._event_visible(name, data):
                 await self._send(data)
-            elif self.ctx.pending_creates > 0 and name in ("Target.targetCreated", "Target.targetInfoChanged"):
+            elif self.creating > 0 and name in ("Target.targetCreated", "Target.targetInfoChanged"):
                 self.held.append((name, data))
             return
         await self._send(data)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import aiohttp
@@ -307,3 +308,29 @@ async def test_tabs_of_another_connection_are_not_pushed_to_the_session(anchor, 
     assert set(x_tabs[1:]) <= gate.stage_targets("S")
     closed = await gate.close_stage_tabs("S")
     assert set(x_tabs[1:]) <= set(closed) and not set(closed) & await raw_page_ids(anchor)
+
+
+async def test_tabs_asked_for_on_a_connection_closed_at_once_are_the_stages(anchor, gate):
+    """A script that sends createTarget and closes its connection at once (or fires creates on
+    many connections together) gets no more tabs than the quota, and every tab it got is the
+    stage's: closed at stage end, not left in the browser."""
+    url = gate.add_stage("S", anchor.pipe, tab_quota=2)
+    before = await raw_page_ids(anchor)
+    create = json.dumps({"id": 1, "method": "Target.createTarget", "params": {"url": "about:blank"}})
+
+    async def fire_and_close(s: aiohttp.ClientSession) -> None:
+        ws = await s.ws_connect(url)
+        await ws.send_str(create)
+        await ws.close()
+
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            await fire_and_close(s)
+        await asyncio.gather(*(fire_and_close(s) for _ in range(4)))
+    deadline = asyncio.get_running_loop().time() + 10
+    while asyncio.get_running_loop().time() < deadline and len(gate.stage_targets("S")) < 2:
+        await asyncio.sleep(0.1)
+    made = await raw_page_ids(anchor) - before
+    assert len(made) <= 2 and made == gate.stage_targets("S"), (made, gate.stage_targets("S"))
+    closed = await gate.close_stage_tabs("S")
+    assert set(closed) == made and not (await raw_page_ids(anchor)) - before
