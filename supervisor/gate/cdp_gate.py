@@ -17,7 +17,9 @@ and lose the token, so only the ws:// form is served). Per connection the gate:
     tabs and children, and network events lose Cookie/Set-Cookie headers and cookie lists.
 
 Tab ownership is per stage: tabs given to `add_stage`, tabs created through the stage's token
-(`Target.createTarget` replies) and popups of own pages. `revoke()` ends the token and closes its
+(`Target.createTarget` replies) and popups of own pages. Target events are per connection: each
+is told about the stage's tabs the guard gave it and the tabs it opened or attached itself, not
+about tabs another connection of the stage opened (issue 37). `revoke()` ends the token and closes its
 connections. Refusals go to `on_refusal(stage_key, method, reason)` and the `sfguard.cdp_gate`
 logger (method names and a token fingerprint only; never params, tokens or the raw address).
 """
@@ -25,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import re
@@ -56,6 +60,7 @@ _TARGET_EVENTS = frozenset({
     "Target.targetCrashed", "Target.attachedToTarget", "Target.detachedFromTarget",
     "Target.receivedMessageFromTarget",
 })
+_conn_numbers = itertools.count(1)
 _INSPECTED_REPLIES = frozenset({"Target.createTarget", "Target.getTargets",
                                 "Target.getTargetInfo", "Target.attachToTarget"})
 
@@ -77,6 +82,10 @@ class _Stage:
     artifacts_dir: Path | None
     tab_quota: int
     targets: set[str] = field(default_factory=set)
+    # the tabs the guard gave the stage (add_stage, create_stage_tab): announced to every
+    # connection of the stage; a tab one connection opened is announced to that one only
+    assigned: set[str] = field(default_factory=set)
+    creating: int = 0   # Target.createTarget calls in flight on all its connections (the quota)
     relays: set[_Relay] = field(default_factory=set)
     methods: collections.Counter = field(default_factory=collections.Counter)
 
@@ -147,7 +156,7 @@ class CdpGate:
             raise GateError("the stage's browser is not running")
         token = secrets.token_urlsafe(32)
         stage = _Stage(stage_key, token, pipe, Path(artifacts_dir) if artifacts_dir else None,
-                       tab_quota, set(own_target_ids or ()))
+                       tab_quota, set(own_target_ids or ()), set(own_target_ids or ()))
         self._stages[stage_key] = stage
         log.info("stage %s added (token %s, quota %d)", stage_key, stage.fp, tab_quota)
         return f"ws://{join_host_port(self._host, self._port)}/devtools/browser/{token}"
@@ -188,6 +197,7 @@ class CdpGate:
                                             [("Target.closeTarget", {"targetId": t}) for t in targets])
             for tid, res in zip(targets, results, strict=True):
                 stage.targets.discard(tid)
+                stage.assigned.discard(tid)
                 if "error" not in res:
                     closed.append(tid)
             # closeTarget answers before the tab is gone; wait (bounded) until it is
@@ -210,6 +220,7 @@ class CdpGate:
         if not tid:
             raise GateError("the browser did not create the tab")
         stage.targets.add(tid)
+        stage.assigned.add(tid)
         return tid
 
     async def revoke(self, stage_key: str, close_tabs: bool = False) -> None:
@@ -308,14 +319,26 @@ class _Relay:
     def __init__(self, gate: CdpGate, stage: _Stage, client: web.WebSocketResponse,
                  upstream: PipeClient) -> None:
         self.gate, self.stage, self.client, self.upstream = gate, stage, client, upstream
+        self.n = next(_conn_numbers)   # names the connection in debug lines
         self.ctx = policy.PolicyContext(own_targets=stage.targets, artifacts_dir=stage.artifacts_dir,
                                         tab_quota=stage.tab_quota)
         # (sessionId, id) -> method, for replies the gate must look at
         self.pending: dict[tuple[Any, Any], str] = {}   # (sessionId, id) as the stage sent them
         self.pending_ids: collections.Counter = collections.Counter()
         self.held: list[tuple[str, dict]] = []  # target events of unknown targets during createTarget
+        # Stage tabs this connection opened, attached itself or whose opener it was told about.
+        # Target events (discovery) announce only these and the guard's tabs of the stage: a
+        # client such as agent-browser attaches to and sets up every page it is told about,
+        # before its next command (`close` included), so another connection's tabs would cost
+        # it a dozen round trips each (issue 37). Ownership stays per stage: attach, close and
+        # getTargets cover every tab of the stage.
+        self.mine: set[str] = set()
+        self.creating = 0                  # this connection's createTarget calls in flight
+        self.no_creates = asyncio.Event()
+        self.no_creates.set()
 
     async def close(self) -> None:
+        log.debug("stage %s conn %d: closed", self.stage.key, self.n)
         await asyncio.gather(self.client.close(), self.upstream.close(), return_exceptions=True)
 
     async def run(self) -> None:
@@ -327,6 +350,8 @@ class _Relay:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.stage.creating -= self.creating   # unanswered (browser gone, or timed out)
+            self.creating = 0
 
     # client -> Chrome
     async def _client_to_upstream(self) -> None:
@@ -340,6 +365,7 @@ class _Relay:
             method = data.get("method") if isinstance(data, dict) else None
             if self.gate._record and isinstance(method, str):
                 self.stage.methods[policy.safe_method_name(method)] += 1
+            self.ctx.pending_creates = self.stage.creating   # the quota is the stage's
             reason = policy.check_command(data, self.ctx)
             if reason is None:
                 key = (data.get("sessionId"), data["id"])
@@ -348,21 +374,32 @@ class _Relay:
             if reason is not None:
                 self.gate._refused(self.stage, method or "", reason)
                 if isinstance(data, dict) and "id" in data:
-                    await self.client.send_str(json.dumps(policy.refusal_message(
+                    await self._out(json.dumps(policy.refusal_message(
                         data.get("id"), method or "<malformed>", reason, data.get("sessionId"))))
                 continue
             if method in _INSPECTED_REPLIES:
                 self.pending[key] = method
                 self.pending_ids[data["id"]] += 1
                 if method == "Target.createTarget":
-                    self.ctx.pending_creates += 1
+                    self.creating += 1
+                    self.stage.creating += 1
+                    self.no_creates.clear()
             if method == "Target.createTarget" and data.get("sessionId") is None:
                 # Each stage tab in its own window: a tab behind another one in a headless
                 # window is hidden and not painted, and commands that need a frame hang
                 # (docs/cdp-gate.md, "Background tabs").
                 data.setdefault("params", {})["newWindow"] = True
+            if log.isEnabledFor(logging.DEBUG):  # method names and ids only (docs/cdp-gate.md)
+                log.debug("stage %s conn %d: -> %s id=%d%s", self.stage.key, self.n, method,
+                          data["id"], " (session)" if data.get("sessionId") else "")
             # Re-serialised: Chrome sees exactly what the policy saw (no duplicate-key tricks).
             await self.upstream.send(data)
+        # The client is gone. Tabs it asked for are still being made: wait (bounded) for the
+        # answers, so that they become the stage's (quota, closed at stage end) instead of
+        # being left behind by whoever closes the connection right after createTarget.
+        if self.creating:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.no_creates.wait(), CONNECT_TIMEOUT_S)
         await self.upstream.close()
 
     # Chrome -> client
@@ -370,17 +407,22 @@ class _Relay:
         while (text := await self.upstream.recv()) is not None:
             head = text[:80].encode()
             m = _REPLY_ID_RE.match(head)
+            if log.isEnabledFor(logging.DEBUG):
+                ev = None if m else _EVENT_RE.match(head)
+                log.debug("stage %s conn %d: <- %s", self.stage.key, self.n,
+                          f"reply id={m.group(1).decode()}" if m else
+                          ev.group(1).decode() if ev else "other message")
             if m:  # a reply: look inside only if the gate is waiting for it
                 if int(m.group(1)) in self.pending_ids:
                     await self._reply(json.loads(text))
                 else:
-                    await self.client.send_str(text)
+                    await self._out(text)
                 continue
             m = _EVENT_RE.match(head)
             name = m.group(1).decode() if m else None
             if name is not None and name not in _TARGET_EVENTS \
                     and name not in policy.NETWORK_EVENTS_TO_REDACT:
-                await self.client.send_str(text)
+                await self._out(text)
                 continue
             try:
                 data = json.loads(text)
@@ -390,13 +432,23 @@ class _Relay:
                 if (data.get("sessionId"), data.get("id")) in self.pending:
                     await self._reply(data)
                 else:
-                    await self.client.send_str(json.dumps(data))
+                    await self._out(json.dumps(data))
             else:
                 await self._event(data)
         await self.client.close()
 
     async def _send(self, data: dict) -> None:
-        await self.client.send_str(json.dumps(data))
+        await self._out(json.dumps(data))
+
+    async def _out(self, text: str) -> None:
+        """To the client; nothing once it is gone (the relay may still be finishing its
+        bookkeeping, see the end of `_client_to_upstream`)."""
+        if self.client.closed:
+            return
+        try:
+            await self.client.send_str(text)
+        except ConnectionError:
+            pass
 
     async def _reply(self, data: dict) -> None:
         key = (data.get("sessionId"), data.get("id"))
@@ -409,10 +461,14 @@ class _Relay:
             del self.pending_ids[key[1]]
         result = data.get("result")
         if method == "Target.createTarget":
-            self.ctx.pending_creates -= 1
+            self.creating -= 1
+            self.stage.creating -= 1
+            if self.creating == 0:
+                self.no_creates.set()
             tid = result.get("targetId") if isinstance(result, dict) else None
-            if tid:
+            if isinstance(tid, str) and tid:
                 self.stage.targets.add(tid)
+                self.mine.add(tid)
             await self._release_held()
         elif method == "Target.getTargets" and isinstance(result, dict):
             result["targetInfos"] = policy.filter_target_infos(
@@ -431,26 +487,38 @@ class _Relay:
 
     async def _release_held(self) -> None:
         """After a createTarget reply: pass held events that turned out to be ours, drop the rest."""
-        if self.ctx.pending_creates > 0:
+        if self.creating > 0:
             return
         held, self.held = self.held, []
         for name, data in held:
             if self._event_visible(name, data):
                 await self._send(data)
 
+    def _announced(self, tid: Any) -> bool:
+        """Whether target events about `tid` go to this connection: a stage tab the guard gave
+        the stage or this connection's own (see `mine`), or a child it attached."""
+        if tid in self.ctx.own_sessions.values():
+            return True
+        return tid in self.stage.targets and (tid in self.stage.assigned or tid in self.mine)
+
     def _event_visible(self, name: str, data: dict) -> bool:
         params = data.get("params") or {}
-        targets, sessions = self.stage.targets, self.ctx.own_sessions
+        targets = self.stage.targets
         if name in ("Target.targetCreated", "Target.targetInfoChanged"):
             info = params.get("targetInfo") or {}
-            if policy.is_own_popup(info, targets) and info.get("targetId"):
-                targets.add(info["targetId"])
-            return policy.target_visible(info, targets, sessions)
+            tid = info.get("targetId")
+            if isinstance(tid, str) and tid and policy.is_own_popup(info, targets):
+                targets.add(tid)                      # the stage's, whoever is told
+                if self._announced(info.get("openerId")):
+                    self.mine.add(tid)
+            return self._announced(tid)
         if name in ("Target.targetDestroyed", "Target.targetCrashed"):
             tid = params.get("targetId")
-            visible = tid in targets or tid in sessions.values()
+            visible = self._announced(tid)
             if name == "Target.targetDestroyed":
                 targets.discard(tid)
+                self.stage.assigned.discard(tid)
+                self.mine.discard(tid)
             return visible
         return False
 
@@ -472,6 +540,8 @@ class _Relay:
             if parent is not None or tid in self.stage.targets:
                 # child of an own session (auto-attach) or an own tab attached by this connection
                 self.ctx.own_sessions[sid] = tid
+                if parent is None:
+                    self.mine.add(tid)        # a tab it chose to use: tell it what happens to it
                 await self._send(data)
             return
         if name == "Target.detachedFromTarget":
@@ -483,7 +553,7 @@ class _Relay:
         if name in _TARGET_EVENTS:
             if self._event_visible(name, data):
                 await self._send(data)
-            elif self.ctx.pending_creates > 0 and name in ("Target.targetCreated", "Target.targetInfoChanged"):
+            elif self.creating > 0 and name in ("Target.targetCreated", "Target.targetInfoChanged"):
                 self.held.append((name, data))
             return
         await self._send(data)

@@ -28,7 +28,7 @@ get url/text/title, tab list/new/close, back, forward, reload, scroll, close. Me
   Network.enable, DOM.enable, DOM.resolveNode, DOM.getBoxModel, DOM.scrollIntoViewIfNeeded,
   Accessibility.enable, Accessibility.getFullAXTree,
   Input.dispatchMouseEvent, Input.dispatchKeyEvent, Input.insertText, WebMCP.enable
-  (`close` of a --cdp session sends nothing: it only disconnects.)
+  (`close` of a --cdp session only disconnects; measured, it sends one Browser.getVersion.)
 A few neighbours of these that the same commands use in other situations (history navigation,
 dialogs, focus, layout) are allowed too; each entry says why.
 """
@@ -184,7 +184,8 @@ class PolicyContext:
 
     own_targets: the stage's tabs (shared by all connections of the stage token).
     own_sessions: sessionId -> targetId of sessions this connection attached (tabs and children).
-    pending_creates: Target.createTarget calls sent but not yet answered (count toward the quota).
+    pending_creates: Target.createTarget calls of the stage sent but not yet answered, on any of
+        its connections (count toward the quota; the gate sets it before each check).
     """
     own_targets: set[str] = field(default_factory=set)
     own_sessions: dict[str, str] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import aiohttp
@@ -268,3 +269,68 @@ async def test_api_errors_on_duplicate_stage_and_dead_browser(anchor, gate):
         gate.add_stage("E", anchor.pipe)
     with pytest.raises(GateError):
         CdpGate(host="0.0.0.0")
+
+
+async def test_tabs_of_another_connection_are_not_pushed_to_the_session(anchor, pages, gate, sessions):
+    """Issue 37: agent-browser sets up every page its connection is told about before its next
+    command. Tabs that another connection of the same stage opened (a raw script) are the
+    stage's (listed, attachable, closed at stage end) but target events announce them only to
+    the connection that opened them, so the session's commands and `close` stay instant."""
+    url = gate.add_stage("S", anchor.pipe)
+    pre = await gate.create_stage_tab("S")
+    st = sessions(url, "s")
+    await st.arun("open", f"{pages}/index.html")
+    attaches = gate.methods_seen("S")["Target.attachToTarget"]
+    async with aiohttp.ClientSession() as s, s.ws_connect(url) as wx, s.ws_connect(url) as wy:
+        x, y = CdpClient(wx), CdpClient(wy)
+        await y.call("Target.setDiscoverTargets", {"discover": True})
+        y_tab = (await y.call("Target.createTarget", {"url": "about:blank"}))["result"]["targetId"]
+        x_tabs = [(await x.call("Target.createTarget", {"url": f"{pages}/p2.html"}))["result"]["targetId"]
+                  for _ in range(3)]
+        await y.drain(1.0)
+        told = {e["params"].get("targetInfo", {}).get("targetId") or e["params"].get("targetId")
+                for e in y.events if e.get("method", "").startswith("Target.")}
+        assert pre in told and y_tab in told       # the guard's tab and its own
+        assert not told & set(x_tabs), told
+        # still the stage's: listed, attachable (then announced), closed at stage end
+        listed = {i["targetId"] for i in (await y.call("Target.getTargets"))["result"]["targetInfos"]}
+        assert set(x_tabs) | {pre, y_tab} <= listed
+        attached = await y.call("Target.attachToTarget", {"targetId": x_tabs[0], "flatten": True})
+        assert "result" in attached, attached
+        y.events.clear()
+        await x.call("Target.closeTarget", {"targetId": x_tabs[0]})
+        await y.drain(1.0)
+        assert {"Target.detachedFromTarget", "Target.targetDestroyed"} <= {e.get("method") for e in y.events}
+    # the session's next commands set up none of them
+    assert (await st.arun("get", "url")).stdout.strip() == f"{pages}/index.html"
+    await st.arun("close")
+    assert gate.methods_seen("S")["Target.attachToTarget"] == attaches + 1   # y's one attach
+    assert set(x_tabs[1:]) <= gate.stage_targets("S")
+    closed = await gate.close_stage_tabs("S")
+    assert set(x_tabs[1:]) <= set(closed) and not set(closed) & await raw_page_ids(anchor)
+
+
+async def test_tabs_asked_for_on_a_connection_closed_at_once_are_the_stages(anchor, gate):
+    """A script that sends createTarget and closes its connection at once (or fires creates on
+    many connections together) gets no more tabs than the quota, and every tab it got is the
+    stage's: closed at stage end, not left in the browser."""
+    url = gate.add_stage("S", anchor.pipe, tab_quota=2)
+    before = await raw_page_ids(anchor)
+    create = json.dumps({"id": 1, "method": "Target.createTarget", "params": {"url": "about:blank"}})
+
+    async def fire_and_close(s: aiohttp.ClientSession) -> None:
+        ws = await s.ws_connect(url)
+        await ws.send_str(create)
+        await ws.close()
+
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            await fire_and_close(s)
+        await asyncio.gather(*(fire_and_close(s) for _ in range(4)))
+    deadline = asyncio.get_running_loop().time() + 10
+    while asyncio.get_running_loop().time() < deadline and len(gate.stage_targets("S")) < 2:
+        await asyncio.sleep(0.1)
+    made = await raw_page_ids(anchor) - before
+    assert len(made) <= 2 and made == gate.stage_targets("S"), (made, gate.stage_targets("S"))
+    closed = await gate.close_stage_tabs("S")
+    assert set(closed) == made and not (await raw_page_ids(anchor)) - before
