@@ -34,6 +34,11 @@ def register(sub) -> None:
     p.add_argument("--token-file", metavar="FILE",
                    help="with --tcp: write the bearer token to FILE (created 0600, replaced "
                         "atomically) instead of printing it")
+    p.add_argument("--keep-ended-runs", metavar="N", type=int, default=None,
+                   help="ended runs kept in memory for status, the console and GET (default 200); "
+                        "older ones leave memory, their record stays in <home>/runs/ended/")
+    p.add_argument("--keep-ended-hours", metavar="H", type=float, default=None,
+                   help="ended runs leave memory after H hours at most (default 24)")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
                    help="DNS override for the run proxies, like curl's --resolve (tests, demos)")
     p.add_argument("--api-group", metavar="GROUP",
@@ -77,10 +82,18 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redaction.install()
+    from sfguard.supervisor.daemon.guard import KEEP_ENDED_RUNS, KEEP_ENDED_SECONDS
     from sfguard.supervisor.profiles.stores import StoreError
+    keep_runs = KEEP_ENDED_RUNS if args.keep_ended_runs is None else args.keep_ended_runs
+    keep_hours = KEEP_ENDED_SECONDS / 3600 if args.keep_ended_hours is None else args.keep_ended_hours
+    if not 0 <= keep_runs <= 1_000_000:
+        raise CliError("--keep-ended-runs: a number of runs from 0 to 1000000", 2)
+    if not 0 < keep_hours <= 24 * 366:    # also refuses nan and inf
+        raise CliError("--keep-ended-hours: hours above 0, at most a year (8784)", 2)
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
-                      store=args.store)
+                      store=args.store, keep_ended_runs=keep_runs,
+                      keep_ended_seconds=keep_hours * 3600)
     except StoreError as exc:
         raise CliError(str(exc), 2) from None
     except ProfileError as exc:  # shared store: unreachable, schema too new, key missing or wrong
