@@ -246,6 +246,11 @@ class Guard:
         elif self.policy_watch.error is not None and self.policy_watch.error is not before:
             log.error("site policy edit refused, the last good policy stays in force: %s",
                       self.policy_error)
+            fields: dict[str, Any] = {"mode": self.site_policy.mode, "reason": "invalid"}
+            with contextlib.suppress(OSError):
+                fields["policy_sha256"] = hashlib.sha256(self.policy_path.read_bytes()).hexdigest()
+            self.calls.submit("the audit record of a refused policy edit", self.audit.record,
+                              "policy_edit_refused", **fields)
 
     def host_tool_report(self) -> tuple[str, str]:
         ab = tools.find_agent_browser()
