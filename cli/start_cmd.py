@@ -218,9 +218,15 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                                    handle_signals=False, max_line_size=65536, max_field_size=65536)
         await tcp_runner.setup()
         runners.append(tcp_runner)
-        await web.TCPSite(tcp_runner, "127.0.0.1", tcp_port).start()
-        lines.append(f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token in {token_path})"
-                     if token_path else f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token: {token})")
+        site = web.TCPSite(tcp_runner, "127.0.0.1", tcp_port)
+        await site.start()
+        # the port it listens on (--tcp 0: one the system chose), for the banner and status
+        server = site._server
+        sockets = getattr(server, "sockets", None) or ()
+        port = sockets[0].getsockname()[1] if sockets else tcp_port
+        guard.api_tcp_port = port
+        lines.append(f"sfguard: API on http://127.0.0.1:{port} (bearer token in {token_path})"
+                     if token_path else f"sfguard: API on http://127.0.0.1:{port} (bearer token: {token})")
     if console_at is not None:
         from sfguard.supervisor.console.server import ConsoleServer
         console = ConsoleServer(guard, *console_at)

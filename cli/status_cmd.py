@@ -42,7 +42,8 @@ def run(args) -> int:
             print(f"ALERT {a}", file=sys.stderr)
         return 1 if args.check and found else 0
     g, pol = body["guard"], body["policy"]
-    print(f"guard   pid {g['pid']} since {g['since']}, home {g['home']}, keys: {g['key_provider']}")
+    print(f"guard   pid {g['pid']} since {g['since']}, home {g['home']}, keys: {g['key_provider']}"
+          + (f", API also on http://127.0.0.1:{g['tcp_port']}" if g.get("tcp_port") else ""))
     if g.get("store"):
         print(f"store   {g['store']}" + (f"  UNREACHABLE ({g['store_error']}): leases and "
                                          "queues unknown" if g.get("store_error") else ""))

@@ -150,6 +150,8 @@ class Guard:
         # layer 2: under root, browsers run as this unprivileged user (supervisor/browsers/browser_user.py)
         self.browser_user_name = browser_user.DEFAULT_BROWSER_USER
         self.browser_user: browser_user.BrowserUser | None = None
+        # the loopback TCP port of the control API (`sfguard start --tcp`), once it listens
+        self.api_tcp_port: int | None = None
         # the operator console (supervisor/console), set by `sfguard start` unless --no-console
         self.console: Any = None
 

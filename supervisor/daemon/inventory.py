@@ -59,7 +59,8 @@ class Inventory:
         return {
             "guard": {"pid": os.getpid(), "since": now_iso(g.started), "home": str(g.home),
                       "key_provider": g.keys.describe(), "scope": g.scope,
-                      "store": g.stores.shown, "store_error": store_error},
+                      "store": g.stores.shown, "store_error": store_error,
+                      "tcp_port": g.api_tcp_port},
             "policy": {"file": str(g.policy_path), "mode": g.site_policy.mode,
                        "state": "error" if g.policy_error else "ok", "error": g.policy_error},
             "runs": [r.public() for r in active + recent],

@@ -297,6 +297,9 @@ class GuardInfo(Answer):
     store_error: str | None = Field(default=None, description=(
         "why `leases` is empty this time: the store did not answer (the shared database is "
         "unreachable or slower than 2 s); null when it answered"))
+    tcp_port: int | None = Field(default=None, description=(
+        "the loopback TCP port of this API (`sfguard start --tcp`, the real one for --tcp 0); "
+        "null without a TCP listener"))
 
 
 class PolicyState(Answer):
