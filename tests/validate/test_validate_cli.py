@@ -62,8 +62,9 @@ def test_valid_pipeline_exits_0_with_a_summary():
 def test_the_example_pipeline_is_valid():
     res = sfguard(str(EXAMPLE.relative_to(ROOT)), cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout == ""
-    assert "valid (3 stages, 3 with a browser)" in res.stderr
+    # its only warnings: on a machine without a display, its headed stages (issue 35)
+    assert all("warning: headed: true needs a display" in l for l in res.stdout.splitlines())
+    assert "valid (3 stages, 3 with a browser" in res.stderr
 
 
 def test_the_example_uses_topology_a_and_only_the_fixture_site():
