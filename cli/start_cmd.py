@@ -79,8 +79,7 @@ def run(args) -> int:
     from sfguard.supervisor.home import HomeError, resolve_home
     from sfguard.supervisor.protocols import ProfileError
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=redaction.LOG_FORMAT)
     redaction.install()
     from sfguard.supervisor.daemon.guard import KEEP_ENDED_RUNS, KEEP_ENDED_SECONDS
     from sfguard.supervisor.profiles.stores import StoreError

@@ -58,3 +58,12 @@ def test_status_names_the_tcp_port_and_check_exits_1_on_an_invalid_edit(daemon, 
     assert re.search(r"^ALERT +invalid policy edit of .*live\.yaml", check.stdout, re.M), check.stdout
     assert check_json.returncode == 1 and json.loads(check_json.stdout)["policy"]["state"] == "error"
     assert "ALERT invalid policy edit" in check_json.stderr
+
+    # the guard's log: one format for every line (the daemon's and its run proxies'), the
+    # refused edit once, on one line
+    time.sleep(1.5)                        # the spare run proxy polls the same file too
+    lines = [l for l in daemon.log.read_text().splitlines() if l.strip()]
+    fmt = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                     r"[\w.]+: ")
+    assert [l for l in lines if not fmt.match(l)] == []
+    assert len([l for l in lines if "sideways" in l]) == 1, [l for l in lines if "sideways" in l]
