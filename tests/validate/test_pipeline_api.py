@@ -25,4 +25,4 @@ def test_injected_tool_finder_is_used():
     missing = tools.Tool("agent-browser", None, None, "not found here", "install it")
     report = validate_pipeline(EXAMPLE, find_tools=lambda: [missing])
     assert [i.code for i in report.errors] == ["tool_missing"]
-    assert str(report.errors[0]).startswith(f"{EXAMPLE}:22:5: stages[0].browser: agent-browser is not installed")
+    assert str(report.errors[0]).startswith(f"{EXAMPLE}:27:5: stages[0].browser: agent-browser is not installed")
