@@ -276,10 +276,7 @@ class RunInfo(Answer):
     outcome: str | None
     created: str
     pipeline: bool = Field(description="the run was created with a pipeline path")
-    ended: str | None = Field(default=None, description="when the run ended (null while it runs)")
-    retired: bool = Field(default=False, description=(
-        "true when the run has left the guard's memory (ended runs are kept for a while: "
-        "`sfguard start --keep-ended-runs/--keep-ended-hours`) and this is its record kept on disk"))
+    ended: str | None = None    # when it ended; `retired: true`: its record from disk
     stages: list[RunStageInfo]
     browsers: list[RunBrowserInfo]
     proxy: RunProxyInfo | None
@@ -297,9 +294,6 @@ class GuardInfo(Answer):
     store_error: str | None = Field(default=None, description=(
         "why `leases` is empty this time: the store did not answer (the shared database is "
         "unreachable or slower than 2 s); null when it answered"))
-    tcp_port: int | None = Field(default=None, description=(
-        "the loopback TCP port of this API (`sfguard start --tcp`, the real one for --tcp 0); "
-        "null without a TCP listener"))
 
 
 class PolicyState(Answer):
@@ -328,22 +322,10 @@ class ConsoleInfo(Answer):
     url: str = Field(description="the operator console's address (log in with `sfguard console`)")
 
 
-class RunsSummary(Answer):
-    active: int = Field(description="runs not yet ended (all listed in `runs`)")
-    ended_shown: int = Field(description="the most recently ended runs listed in `runs` after the active ones")
-    ended_in_memory: int = Field(description="ended runs the guard still holds (GET answers them)")
-    retired: int = Field(description=(
-        "ended runs that left memory since the guard started (GET answers their record on disk)"))
-    keep_ended_runs: int
-    keep_ended_hours: float
-
-
 class StatusAnswer(Answer):
     guard: GuardInfo
     policy: PolicyState
-    runs: list[RunInfo] = Field(description=(
-        "every run not yet ended, then the most recently ended ones (newest first)"))
-    runs_summary: RunsSummary | None = None
+    runs: list[RunInfo] = Field(description="the runs not yet ended, then the latest ended ones")
     leases: list[LeaseInfo]
     console: ConsoleInfo | None = None
 
