@@ -70,6 +70,13 @@ def _sink(args):
     return stores.audit
 
 
+def _where(args) -> str:
+    from sfguard.supervisor.profiles.stores import store_url
+    if store_url(args.store) is not None:
+        return "the shared store's audit table"
+    return str(existing_home(args.home) / "audit.log")
+
+
 def cmd_verify(args) -> int:
     result = _sink(args).verify()
     if getattr(args, "json", False):
@@ -91,6 +98,9 @@ def cmd_show(args) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     recs = _sink(args).records(profile=args.profile, run=args.run)
+    if not recs and not args.json:
+        which = " ".join(f"--{k} {v}" for k, v in (("profile", args.profile), ("run", args.run)) if v)
+        print(f"no audit records{' match ' + which if which else ' yet'} (the log: {_where(args)})")
     for r in recs:
         if args.json:
             print(json.dumps(r, sort_keys=True))

@@ -381,7 +381,10 @@ def cmd_login(args) -> int:
     if problems:
         print("the guard reported problems while closing: " + "; ".join(problems), file=sys.stderr)
     if not confirmed:
-        print(f"not confirmed: the profile {args.name} was resealed as it is")
+        if session.new_profile is not None:
+            print(f"not confirmed: the new profile {args.name} was removed again")
+        else:
+            print(f"not confirmed: the profile {args.name} was resealed as it is")
         return 1
     print(f"confirmed: the browser was closed and profile {args.name} resealed")
     if spec is None:

@@ -36,6 +36,11 @@ def register(sub) -> None:
     p.add_argument("--token-file", metavar="FILE",
                    help="with --tcp: write the bearer token to FILE (created 0600, replaced "
                         "atomically) instead of printing it")
+    p.add_argument("--keep-ended-runs", metavar="N", type=int, default=None,
+                   help="ended runs kept in memory for status, the console and GET (default 200); "
+                        "older ones leave memory, their record stays in <home>/runs/ended/")
+    p.add_argument("--keep-ended-hours", metavar="H", type=float, default=None,
+                   help="ended runs leave memory after H hours at most (default 24)")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
                    help="DNS override for the run proxies, like curl's --resolve (tests, demos)")
     p.add_argument("--api-group", metavar="GROUP",
@@ -85,13 +90,20 @@ def run(args) -> int:
     from sfguard.supervisor.home import HomeError, resolve_home
     from sfguard.supervisor.protocols import ProfileError
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=redaction.LOG_FORMAT)
     redaction.install()
+    from sfguard.supervisor.daemon.guard import KEEP_ENDED_RUNS, KEEP_ENDED_SECONDS
     from sfguard.supervisor.profiles.stores import StoreError
+    keep_runs = KEEP_ENDED_RUNS if args.keep_ended_runs is None else args.keep_ended_runs
+    keep_hours = KEEP_ENDED_SECONDS / 3600 if args.keep_ended_hours is None else args.keep_ended_hours
+    if not 0 <= keep_runs <= 1_000_000:
+        raise CliError("--keep-ended-runs: a number of runs from 0 to 1000000", 2)
+    if not 0 < keep_hours <= 24 * 366:    # also refuses nan and inf
+        raise CliError("--keep-ended-hours: hours above 0, at most a year (8784)", 2)
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
-                      store=args.store)
+                      store=args.store, keep_ended_runs=keep_runs,
+                      keep_ended_seconds=keep_hours * 3600)
     except StoreError as exc:
         raise CliError(str(exc), 2) from None
     except ProfileError as exc:  # shared store: unreachable, schema too new, key missing or wrong
@@ -229,9 +241,15 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                                    handle_signals=False, max_line_size=65536, max_field_size=65536)
         await tcp_runner.setup()
         runners.append(tcp_runner)
-        await web.TCPSite(tcp_runner, "127.0.0.1", tcp_port).start()
-        lines.append(f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token in {token_path})"
-                     if token_path else f"sfguard: API on http://127.0.0.1:{tcp_port} (bearer token: {token})")
+        site = web.TCPSite(tcp_runner, "127.0.0.1", tcp_port)
+        await site.start()
+        # the port it listens on (--tcp 0: one the system chose), for the banner and status
+        server = site._server
+        sockets = getattr(server, "sockets", None) or ()
+        port = sockets[0].getsockname()[1] if sockets else tcp_port
+        guard.api_tcp_port = port
+        lines.append(f"sfguard: API on http://127.0.0.1:{port} (bearer token in {token_path})"
+                     if token_path else f"sfguard: API on http://127.0.0.1:{port} (bearer token: {token})")
     if console_at is not None:
         from sfguard.supervisor.console.server import ConsoleServer
         console = ConsoleServer(guard, *console_at)

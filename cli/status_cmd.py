@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from sfguard.cli.main import CliError
 
@@ -10,10 +11,16 @@ def register(sub) -> None:
     p = sub.add_parser("status", help="show runs, leases, queues, browsers, proxies and policy state",
                        description=("Ask the running guard what it holds: runs and their stages, "
                                     "profile leases and queues, browsers, run proxies and the site "
-                                    "policy's state (the same data as GET /v1/status). Exit 3 when "
-                                    "no guard runs on this home."))
+                                    "policy's state (the same data as GET /v1/status): every run "
+                                    "not yet ended and the most recently ended ones. Exit 3 when "
+                                    "no guard runs on this home; with --check, exit 1 when "
+                                    "something needs the operator (see --check)."))
     p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
     p.add_argument("--json", action="store_true", help="print the /v1/status answer as JSON")
+    p.add_argument("--check", action="store_true",
+                   help="for monitors: exit 1 when something needs the operator (an invalid "
+                        "policy edit, the shared store unreachable, a proxy of an active run "
+                        "down), each named on an ALERT line (on stderr with --json)")
     p.set_defaults(func=run)
 
 
@@ -28,11 +35,15 @@ def run(args) -> int:
         raise no_guard(home, args.home) from None
     if status != 200:
         raise CliError(f"the guard answered {status}: {body}", 1)
+    found = alerts(body)
     if args.json:
         print(json.dumps(body, indent=2))
-        return 0
+        for a in found if args.check else []:
+            print(f"ALERT {a}", file=sys.stderr)
+        return 1 if args.check and found else 0
     g, pol = body["guard"], body["policy"]
-    print(f"guard   pid {g['pid']} since {g['since']}, home {g['home']}, keys: {g['key_provider']}")
+    print(f"guard   pid {g['pid']} since {g['since']}, home {g['home']}, keys: {g['key_provider']}"
+          + (f", API also on http://127.0.0.1:{g['tcp_port']}" if g.get("tcp_port") else ""))
     if g.get("store"):
         print(f"store   {g['store']}" + (f"  UNREACHABLE ({g['store_error']}): leases and "
                                          "queues unknown" if g.get("store_error") else ""))
@@ -51,8 +62,13 @@ def run(args) -> int:
         print(f"pending {line}")
     for r in body["runs"]:
         proxy = r["proxy"]
+        if proxy and r["state"] != "active":
+            shown = "stopped"          # a run that ended stopped its proxy: no alert
+        else:
+            shown = "up" if proxy and proxy["alive"] else "DOWN"
         print(f"run     {r['run_id']} {r['state']}" + (f" ({r['outcome']})" if r["outcome"] else "")
-              + (f", proxy :{proxy['port']} {'up' if proxy['alive'] else 'DOWN'}" if proxy else ""))
+              + (f" at {r['ended']}" if r.get("ended") else "")
+              + (f", proxy :{proxy['port']} {shown}" if proxy else ""))
         for s in r["stages"]:
             extra = f" waiting for run {s['holder_run']}" if s["holder_run"] else ""
             print(f"  stage {s['stage_id']} attempt {s['attempt']} {s['state']}"
@@ -68,4 +84,28 @@ def run(args) -> int:
             print(f"lease   {lease['profile']} held by {lease['holder_run'] or '-'}{where}; queue: {q}")
     if not body["runs"]:
         print("runs    none")
-    return 0
+    summary = body.get("runs_summary")
+    if summary:
+        print(f"runs    {summary['active']} active; {summary['ended_shown']} of "
+              f"{summary['ended_in_memory']} ended run(s) in memory shown; {summary['retired']} "
+              f"retired (kept: the newest {summary['keep_ended_runs']}, at most "
+              f"{summary['keep_ended_hours']:g} h; GET /v1/runs/ID answers a retired run's "
+              "record from disk)")
+    for a in found if args.check else []:
+        print(f"ALERT   {a}")
+    return 1 if args.check and found else 0
+
+
+def alerts(body: dict) -> list[str]:
+    """What needs the operator in a status answer (`status --check` exits 1 on any)."""
+    out = []
+    pol, g = body["policy"], body["guard"]
+    if pol["state"] != "ok":
+        out.append(f"invalid policy edit of {pol['file']}, the last good policy is kept: "
+                   f"{pol['error']}")
+    if g.get("store_error"):
+        out.append(f"the store does not answer: {g['store_error']}")
+    for r in body["runs"]:
+        if r["state"] == "active" and r["proxy"] and not r["proxy"]["alive"]:
+            out.append(f"the proxy of active run {r['run_id']} is down")
+    return out

@@ -93,7 +93,8 @@ class PolicyReloader:
         err = self.watcher.error
         if err is None or err is before:
             return False
-        logger.error("policy reload failed, keeping the last good policy:\n%s", err)
+        logger.error("policy reload failed, keeping the last good policy: %s",
+                     str(err).replace("\n", "; "))
         self.status.set_error(str(err))
         return True
 

@@ -158,3 +158,8 @@ def install(logger: logging.Logger | None = None) -> RedactionFilter:
         if _FILTER not in h.filters:
             h.addFilter(_FILTER)
     return _FILTER
+
+
+#: The one line format of every guard process's log (the daemon, its run proxies): time,
+#: level, logger, message; a message never spans lines.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -198,9 +198,11 @@ class LoginWindow:
     """An open `profiles login` run: show `payload`, wait for the person, then `finish()`."""
     run: GuardRun
     payload: dict
+    new_profile: str | None = None     # the profile this login created (it did not exist)
 
     def finish(self, confirmed: bool) -> list[str]:
-        """End the stage and the run (closes the window, reseals the profile)."""
+        """End the stage and the run (closes the window, reseals the profile). A login that
+        was not confirmed leaves no empty profile behind: one it created is deleted."""
         problems: list[str] = []
         with contextlib.suppress(OpError):
             problems += self.run.end_stage("login", "succeeded" if confirmed else "cancelled")
@@ -208,7 +210,20 @@ class LoginWindow:
             problems += self.run.end("succeeded" if confirmed else "cancelled")
         except OpError as exc:
             problems.append(f"ending the run failed: {exc}")
+        if not confirmed and self.new_profile is not None:
+            problems += drop_new_profile(self.run.client, self.new_profile)
         return problems
+
+
+def drop_new_profile(client: GuardClient, name: str) -> list[str]:
+    """Delete the empty profile an aborted login made; the problem, if any."""
+    try:
+        status, answer = client.call("DELETE", f"/v1/profiles/{name}")
+    except GuardUnavailable as exc:
+        return [f"the new profile {name} could not be removed: {exc}"]
+    if status not in (200, 404):
+        return [f"the new profile {name} could not be removed: {_error_of(status, answer)}"]
+    return []
 
 
 class ProfileOps:
@@ -257,6 +272,7 @@ class ProfileOps:
         """A run with a headed stage on the profile and a local_window handoff at the URL; on a
         guard without a screen, a headless stage and a live_view handoff (payload kind
         live_view, url = a one-time console link). HandoffRefused when neither can work."""
+        new = None if self._profile_exists() else self.name
         run = GuardRun(self.client, new_run_id("login"))
         try:
             try:
@@ -272,14 +288,16 @@ class ProfileOps:
                                       self.url, "auto", "login", spec)
                 if payload.get("kind") != "live_view":
                     raise HandoffRefused(str(exc), "no_display") from None
-                return LoginWindow(run, payload)
+                return LoginWindow(run, payload, new)
             payload = run.handoff(self.name, urlsplit(self.url).hostname or self.url,
                                   f"sfguard profiles login: sign in to profile {self.name}", self.url)
         except BaseException:
             with contextlib.suppress(OpError):
                 run.end("cancelled")
+            if new is not None:
+                drop_new_profile(self.client, new)
             raise
-        return LoginWindow(run, payload)
+        return LoginWindow(run, payload, new)
 
 
 def guard_running(home: Path) -> bool:

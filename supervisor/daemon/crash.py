@@ -4,6 +4,10 @@ While a run lives, `RunRecords.save` keeps `runs/<id>.json` (no secrets): the pr
 names and runtime paths the run started, and the daemon that owns it. After a crash of the
 daemon, `sweep()` (at `sfguard start`, or `sfguard sweep`) ends those processes (by pid AND start
 time), removes the files, reseals unsealed profiles and releases the leases.
+
+When a run ends, its crash record goes and `RunRecords.save_ended` keeps what the API showed
+of it in `runs/ended/<id>.json` (no secrets): GET /v1/runs/{id} answers it once the run has
+left the guard's memory (retention, supervisor/daemon/guard.py) or the guard was restarted.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +24,7 @@ from sfguard.supervisor.browsers import agent_browser
 from sfguard.supervisor.daemon.runs import Run, StageState
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.daemon.sweep import ProcRecord, scan_orphans, terminate_recorded
-from sfguard.supervisor.home import atomic_write
+from sfguard.supervisor.home import FILE_MODE, atomic_write, private_dir
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.lease import current_process, process_alive
 from sfguard.supervisor.protocols import ProcessIdentity
@@ -36,6 +41,7 @@ class RunRecords:
 
     def __init__(self, runs_dir: Path, scope: str, sessions: StageSessions):
         self.runs_dir, self.scope, self.sessions = runs_dir, scope, sessions
+        self.ended_dir = runs_dir / "ended"
 
     def save(self, run: Run) -> None:
         """The crash record: what to clean if this daemon dies. No secrets."""
@@ -65,6 +71,34 @@ class RunRecords:
                "sessions": [s.env["AGENT_BROWSER_SESSION"] for s in run.stages.values()
                             if s.env and s.state == StageState.READY] + spare_sessions}
         atomic_write(self.runs_dir / f"{run.run_id}.json", json.dumps(rec).encode())
+
+    def save_ended(self, run: Run) -> None:
+        """The record of an ended run (`runs/ended/<id>.json`, what GET /v1/runs/{id} showed at
+        its end): it outlives the run's place in memory (Guard.retire) and restarts.
+
+        Written whole (a temp file renamed over the name) but not fsynced: a guard ending
+        thousands of runs must not wait ~15 ms of disk flushes for each on its event loop. A
+        power cut may lose the newest records (the audit log, fsynced, still has the runs);
+        it never leaves half a record."""
+        folder = private_dir(self.ended_dir)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{run.run_id}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, FILE_MODE)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(json.dumps(run.public()).encode())
+            os.replace(tmp, folder / f"{run.run_id}.json")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def ended_record(self, run_id: str) -> dict[str, Any] | None:
+        """The kept record of an ended run, or None."""
+        try:
+            rec = json.loads((self.ended_dir / f"{run_id}.json").read_bytes())
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
 
     def drop(self, run_id: str) -> None:
         """The run ended cleanly: nothing of it is left to sweep."""

@@ -20,6 +20,7 @@ Chromium through agent-browser by default) and `handoff` (a local window by defa
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import hashlib
@@ -80,6 +81,11 @@ log = logging.getLogger("sfguard.guard")
 
 #: a stage answer that may still change; long-poll re-checks it every LONG_POLL_STEP seconds
 LONG_POLL_STEP = 0.1
+#: ended runs stay in memory (status, the console, GET) for the newest KEEP_ENDED_RUNS and at
+#: most KEEP_ENDED_SECONDS (`sfguard start --keep-ended-runs/--keep-ended-hours`); then only
+#: their record on disk (runs/ended/<id>.json) and the audit log keep them
+KEEP_ENDED_RUNS = 200
+KEEP_ENDED_SECONDS = 24 * 3600.0
 
 __all__ = ["Guard", "GuardAlreadyRunning", "RunProxy", "release_runtime", "sweep"]
 
@@ -100,7 +106,9 @@ class Guard:
                  resolve: dict[str, str] | None = None, scope: str = LOCAL_SCOPE,
                  store: str | None = None, stores: Stores | None = None,
                  browser_host: BrowserHost | None = None,
-                 handoff: Callable[[], Handoff] = LocalWindowHandoff):
+                 handoff: Callable[[], Handoff] = LocalWindowHandoff,
+                 keep_ended_runs: int = KEEP_ENDED_RUNS,
+                 keep_ended_seconds: float = KEEP_ENDED_SECONDS):
         self.home = ensure_home(home)
         home_format.upgrade(self.home)   # an older home is migrated, a newer one refused
         # named here, created by start (a guard that is refused before it starts, or only
@@ -124,6 +132,10 @@ class Guard:
         self.browser_tool = tools.find_browser()
         self.gate = CdpGate(on_refusal=self._on_refusal)
         self.runs: dict[str, Run] = {}
+        # ended runs still in memory, oldest end first (run id -> end time); `retire` drops them
+        self.ended: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.keep_ended_runs, self.keep_ended_seconds = keep_ended_runs, keep_ended_seconds
+        self.retired = 0
         self.runs_dir = private_dir(self.home / "runs")
         self.logs_dir = private_dir(self.home / "logs")
         self.config_path = self.runtime / "ab-config.json"
@@ -160,6 +172,8 @@ class Guard:
         # layer 2: under root, browsers run as this unprivileged user (supervisor/browsers/browser_user.py)
         self.browser_user_name = browser_user.DEFAULT_BROWSER_USER
         self.browser_user: browser_user.BrowserUser | None = None
+        # the loopback TCP port of the control API (`sfguard start --tcp`), once it listens
+        self.api_tcp_port: int | None = None
         # the operator console (supervisor/console), set by `sfguard start` unless --no-console
         self.console: Any = None
 
@@ -259,6 +273,11 @@ class Guard:
         elif self.policy_watch.error is not None and self.policy_watch.error is not before:
             log.error("site policy edit refused, the last good policy stays in force: %s",
                       self.policy_error)
+            fields: dict[str, Any] = {"mode": self.site_policy.mode, "reason": "invalid"}
+            with contextlib.suppress(OSError):
+                fields["policy_sha256"] = hashlib.sha256(self.policy_path.read_bytes()).hexdigest()
+            self.calls.submit("the audit record of a refused policy edit", self.audit.record,
+                              "policy_edit_refused", **fields)
 
     def host_tool_report(self) -> tuple[str, str]:
         ab = tools.find_agent_browser()
@@ -267,14 +286,57 @@ class Guard:
             return f"{t.version} at {t.path}" if t.found else f"MISSING ({t.source}; {t.hint})"
         return fmt(ab), fmt(self.browser_tool)
 
+    # -- ended runs: kept for a while, then only on disk --------------------------------------
+    def retention_text(self) -> str:
+        return (f"ended runs leave the guard's memory after the newest {self.keep_ended_runs} "
+                f"or {self.keep_ended_seconds / 3600:g} h")
+
+    def run_ended(self, run: Run) -> None:
+        """A run has ended: its record goes to disk, its place in memory is kept a while."""
+        run.ended_at = time.time()
+        try:
+            self.records.save_ended(run)
+        except OSError as exc:
+            log.error("the record of ended run %s could not be written: %s", run.run_id, exc)
+        self.ended[run.run_id] = run.ended_at
+        self.retire()
+
+    def retire(self, now: float | None = None) -> None:
+        """Drop ended runs beyond the retention (count and age) from memory."""
+        now = time.time() if now is None else now
+        while self.ended:
+            run_id, ended_at = next(iter(self.ended.items()))
+            if len(self.ended) <= self.keep_ended_runs and now - ended_at < self.keep_ended_seconds:
+                break
+            self.ended.popitem(last=False)
+            run = self.runs.get(run_id)
+            if run is not None and run.state == RunState.ENDED:
+                del self.runs[run_id]
+                self.retired += 1
+
+    def _retired_error(self, run_id: str) -> NotFound:
+        kept = self.records.ended_record(run_id) is not None
+        return NotFound("run_not_found", f"run {run_id!r} has ended and left this guard's memory ("
+                        f"{self.retention_text()}); " + (
+                            f"GET /v1/runs/{run_id} answers its record" if kept else
+                            "no record of it is kept on disk either (see `sfguard audit show "
+                            f"--run {run_id}`)"), "run_id")
+
     # -- helpers -----------------------------------------------------------------------------
     def run_of(self, run_id: str) -> Run:
         run = self.runs.get(run_id)
         if run is None:
-            raise NotFound("run_not_found", f"no run {run_id!r} on this guard", "run_id")
+            if self.records.ended_record(run_id) is not None:
+                raise self._retired_error(run_id)
+            raise NotFound("run_not_found", f"no run {run_id!r} on this guard (or it ended "
+                           f"before the guard's last start, or {self.retention_text()} and its "
+                           "record is not kept)", "run_id")
         return run
 
     def active_run(self, run_id: str) -> Run:
+        if run_id not in self.runs and self.records.ended_record(run_id) is not None:
+            raise Conflict("run_ended", f"run {run_id!r} has ended (and left this guard's memory)",
+                           "run_id")
         run = self.run_of(run_id)
         if run.state != RunState.ACTIVE:
             raise Conflict("run_ended", f"run {run_id!r} has ended ({run.outcome})", "run_id")
@@ -326,6 +388,7 @@ class Guard:
 
     # -- services: runs ----------------------------------------------------------------------
     async def create_run(self, body: models.CreateRun) -> dict[str, Any]:
+        self.retire()
         if body.run_id in self.runs:
             raise Conflict("run_exists", f"run {body.run_id!r} already exists", "run_id")
         run = Run(body.run_id, body.pipeline, time.time())
@@ -334,9 +397,18 @@ class Guard:
         return {"run_id": run.run_id, "state": run.state}
 
     async def get_run(self, run_id: str) -> dict[str, Any]:
+        if run_id not in self.runs:
+            rec = self.records.ended_record(run_id)
+            if rec is not None:   # ended and retired (or before a restart): its kept record
+                return {**rec, "retired": True}
         return self.run_of(run_id).public()
 
     async def end_run(self, run_id: str, body: models.RunEnd) -> dict[str, Any]:
+        if run_id not in self.runs:
+            rec = self.records.ended_record(run_id)
+            if rec is not None:   # ending an ended run answers its end again
+                problems = list(rec.get("problems") or [])
+                return {"ok": not problems, "outcome": rec.get("outcome"), "problems": problems}
         run = self.run_of(run_id)
         if run.state != RunState.ACTIVE:
             return {"ok": True, "outcome": run.outcome, "problems": run.problems}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound, Unavailable
 from sfguard.supervisor.daemon.metrics import DISK_LOW_BYTES, disk_free
-from sfguard.supervisor.daemon.runs import holder_where, now_iso
+from sfguard.supervisor.daemon.runs import RunState, holder_where, now_iso
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.store_ops import StoreSlow
 from sfguard.supervisor.protocols import ProfileError, ProfileKey, StoreUnavailable
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 #: `status` waits this long for the store's part (leases, queues); then answers without it
 STATUS_STORE_WAIT = 2.0
+#: `status` lists every run not yet ended and this many of the most recently ended
+STATUS_ENDED_SHOWN = 20
 
 
 def disk_state(home: Any, runtime: Any) -> list[dict[str, Any]]:
@@ -62,13 +64,21 @@ class Inventory:
             leases = await g.calls.bounded(STATUS_STORE_WAIT, self.lease_table)
         except (StoreUnavailable, StoreSlow) as exc:
             leases, store_error = [], str(exc)
+        g.retire()
+        active = [r for r in g.runs.values() if r.state != RunState.ENDED]
+        recent = [g.runs[i] for i in reversed(g.ended) if i in g.runs][:STATUS_ENDED_SHOWN]
         return {
             "guard": {"pid": os.getpid(), "since": now_iso(g.started), "home": str(g.home),
                       "key_provider": g.keys.describe(), "scope": g.scope,
-                      "store": g.stores.shown, "store_error": store_error},
+                      "store": g.stores.shown, "store_error": store_error,
+                      "tcp_port": g.api_tcp_port},
             "policy": {"file": str(g.policy_path), "mode": g.site_policy.mode,
                        "state": "error" if g.policy_error else "ok", "error": g.policy_error},
-            "runs": [r.public() for r in g.runs.values()],
+            "runs": [r.public() for r in active + recent],
+            "runs_summary": {"active": len(active), "ended_shown": len(recent),
+                             "ended_in_memory": len(g.ended), "retired": g.retired,
+                             "keep_ended_runs": g.keep_ended_runs,
+                             "keep_ended_hours": g.keep_ended_seconds / 3600},
             "leases": leases,
             "console": {"url": g.console.base_url} if g.console is not None else None,
             "disk": disk_state(g.home, g.runtime),

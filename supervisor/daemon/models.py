@@ -274,6 +274,7 @@ class RunInfo(Answer):
     outcome: str | None
     created: str
     pipeline: bool = Field(description="the run was created with a pipeline path")
+    ended: str | None = None    # when it ended; `retired: true`: its record from disk
     stages: list[RunStageInfo]
     browsers: list[RunBrowserInfo]
     proxy: RunProxyInfo | None
@@ -330,7 +331,7 @@ class DiskState(Answer):
 class StatusAnswer(Answer):
     guard: GuardInfo
     policy: PolicyState
-    runs: list[RunInfo]
+    runs: list[RunInfo] = Field(description="the runs not yet ended, then the latest ended ones")
     leases: list[LeaseInfo]
     console: ConsoleInfo | None = None
     disk: list[DiskState] = Field(default_factory=list)

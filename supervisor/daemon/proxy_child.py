@@ -57,12 +57,15 @@ def install_logging() -> None:
     """Logging of every guard proxy process: to stderr; the guard's own lines from INFO,
     mitmproxy's from WARNING (it logs every connection at INFO); every record masked."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.setFormatter(logging.Formatter(redaction.LOG_FORMAT))
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.getLogger("sfguard").setLevel(logging.INFO)
     logging.getLogger("mitmproxy").setLevel(logging.WARNING)
+    # the daemon reports its policy file's reloads and refused edits itself, once (every run
+    # proxy watching the same file would repeat them in the same log)
+    logging.getLogger("sfguard.proxy.policy").setLevel(logging.CRITICAL)
     # Every record of every logger (ours and mitmproxy's) is masked before a handler sees it.
     redaction.install()
 

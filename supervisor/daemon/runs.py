@@ -161,12 +161,14 @@ class Run:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     problems: list[str] = field(default_factory=list)
     login_results: dict[str, LoginResult] = field(default_factory=dict)  # profile -> last check
+    ended_at: float | None = None
 
     def public(self) -> dict[str, Any]:
         """The run as API answers and run state show it: names and states, no secrets."""
         return {
             "run_id": self.run_id, "state": self.state, "outcome": self.outcome,
             "created": now_iso(self.created), "pipeline": bool(self.pipeline),
+            "ended": now_iso(self.ended_at) if self.ended_at is not None else None,
             "stages": [{"stage_id": s.stage_id, "attempt": s.attempt, "state": s.state,
                         "profile": s.browser_req.profile, "outcome": s.outcome,
                         "holder_run": s.waiting.holder_run

@@ -59,6 +59,13 @@ class Stages:
             name = pipeline_profile_name(run.pipeline)
         return ProfileKey(self.g.scope, name)
 
+    @staticmethod
+    def identity(run: Run, key: ProfileKey) -> str | None:
+        """A profile made for `@pipeline` keeps its workflow identity (PLAT-322): the same on
+        every host, since it depends only on the normalised pipeline path."""
+        return (pipeline_profile_name(run.pipeline) if run.pipeline
+                and key.name == pipeline_profile_name(run.pipeline) else None)
+
     def browser_allow(self, run: Run, browser: Browser) -> list[str]:
         out: set[str] = set()
         for sid in browser.stages:
@@ -81,7 +88,8 @@ class Stages:
                 if req.profile is not None:
                     key = self.profile_key(run, req.profile)
                     try:
-                        result = await g.calls.run(store_ops.grant, g.stores, key, run.run_id)
+                        result = await g.calls.run(store_ops.grant, g.stores, key, run.run_id,
+                                                   self.identity(run, key))
                     except StoreUnavailable as exc:   # shared store away: no grant now, ask again
                         stage.move(StageState.WAITING)
                         stage.waiting = None
@@ -214,12 +222,8 @@ class Stages:
             return browser
         proxy = await self.ensure_proxy(run)
         t0 = time.monotonic()
-        if not await g.calls.run(g.store.exists, key):
-            # a profile made for `@pipeline` keeps its workflow identity (PLAT-322): the same
-            # on every host, since it depends only on the normalised pipeline path
-            identity = (pipeline_profile_name(run.pipeline) if run.pipeline
-                        and key.name == pipeline_profile_name(run.pipeline) else None)
-            await g.calls.run(store_ops.create_profile, g.stores, key, identity,
+        if not await g.calls.run(g.store.exists, key):   # the grant made it; deleted since?
+            await g.calls.run(store_ops.create_profile, g.stores, key, self.identity(run, key),
                               run=run.run_id)
         name = await proxy.add_client([])
         browser = Browser(key.name, key, headed, name)
@@ -257,7 +261,8 @@ class Stages:
         g = self.g
         key = self.profile_key(run, profile)
         async with run.lock:
-            result = await g.store_call(store_ops.grant, g.stores, key, run.run_id)
+            result = await g.store_call(store_ops.grant, g.stores, key, run.run_id,
+                                        self.identity(run, key))
             if isinstance(result, Waiting):
                 raise Conflict("profile_leased", f"profile {key.name!r} is leased by run "
                                f"{result.holder_run!r}; this run is queued", "profile")

@@ -134,6 +134,7 @@ class Teardown:
             shutil.rmtree(run.workdir, ignore_errors=True)
         run.state = RunState.ENDED
         g.records.drop(run.run_id)
+        g.run_ended(run)      # its record stays on disk; it leaves memory after the retention
         # hand the released profiles over at once, not at the next watchdog tick
         for other in list(g.runs.values()):
             if other.state == RunState.ACTIVE:

@@ -220,6 +220,13 @@ class Validator:
             if self.first_browser is None:
                 self.first_browser = (bdoc, keys["browser"], bpath)
             info.browser = self._browser(bdoc, bnode, bpath)
+            if (self.check_tools and info.browser is not None and info.browser.headed
+                    and "headed" in info.browser.model_fields_set and not tools.display_available()):
+                self.issue(bdoc, bnode, f"{bpath}.headed", "headed: true needs a display and this "
+                           "machine has none (no DISPLAY or WAYLAND_DISPLAY): a guard here refuses "
+                           "this stage (no_display); use headed: false (and a live_view handoff "
+                           "for a person to log in), or run the guard in a desktop session",
+                           "no_display", "warning")
         if "next" in fields:
             ndoc, nnode, npath = fields["next"]
             for route, rnode, rpath in self._routes(ndoc, nnode, npath, info.id):

@@ -21,6 +21,7 @@ EVENTS = frozenset({
     "profile_created", "profile_leased", "profile_released", "profile_deleted", "scope_deleted",
     "login_checked", "handoff_opened", "handoff_confirmed", "policy_reloaded", "denials_aggregated",
     "handoff_viewed", "handoff_closed",
+    "policy_edit_refused",    # an invalid edit of the live policy: the last good one stays
     "profile_resealed",       # the shared store: a reseal, in the transaction that stores it
     "audit_archived",         # segments moved away (`sfguard audit archive`); the anchor names where it starts
     # console sessions (by their public id, never a cookie or link value)

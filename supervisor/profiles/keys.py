@@ -94,7 +94,8 @@ class FileKeyProvider:
         return decode_key(path.read_bytes().strip(), "the audit key file is damaged")
 
     def describe(self) -> str:
-        return f"key file ({self.folder}, 0600; no keyring backend on this machine)"
+        return (f"key files in {self.folder} (folder 0700, one 0600 file per scope and one for "
+                "the audit chain; no keyring backend on this machine)")
 
 
 class KeyringKeyProvider:

@@ -21,7 +21,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sfguard.supervisor.protocols import Granted, ProfileInfo, ProfileKey, StoreUnavailable, Waiting
+from sfguard.supervisor.protocols import (
+    Granted,
+    ProfileExists,
+    ProfileInfo,
+    ProfileKey,
+    StoreUnavailable,
+    Waiting,
+)
 
 log = logging.getLogger("sfguard.store")
 
@@ -34,8 +41,15 @@ def audited(seam: Any) -> bool:
     return bool(getattr(seam, "audits_changes", False))
 
 
-def grant(stores, key: ProfileKey, run: str) -> Granted | Waiting:
-    """Grant `key` to `run` or queue it; a new grant is audited (`profile_leased`)."""
+def grant(stores, key: ProfileKey, run: str, identity: str | None = None) -> Granted | Waiting:
+    """Grant `key` to `run` or queue it; a new grant is audited (`profile_leased`). A profile
+    that does not exist yet is created first (`profile_created`, with `identity`), so the
+    audit log tells the first run of a new profile in causal order: created, then leased."""
+    if not stores.store.exists(key):
+        try:
+            create_profile(stores, key, identity, run=run)
+        except ProfileExists:
+            pass                      # made meanwhile (by another guard of a shared store)
     result = stores.lease.try_acquire(key, run)
     if isinstance(result, Granted) and not result.reentrant and not audited(stores.lease):
         stores.audit.record("profile_leased", scope=key.scope, profile=key.name, run=run)

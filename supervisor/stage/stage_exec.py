@@ -40,7 +40,8 @@ def prepare(guard) -> dict[str, Any]:
     guard.bridges.stage_uid = user.uid if user is not None else None
     guard.bridges.api_gid = guard.api_gid
     swept = guard.bridges.sweep()
-    (log.info if ok else log.warning)("stage sandbox: %s", detail)
+    if not ok:    # `sfguard start` prints the state in its banner; only a problem is logged
+        log.warning("stage sandbox: %s", detail)
     return {"ok": ok, "detail": detail, "bridges_swept": swept,
             "stage_user": user.name if user else None}
 

@@ -84,3 +84,10 @@ def test_default_on_this_machine_is_the_key_file(tmp_path):
         assert "key file" in kp.describe()
     else:
         assert isinstance(kp, KeyringKeyProvider)
+
+
+def test_the_file_provider_names_a_folder_of_key_files(tmp_path):
+    """Issue 35: `status` called the keys folder "a 0600 key file"."""
+    from sfguard.supervisor.profiles.keys import FileKeyProvider
+    text = FileKeyProvider(tmp_path).describe()
+    assert text.startswith(f"key files in {tmp_path / 'keys'} (folder 0700, one 0600 file per scope")

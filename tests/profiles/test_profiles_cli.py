@@ -107,3 +107,15 @@ def test_home_flag_wins_over_env(tmp_path):
 
     assert names(env_home=env_home) == ["one"]
     assert names(home=flag_home, env_home=env_home) == ["two"]
+
+
+def test_audit_show_on_an_empty_log_says_so(tmp_path):
+    """Issue 35: `audit show` on a fresh home printed nothing at all."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    out = sfguard("audit", "show", home=home)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("no audit records yet (the log: ") and "audit.log" in out.stdout
+    out = sfguard("audit", "show", "--run", "r9", home=home)
+    assert out.stdout.startswith("no audit records match --run r9"), out.stdout
+    assert sfguard("audit", "show", "--json", home=home).stdout == ""   # JSON lines: none

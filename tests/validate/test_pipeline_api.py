@@ -34,4 +34,4 @@ def test_injected_tool_finder_is_used(demo_policy):
     missing = tools.Tool("agent-browser", None, None, "not found here", "install it")
     report = validate_pipeline(EXAMPLE, policy_path=demo_policy, find_tools=lambda: [missing])
     assert [i.code for i in report.errors] == ["tool_missing"]
-    assert str(report.errors[0]).startswith(f"{EXAMPLE}:25:5: stages[0].browser: agent-browser is not installed")
+    assert str(report.errors[0]).startswith(f"{EXAMPLE}:30:5: stages[0].browser: agent-browser is not installed")

@@ -64,8 +64,9 @@ def test_the_example_pipeline_is_valid(tmp_path):
     demo = write_demo_policy(tmp_path / "sites.yaml", 8080)   # consents to 127.0.0.1
     res = sfguard(str(EXAMPLE.relative_to(ROOT)), "--policy", str(demo), cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout == ""
-    assert "valid (3 stages, 3 with a browser)" in res.stderr
+    # its only warnings: on a machine without a display, its headed stages (issue 35)
+    assert all("warning: headed: true needs a display" in l for l in res.stdout.splitlines())
+    assert "valid (3 stages, 3 with a browser" in res.stderr
     # without the reviewer's consent its fixture site on 127.0.0.1 is refused, at each entry
     res = sfguard(str(EXAMPLE.relative_to(ROOT)), "--no-tool-check", "--policy",
                   "policy/sites.yaml", cwd=ROOT)
