@@ -38,7 +38,7 @@ from sfguard.supervisor.browsers import agent_browser, browser_user, tools
 from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
 from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
 from sfguard.supervisor.console import handoff as live
-from sfguard.supervisor.daemon import models
+from sfguard.supervisor.daemon import models, retention
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, NotFound
@@ -286,41 +286,18 @@ class Guard:
             return f"{t.version} at {t.path}" if t.found else f"MISSING ({t.source}; {t.hint})"
         return fmt(ab), fmt(self.browser_tool)
 
-    # -- ended runs: kept for a while, then only on disk --------------------------------------
+    # -- ended runs: kept for a while, then only on disk (supervisor/daemon/retention.py) ------
     def retention_text(self) -> str:
-        return (f"ended runs leave the guard's memory after the newest {self.keep_ended_runs} "
-                f"or {self.keep_ended_seconds / 3600:g} h")
+        return retention.text(self)
 
     def run_ended(self, run: Run) -> None:
-        """A run has ended: its record goes to disk, its place in memory is kept a while."""
-        run.ended_at = time.time()
-        try:
-            self.records.save_ended(run)
-        except OSError as exc:
-            log.error("the record of ended run %s could not be written: %s", run.run_id, exc)
-        self.ended[run.run_id] = run.ended_at
-        self.retire()
+        retention.run_ended(self, run)
 
     def retire(self, now: float | None = None) -> None:
-        """Drop ended runs beyond the retention (count and age) from memory."""
-        now = time.time() if now is None else now
-        while self.ended:
-            run_id, ended_at = next(iter(self.ended.items()))
-            if len(self.ended) <= self.keep_ended_runs and now - ended_at < self.keep_ended_seconds:
-                break
-            self.ended.popitem(last=False)
-            run = self.runs.get(run_id)
-            if run is not None and run.state == RunState.ENDED:
-                del self.runs[run_id]
-                self.retired += 1
+        retention.retire(self, now)
 
     def _retired_error(self, run_id: str) -> NotFound:
-        kept = self.records.ended_record(run_id) is not None
-        return NotFound("run_not_found", f"run {run_id!r} has ended and left this guard's memory ("
-                        f"{self.retention_text()}); " + (
-                            f"GET /v1/runs/{run_id} answers its record" if kept else
-                            "no record of it is kept on disk either (see `sfguard audit show "
-                            f"--run {run_id}`)"), "run_id")
+        return retention.retired_error(self, run_id)
 
     # -- helpers -----------------------------------------------------------------------------
     def run_of(self, run_id: str) -> Run:

@@ -274,7 +274,8 @@ class RunInfo(Answer):
     outcome: str | None
     created: str
     pipeline: bool = Field(description="the run was created with a pipeline path")
-    ended: str | None = None    # when it ended; `retired: true`: its record from disk
+    ended: str | None = None    # when it ended
+    retired: bool = Field(default=False, description="the run left the guard's memory: its record from disk")
     stages: list[RunStageInfo]
     browsers: list[RunBrowserInfo]
     proxy: RunProxyInfo | None
@@ -292,6 +293,7 @@ class GuardInfo(Answer):
     store_error: str | None = Field(default=None, description=(
         "why `leases` is empty this time: the store did not answer (the shared database is "
         "unreachable or slower than 2 s); null when it answered"))
+    tcp_port: int | None = Field(default=None, description="the control API's loopback TCP port (--tcp)")
 
 
 class PolicyState(Answer):
@@ -332,6 +334,8 @@ class StatusAnswer(Answer):
     guard: GuardInfo
     policy: PolicyState
     runs: list[RunInfo] = Field(description="the runs not yet ended, then the latest ended ones")
+    runs_summary: dict[str, int | float] = Field(default_factory=dict, description=(
+        "active, ended_shown, ended_in_memory, retired, keep_ended_runs, keep_ended_hours"))
     leases: list[LeaseInfo]
     console: ConsoleInfo | None = None
     disk: list[DiskState] = Field(default_factory=list)
