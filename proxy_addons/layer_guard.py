@@ -22,8 +22,12 @@ mitmproxy asks the `next_layer` hook what protocol comes next. The guard answers
    - first byte an upper-case letter: the whole first line is awaited (bounded in bytes like a
      request head, and in time). An HTTP/1 request (e.g.
      `ws://` tunnelled by a browser) has its head bounded like any request head (bytes and
-     header lines, `request_head_too_large`), must have at most one Host header and that
-     header must name the CONNECT host (`host_header_mismatch`). A first line that mentions
+     header lines, `request_head_too_large`) and is judged by `tunnel_http.judge_request`
+     (request_head's checks: framing, exactly one Host naming the CONNECT host, an
+     absolute-form target naming it too); a refusal is answered 400 with the decision header.
+     The tunnel is then served by `tunnel_http.TunnelHttpLayer`, which judges every later
+     request the same way (raw passthrough only after a WebSocket upgrade answered 101). A
+     first line that mentions
      `HTTP/` but is not a clean request line (tabs, a lower-case method, no space) is
      `tunnel_protocol_refused`; a text protocol whose first line does not mention it passes.
    - anything else (a binary protocol on a port a pattern allowed explicitly): raw

@@ -6,6 +6,8 @@
   headers would grow memory and parsing time without end. Over a bound the client gets `431`,
   the connection is closed and `on_refuse(reason)` is called (the guard writes a decision-log
   line). Lines are counted as they arrive, so a head trickled byte by byte costs linear time.
+  A complete head is checked for a lone CR, a bare LF, obs-fold and NUL
+  (request_head.raw_head_fault): `400` with the decision header, `on_refuse(reason)`, closed.
   It also completes hooks that no addon handles (`skip_hook(name)` true, e.g.
   `http_connected`) at once, inside the same event, instead of handing them to the connection
   handler, which runs each hook as an asyncio task and then passes its completion through the
