@@ -151,7 +151,9 @@ class ConnectGuard:
                      b"use CONNECT for https.\n",
                 {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
             return
-        if field_fault(request.headers.fields) is not None and self._head_refused(flow, client, hosts, 80):
+        # (a kept-alive connection's decision is used again below only for one same Host line)
+        if (len(hosts) != 1 or field_fault(request.headers.fields) is not None) \
+                and self._head_refused(flow, client, hosts, 80):
             return
         # A kept-alive connection asks for the same destination again and again: the decision
         # and checked address of its last allowed request are used again (and logged again)

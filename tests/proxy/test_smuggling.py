@@ -330,3 +330,12 @@ async def test_pipelined_requests_for_a_denied_host_get_403(guard):
                          + plain(guard.up, "Host: denied.test:{up}\r\n", "http://denied.test:{up}/x"))
     assert got.startswith(OK + b"HTTP/1.1 403 ") and b"reason=not_allowed" in got
     assert b"denied" not in guard.site.received
+
+
+async def test_a_kept_alive_decision_is_not_used_again_for_a_request_without_host(guard):
+    old = f"GET http://site-a.test:{guard.up}/x HTTP/1.0\r\nConnection: keep-alive\r\nProxy-Authorization: {A}\r\n\r\n"
+    got = await exchange(guard.port, old.encode() + plain(guard.up, "X-A: 1\r\n"))
+    assert got.startswith(b"HTTP/1.1 200 ")
+    assert_refused(guard, got[got.find(b"HTTP/1.1 400 "):], "host_header_missing",
+                   await wait_log(guard, "host_header_missing"))
+    assert bytes(guard.site.received).count(b"GET /x") == 1
