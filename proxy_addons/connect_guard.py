@@ -4,9 +4,13 @@ Hooks:
 - `http_connect` (CONNECT host:port): credentials, `policy.decide`, then DNS and
   `policy.check_address` for every address. Allowed: the checked address is remembered for
   `AddressGuard`; denied: 403 with the decision header and a one-line explanation.
-- `requestheaders` (plain HTTP, absolute-form URL; raised by `PlainHttpLayer` for each request):
-  the same, plus the Host header must name the same host and port as the URL (else
-  `host_header_mismatch`). The client's `Proxy-Authorization` header is removed before the
+- `requestheaders` (plain HTTP, absolute-form URL; raised by `PlainHttpLayer` for each request,
+  and by mitmproxy's own HTTP layers where those run): the same, after request_head's checks of
+  the parsed head, which hold on any layer stack: no CR, LF or NUL left in a field (a lone CR
+  or an obs-fold mitmproxy's parser kept), exactly one Host on HTTP/1.1, naming the same host
+  and port as the URL (`host_header_mismatch`); each refusal is `400` with the decision header
+  and a decision-log line. `http_connect` makes the same checks of a CONNECT head (its Host, when
+  sent, must name the CONNECT authority). The client's `Proxy-Authorization` header is removed before the
   request goes anywhere. An allowed request's target host is set to the checked address, where
   `PlainHttpLayer` sends it. On a kept-alive connection the last allowed request's decision and
   address are used again (and logged again) while nothing they rest on changed
@@ -20,7 +24,15 @@ from mitmproxy import http
 
 from sfguard import policy
 from sfguard.proxy_addons.clients import Client
-from sfguard.proxy_addons.state import GuardState, LastAllowed, Target, auth_required_response, deny_response
+from sfguard.proxy_addons.request_head import EXPLAIN, field_fault, host_fault
+from sfguard.proxy_addons.state import (
+    DECISION_HEADER,
+    GuardState,
+    LastAllowed,
+    Target,
+    auth_required_response,
+    deny_response,
+)
 
 logger = logging.getLogger("sfguard.proxy.connect")
 
@@ -52,15 +64,12 @@ class ConnectGuard:
                     reason="proxy_auth_failed", rule=None, addr=None)
         return client
 
-    async def _decide(self, flow: http.HTTPFlow, client: Client, host: str, port: int,
-                      host_header: str | None = None,
-                      check_host_header: bool = False) -> tuple[policy.Decision, str, tuple[str, int]] | None:
+    async def _decide(self, flow: http.HTTPFlow, client: Client, host: str,
+                      port: int) -> tuple[policy.Decision, str, tuple[str, int]] | None:
         """Decide, check addresses, answer denials; return (decision, address, (normalised
         host, port)) or None."""
         site = self.s.policy
         d = site.decide(host, port, client.allow)
-        if d.allowed and check_host_header:
-            d = self._check_host_header(site, d, host_header)
         addr = None
         if d.allowed:
             d, addr = await self.s.check_addresses(d)
@@ -83,23 +92,31 @@ class ConnectGuard:
             raise RuntimeError("an allowed decision without host or port")
         return d, addr, (host_key, port_key)
 
-    @staticmethod
-    def _check_host_header(site: policy.SitePolicy, d: policy.Decision,
-                           host_header: str | None) -> policy.Decision:
-        host = d.normalized_host
-        if host_header is None or host is None:  # host: set on every allowed decision
-            return d
-        try:
-            hh_host, hh_port = policy.split_host_port(host_header, default_port=80)
-        except policy.MalformedHost:
-            hh_host, hh_port = None, None
-        if (hh_host, hh_port) != (host, d.port):
-            shown = host_header[:100].encode("ascii", "backslashreplace").decode("ascii")
-            return site.refuse(
-                d, "host_header_mismatch",
-                f"The guard refused this request: its Host header ({shown}) does not name "
-                f"the host in the URL ({policy.join_host_port(host, d.port)}).")
-        return d
+    def _head_refused(self, flow: http.HTTPFlow, client: Client | None,
+                      hosts: list[str], default_port: int) -> bool:
+        """request_head's checks of a parsed head (any layer stack): on a fault answer 400 with
+        the decision header, log it and return True."""
+        request = flow.request
+        code = field_fault(request.headers.fields)
+        if code is None:
+            try:
+                host = policy.normalize_host(request.host)
+            except policy.MalformedHost:
+                host = None  # the decision refuses a malformed host; a missing Host still counts
+            if host is not None or len(hosts) != 1:
+                code = host_fault(hosts, request.http_version, host or "", request.port, default_port)
+        if code is None:
+            return False
+        self.s.decision_log.write(
+            run=client.run if client and client.run else self.s.run,
+            client=client.name if client else None, method=request.method,
+            host=request.host, port=request.port, decision="deny", reason=code, rule=None,
+            addr=None)
+        flow.response = http.Response.make(
+            400, f"sfguard: the guard refused this request: {EXPLAIN[code]}.\n".encode(),
+            {"Content-Type": "text/plain; charset=utf-8", DECISION_HEADER: f"deny; reason={code}",
+             "Connection": "close"})
+        return True
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         # The head-read timeout stays armed until the tunnel's first message was judged.
@@ -108,6 +125,10 @@ class ConnectGuard:
         if client is None:
             return
         conn.client = client
+        hosts = [v.decode("utf-8", "surrogateescape") for k, v in flow.request.headers.fields
+                 if k.lower() == b"host"]
+        if self._head_refused(flow, client, hosts, flow.request.port):
+            return
         result = await self._decide(flow, client, flow.request.host, flow.request.port)
         if result is None:
             return
@@ -120,7 +141,8 @@ class ConnectGuard:
         conn.head_done = True
         request = flow.request
         # The credential is for the guard only: never forward it.
-        auth_value, host_header = _take_credential(request)
+        auth_value, hosts = _take_credential(request)
+        host_header = ", ".join(hosts) if hosts else None
         client = self._authenticate(flow, auth_value)
         if client is None:
             return
@@ -130,6 +152,10 @@ class ConnectGuard:
                 400, b"sfguard: only http:// URLs can be sent as plain proxy requests; "
                      b"use CONNECT for https.\n",
                 {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
+            return
+        # (a kept-alive connection's decision is used again below only for one same Host line)
+        if (len(hosts) != 1 or field_fault(request.headers.fields) is not None) \
+                and self._head_refused(flow, client, hosts, 80):
             return
         # A kept-alive connection asks for the same destination again and again: the decision
         # and checked address of its last allowed request are used again (and logged again)
@@ -148,7 +174,9 @@ class ConnectGuard:
                 flow.response = deny_response(self.s.unrecorded(d, client=client, method=request.method))
                 return
         else:
-            result = await self._decide(flow, client, host, port, host_header, check_host_header=True)
+            if self._head_refused(flow, client, hosts, 80):  # one Host, naming the URL's host
+                return
+            result = await self._decide(flow, client, host, port)
             if result is None:
                 return
             d, addr, key = result
@@ -162,10 +190,10 @@ class ConnectGuard:
         request.data.host = addr
 
 
-def _take_credential(request: http.Request) -> tuple[str | None, str | None]:
+def _take_credential(request: http.Request) -> tuple[str | None, list[str]]:
     """Remove every Proxy-Authorization header from `request`, in one pass over its head, and
-    return that header's value and the Host header's (repeated headers joined with ", ", as
-    mitmproxy's `Headers.get` joins them; None when absent)."""
+    return that header's value (repeated headers joined with ", ", as mitmproxy's `Headers.get`
+    joins them; None when absent) and the values of its Host lines."""
     auth: list[bytes] = []
     host: list[bytes] = []
     kept = []
@@ -179,7 +207,7 @@ def _take_credential(request: http.Request) -> tuple[str | None, str | None]:
         kept.append(field)
     if auth:
         request.headers.fields = tuple(kept)
-    return _joined(auth), _joined(host)
+    return _joined(auth), [v.decode("utf-8", "surrogateescape") for v in host]
 
 
 def _joined(values: list[bytes]) -> str | None:

@@ -22,8 +22,12 @@ mitmproxy asks the `next_layer` hook what protocol comes next. The guard answers
    - first byte an upper-case letter: the whole first line is awaited (bounded in bytes like a
      request head, and in time). An HTTP/1 request (e.g.
      `ws://` tunnelled by a browser) has its head bounded like any request head (bytes and
-     header lines, `request_head_too_large`), must have at most one Host header and that
-     header must name the CONNECT host (`host_header_mismatch`). A first line that mentions
+     header lines, `request_head_too_large`) and is judged by `tunnel_http.judge_request`
+     (request_head's checks: framing, exactly one Host naming the CONNECT host, an
+     absolute-form target naming it too); a refusal is answered 400 with the decision header.
+     The tunnel is then served by `tunnel_http.TunnelHttpLayer`, which judges every later
+     request the same way (raw passthrough only after a WebSocket upgrade answered 101). A
+     first line that mentions
      `HTTP/` but is not a clean request line (tabs, a lower-case method, no space) is
      `tunnel_protocol_refused`; a text protocol whose first line does not mention it passes.
    - anything else (a binary protocol on a port a pattern allowed explicitly): raw
@@ -44,6 +48,7 @@ import re
 from collections.abc import Callable
 from typing import Final, Literal, TypeAlias
 
+from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import addonmanager, hooks
 from mitmproxy.connection import Address
 from mitmproxy.proxy import layer
@@ -55,7 +60,9 @@ from sfguard.proxy_addons import dispatch
 from sfguard.proxy_addons.client_hello import NEED_MORE, BadHello, could_be_tls, read_client_hello
 from sfguard.proxy_addons.layers import BoundedHttpLayer, CloseLayer
 from sfguard.proxy_addons.plain_http import PlainHttpLayer
+from sfguard.proxy_addons.request_head import refusal_answer
 from sfguard.proxy_addons.state import ConnState, GuardState, Target
+from sfguard.proxy_addons.tunnel_http import TunnelHttpLayer, judge_request
 
 logger = logging.getLogger("sfguard.proxy.layers")
 
@@ -65,19 +72,23 @@ MAX_FIRST_MESSAGE = 64 * 1024
 _HTTP_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} [^ \r\n]+ HTTP/1\.[01]\r\n")
 #: How a CONNECT request starts; any other first request is served by `PlainHttpLayer`.
 _CONNECT = b"CONNECT "
-_HOST_LINE = re.compile(rb"\r\nhost[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.IGNORECASE)
+#: The empty line that ends a head, as h11's ReceiveBuffer finds it.
+_BLANK_LINE = re.compile(rb"\n\r?\n")
 
 
 class _Pass(enum.Enum):
     PASS = "pass"
+    HTTP = "http"
 
 
 #: The first message may go through.
 _PASS: Final = _Pass.PASS
+#: The first message is an HTTP/1 request that passed: every request after it is judged too.
+_HTTP: Final = _Pass.HTTP
 #: (reason, method, explanation) of a tunnel the guard closes.
 Refusal: TypeAlias = tuple[str, str, str]
 #: What a judge says of a first message: pass, refuse, or None to wait for more bytes.
-Verdict: TypeAlias = Refusal | Literal[_Pass.PASS] | None
+Verdict: TypeAlias = Refusal | Literal[_Pass.PASS, _Pass.HTTP] | None
 
 
 def _is_ip(host: str) -> bool:
@@ -154,10 +165,22 @@ class LayerGuard:
                            f"first message was not complete within {MAX_FIRST_MESSAGE} bytes.")
             else:
                 return  # wait for the rest (the head-read timeout bounds the wait)
+        if verdict is _HTTP:  # plain text: every request in it is judged (tunnel_http)
+            conn.head_done = True
+
+            def refuse(reason: str, explanation: str) -> None:
+                self._refuse(conn, target, reason, "TUNNEL", explanation)
+
+            nextlayer.layer = TunnelHttpLayer(context, host, port, self.s.max_head_bytes,
+                                              self.s.max_header_count, refuse)
+            return
         if verdict is not _PASS:
             reason, method, explanation = verdict
             self._refuse(conn, target, reason, method, explanation)
-            nextlayer.layer = CloseLayer(context)
+            answer = None
+            if method == "TUNNEL" and reason != "first_message_too_large":  # an HTTP request: 400
+                answer = refusal_answer(reason, explanation)
+            nextlayer.layer = CloseLayer(context, answer)
             return
         conn.head_done = True  # the head-read timeout no longer applies
         tcp = TCPLayer(context, ignore=True)
@@ -167,9 +190,10 @@ class LayerGuard:
                 outer.tunnel = tcp
 
     def _head_refused(self, reason: str) -> None:
-        """A CONNECT or plain-HTTP request head over the limits (answered 431 and closed).
-        The client is not known yet (its credentials are in the refused head)."""
-        logger.info("refused a request head over the limits (%s)", reason)
+        """A CONNECT or plain-HTTP request head over the limits (answered 431 and closed) or
+        malformed (request_head.head_fault: 400). The client is not known yet (its credentials
+        are in the refused head)."""
+        logger.info("refused a request head (%s)", reason)
         self.s.decision_log.write(run=self.s.run, client=None, method="HTTP", host=None, port=None,
                                   decision="deny", reason=reason, rule=None, addr=None)
 
@@ -228,31 +252,22 @@ class LayerGuard:
                         f"The guard closed a tunnel to {where}: its first line is not a "
                         "well-formed HTTP/1 request line.")
             return _PASS
-        end = data.find(b"\r\n\r\n")
-        head = data if end < 0 else data[:end + 2]
+        blank = _BLANK_LINE.search(data)
+        head = data if blank is None else data[:blank.end()]
         lines = head.count(b"\n")
-        if lines > self.s.max_header_count + 1 or len(head) > self.s.max_head_bytes:
+        if lines > self.s.max_header_count + 2 or len(head) > self.s.max_head_bytes:
             return ("request_head_too_large", "TUNNEL",
                     f"The guard closed a tunnel to {where}: the request head inside is over "
                     f"{self.s.max_header_count} headers or {self.s.max_head_bytes} bytes.")
-        if end < 0:
+        if blank is None:
             return None
-        hosts = _HOST_LINE.findall(head)
-        if len(hosts) > 1:
-            return ("host_header_mismatch", "TUNNEL",
-                    f"The guard closed a tunnel to {where}: the request inside has "
-                    f"{len(hosts)} Host headers.")
-        if hosts:
-            value = hosts[0].decode("latin-1")
-            try:
-                same = policy.split_host_port(value, default_port=port) == (host, port)
-            except policy.MalformedHost:
-                same = False
-            if not same:
-                return ("host_header_mismatch", "TUNNEL",
-                        f"The guard closed a tunnel to {where}: the request inside names a "
-                        f"different host ({self._shown(value)}).")
-        return _PASS
+        buf = ReceiveBuffer()
+        buf += head
+        extracted = buf.maybe_extract_lines() or []
+        refusal, _, _ = judge_request([bytes(x) for x in extracted], len(head), host, port, first=True)
+        if refusal is not None:
+            return refusal[0], "TUNNEL", refusal[1]
+        return _HTTP
 
     # -- helpers -----------------------------------------------------------------------------
     @staticmethod

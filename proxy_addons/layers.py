@@ -6,6 +6,8 @@
   headers would grow memory and parsing time without end. Over a bound the client gets `431`,
   the connection is closed and `on_refuse(reason)` is called (the guard writes a decision-log
   line). Lines are counted as they arrive, so a head trickled byte by byte costs linear time.
+  A complete head is checked for a lone CR, a bare LF, obs-fold and NUL
+  (request_head.raw_head_fault): `400` with the decision header, `on_refuse(reason)`, closed.
   It also completes hooks that no addon handles (`skip_hook(name)` true, e.g.
   `http_connected`) at once, inside the same event, instead of handing them to the connection
   handler, which runs each hook as an asyncio task and then passes its completion through the
@@ -25,6 +27,7 @@
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from mitmproxy import hooks
@@ -35,7 +38,10 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 
 from sfguard.proxy_addons.dispatch import Rest, SfguardRestHook
+from sfguard.proxy_addons.request_head import raw_head_fault, refusal_answer
 
+#: The empty line that ends a head, as h11's ReceiveBuffer finds it.
+_BLANK_LINE = re.compile(rb"\n\r?\n")
 HEAD_BODY = b"sfguard: request head too large (too many bytes or headers), connection shut\n"
 HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
@@ -84,11 +90,18 @@ class BoundedHttpLayer(HttpLayer):
                     reason = "request_head_too_large"
                 elif self._lines > self.max_lines:
                     reason = "too_many_headers"
+                else:  # a complete head: request_head's framing checks (lone CR, bare LF, ...)
+                    data = bytes(conn.buf) + event.data if buffered else event.data
+                    blank = _BLANK_LINE.search(data)
+                    if blank is not None:
+                        reason = raw_head_fault(data[:blank.end()])
                 if reason is not None:
                     self._refused = True
                     if self.on_refuse is not None:
                         self.on_refuse(reason)
-                    yield commands.SendData(self.context.client, HEAD_TOO_LARGE)
+                    answer = HEAD_TOO_LARGE if reason in ("request_head_too_large", "too_many_headers") \
+                        else refusal_answer(reason)
+                    yield commands.SendData(self.context.client, answer)
                     yield commands.CloseConnection(self.context.client)
                     return
         if isinstance(event, events.HookCompleted) and isinstance(event.command, SfguardRestHook):
@@ -132,8 +145,15 @@ class BoundedHttpLayer(HttpLayer):
 
 
 class CloseLayer(layer.Layer):
-    """Closes the client connection and ignores everything after."""
+    """Closes the client connection (after sending `answer`, if given) and ignores everything
+    after."""
+
+    def __init__(self, context: Context, answer: bytes | None = None) -> None:
+        super().__init__(context)
+        self.answer = answer
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.Start):
+            if self.answer:
+                yield commands.SendData(self.context.client, self.answer)
             yield commands.CloseConnection(self.context.client)

@@ -13,7 +13,8 @@ framing are mitmproxy's and h11's (`http1.read_request_head` / `read_response_he
 layers use (the request head through request_head.py, which remembers mitmproxy's checks of an
 authority); this layer only sequences them:
 
-    read a request head (bounded: bytes and header lines, 431 and a decision-log line over it)
+    read a request head (bounded: bytes and header lines, 431 and a decision-log line over it;
+      a lone CR, a bare LF, obs-fold or NUL in it: 400 and a decision-log line, request_head.py)
       -> parse and validate (400 and closed if malformed: smuggling checks included)
       -> requestheaders hook (the guard decides; a denial's answer is sent and the connection
          closed; nothing reached any server)
@@ -43,7 +44,7 @@ from mitmproxy.proxy.layers.http import HttpRequestHeadersHook
 
 from sfguard.proxy_addons.dispatch import Rest, SfguardRestHook
 from sfguard.proxy_addons.layers import HEAD_TOO_LARGE
-from sfguard.proxy_addons.request_head import read_request_head
+from sfguard.proxy_addons.request_head import head_fault, read_request_head, refusal_answer
 
 #: Largest response head relayed (a server sending more is cut off: 502).
 MAX_RESPONSE_HEAD = 256 * 1024
@@ -138,6 +139,7 @@ class PlainHttpLayer(layer.Layer):
     def _client_data(self) -> layer.CommandGenerator[None]:
         while not self.closed:
             if self.flow is None:
+                before = len(self.cbuf)
                 lines = self.cbuf.maybe_extract_lines()
                 if lines is None:  # bounded as it arrives: a trickled head costs linear time
                     if len(self.cbuf) > self.max_head_bytes:
@@ -145,12 +147,22 @@ class PlainHttpLayer(layer.Layer):
                     elif self.lines > self.max_lines:
                         yield from self._head_refused("too_many_headers")
                     return
+                taken = before - len(self.cbuf)
                 head = [bytes(x) for x in lines]
                 if sum(len(x) + 2 for x in head) + 2 > self.max_head_bytes:  # with the CRLFs
                     yield from self._head_refused("request_head_too_large")
                     return
                 if len(head) + 1 > self.max_lines:
                     yield from self._head_refused("too_many_headers")
+                    return
+                if not head:  # an empty line before a request line (RFC 9112 2.2: skipped)
+                    if taken != 2:
+                        yield from self._head_refused("head_bare_lf")
+                        return
+                    continue
+                fault = head_fault(head, taken)  # lone CR, bare LF, obs-fold, NUL: 400
+                if fault is not None:
+                    yield from self._head_refused(fault)
                     return
                 yield from self._start_request(head)
             elif self.request_reader is not None:
@@ -323,9 +335,13 @@ class PlainHttpLayer(layer.Layer):
         out.clear()
 
     def _head_refused(self, reason: str) -> layer.CommandGenerator[None]:
+        """A head over the limits (431) or malformed (400, request_head.head_fault): answered,
+        logged (`on_refuse`), closed."""
         if self.on_refuse is not None:
             self.on_refuse(reason)
-        yield commands.SendData(self.context.client, HEAD_TOO_LARGE)
+        answer = HEAD_TOO_LARGE if reason in ("request_head_too_large", "too_many_headers") \
+            else refusal_answer(reason)
+        yield commands.SendData(self.context.client, answer)
         yield from self._close()
 
     def _fail(self, status: int, reason: str, text: str, started: bool = False) -> layer.CommandGenerator[None]:

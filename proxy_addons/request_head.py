@@ -15,15 +15,34 @@ it. Any other request line (origin form, CONNECT, a non-ASCII target, `?`/`#` in
 an authority longer than `MAX_CACHED_AUTHORITY`, any refusal) goes through mitmproxy's own
 `read_request_head`, which produces the answer and the error message.
 tests/proxy/test_request_head.py holds the parity table.
+
+It also holds the guard's one check of a request head's framing and Host (RFC 9112 2.2, 5.2,
+3.2, 3.2.2), used on every path: plain proxied requests (plain_http.PlainHttpLayer, and
+ConnectGuard's `requestheaders`/`http_connect`, which the stock mitmproxy layers reach too),
+CONNECT heads (layers.BoundedHttpLayer) and every request inside a plain-HTTP tunnel
+(tunnel_http). A refused head gets `400` with `X-Sfguard-Decision: deny; reason=CODE`:
+- `head_lone_cr`: a CR not followed by LF anywhere in the head;
+- `head_bare_lf`: a line (or the empty line ending the head) that ends in LF without CR;
+- `head_obs_fold`: a header line starting with SP or HTAB (obs-fold, or whitespace before the
+  first header);
+- `head_nul`: a NUL byte;
+- `host_header_missing`: an HTTP/1.1 request without Host;
+- `host_header_repeated`: more than one Host line;
+- `host_header_mismatch`: a Host, or an absolute-form target's authority, naming another host
+  or port than the request is judged for.
 """
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 
 from mitmproxy import http
 from mitmproxy.net.http import http1, url
 from mitmproxy.net.http.http1 import read as http1_read
+
+from sfguard import policy
+from sfguard.proxy_addons.state import DECISION_HEADER
 
 #: Longest authority whose check is remembered (a DNS name is at most 253 characters; a port
 #: and brackets fit in what is left). Longer ones are checked every time, so the cache holds
@@ -70,3 +89,101 @@ def read_request_head(lines: list[bytes]) -> http.Request:
                         headers=http1_read._read_headers(lines[1:]),
                         content=None, trailers=None, timestamp_start=time.time(), timestamp_end=None)
     return http1.read_request_head(lines)
+
+
+HEAD_LONE_CR = "head_lone_cr"
+HEAD_BARE_LF = "head_bare_lf"
+HEAD_OBS_FOLD = "head_obs_fold"
+HEAD_NUL = "head_nul"
+HOST_MISSING = "host_header_missing"
+HOST_REPEATED = "host_header_repeated"
+HOST_MISMATCH = "host_header_mismatch"
+
+#: What each refusal means, for the one-line answer an agent reads.
+EXPLAIN = {
+    HEAD_LONE_CR: "its head holds a CR that does not end a line (RFC 9112 2.2)",
+    HEAD_BARE_LF: "a line of its head ends in LF without CR (RFC 9112 2.2)",
+    HEAD_OBS_FOLD: "a header line starts with a space or tab (obs-fold, RFC 9112 5.2)",
+    HEAD_NUL: "its head holds a NUL byte (RFC 9110 5.5)",
+    HOST_MISSING: "an HTTP/1.1 request needs a Host header (RFC 9112 3.2)",
+    HOST_REPEATED: "it has more than one Host header (RFC 9112 3.2)",
+    HOST_MISMATCH: "its Host header or target names another host than the one judged (RFC 9112 3.2.2)",
+}
+
+
+def head_fault(lines: Sequence[bytes], taken: int) -> str | None:
+    """The framing fault of a request head, or None. `lines`: the head as h11's
+    `ReceiveBuffer.maybe_extract_lines` returns it (split at LF, one CR before it removed, the
+    empty last line dropped); `taken`: how many bytes the head took from the buffer. A head
+    whose every line ends in CRLF took exactly the lines plus two bytes each, plus the CRLF of
+    the empty line: fewer means some line ended in a bare LF."""
+    size = 2
+    for i, line in enumerate(lines):
+        size += len(line) + 2
+        if b"\r" in line:
+            return HEAD_LONE_CR
+        if b"\x00" in line:
+            return HEAD_NUL
+        if i and line[:1] in (b" ", b"\t"):
+            return HEAD_OBS_FOLD
+    if size != taken:
+        return HEAD_BARE_LF
+    return None
+
+
+def raw_head_fault(head: bytes) -> str | None:
+    """`head_fault` of raw bytes that hold a whole head (up to and with its empty line)."""
+    if head.count(b"\r") != head.count(b"\r\n"):
+        return HEAD_LONE_CR
+    if b"\x00" in head:
+        return HEAD_NUL
+    if b"\n " in head or b"\n\t" in head:
+        return HEAD_OBS_FOLD
+    if head.count(b"\n") != head.count(b"\r\n"):
+        return HEAD_BARE_LF
+    return None
+
+
+def field_fault(fields: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """A parsed head's fault that its fields still show: a CR, LF or NUL in a name or value
+    (mitmproxy's parser keeps a lone CR in a value, and joins an obs-fold into it with CRLF).
+    This is what the `requestheaders` and `http_connect` hooks can check on any layer stack."""
+    for name, value in fields:
+        for text in (name, value):
+            if b"\n" in text:
+                return HEAD_OBS_FOLD
+            if b"\r" in text:
+                return HEAD_LONE_CR
+            if b"\x00" in text:
+                return HEAD_NUL
+    return None
+
+
+def host_fault(hosts: Sequence[str], http_version: str, host: str, port: int,
+               default_port: int) -> str | None:
+    """The Host fault of a request judged for (normalised `host`, `port`), or None. `hosts`:
+    the values of its Host lines. A Host without a port names `default_port`."""
+    if len(hosts) > 1:
+        return HOST_REPEATED
+    if not hosts:
+        return HOST_MISSING if http_version == "HTTP/1.1" else None
+    return None if same_host(hosts[0], host, port, default_port) else HOST_MISMATCH
+
+
+def same_host(value: str, host: str, port: int, default_port: int) -> bool:
+    """True when `value` (HOST[:PORT]; without a port: `default_port`) names normalised `host`
+    and `port`."""
+    try:
+        return policy.split_host_port(value.strip(), default_port=default_port) == (host, port)
+    except policy.MalformedHost:
+        return False
+
+
+def refusal_answer(code: str, explanation: str | None = None) -> bytes:
+    """The `400` answer to a refused head: the decision header and a one-line explanation;
+    the connection is closed after it."""
+    text = explanation or f"The guard refused this request: {EXPLAIN[code]}."
+    body = ("sfguard: " + text.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8", "replace")
+    return (f"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"{DECISION_HEADER}: deny; reason={code}\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body

@@ -196,7 +196,8 @@ async def test_the_guard_never_connects_to_its_own_listen_address(tmp_path, how)
             assert answer.startswith(b"HTTP/1.1 502"), answer[:200]
             assert b"Connection killed" in answer  # refused at server_connect, never connected
         else:
-            writer.write(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nProxy-Authorization: {A}\r\n\r\n".encode())
+            writer.write(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                         f"Proxy-Authorization: {A}\r\n\r\n".encode())
             answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             assert answer.startswith(b"HTTP/1.1 200"), answer  # the server is connected lazily
             writer.write(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())

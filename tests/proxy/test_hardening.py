@@ -249,7 +249,7 @@ def test_a_normal_head_with_many_headers_still_passes(guard, upstream):
 
 
 @pytest.mark.parametrize("data,reason", [
-    (b"GET / HTTP/1.1\r\nHost: site-a.test\r\nHost: evil.test\r\n\r\n", "host_header_mismatch"),
+    (b"GET / HTTP/1.1\r\nHost: site-a.test\r\nHost: evil.test\r\n\r\n", "host_header_repeated"),
     (b"G", None),  # a prefix: waits, then times out; nothing is sent
     (b"GET/x HTTP/1.1\r\n", "tunnel_protocol_refused"),
     (b"Get / HTTP/1.1\r\n", "tunnel_protocol_refused"),
@@ -361,7 +361,7 @@ def test_report_mode_refuses_mismatched_host_header(proxies, tmp_path, http_serv
     p = proxies(["--allow", "site-a.test", "--policy", str(pol), "--client", f"a:{TOKEN_A}",
                  "--resolve", "public.example=127.0.0.1"])
     r = get(p.port, f"http://public.example:{http_server.port}/", A, host_header="evil.test")
-    assert r.status == 403
+    assert r.status == 400
     assert r.headers["x-sfguard-decision"] == "deny; reason=host_header_mismatch"
     assert http_server.connections == 0
 

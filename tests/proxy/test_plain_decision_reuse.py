@@ -97,7 +97,7 @@ CHANGES = [
     ("policy-reloaded", block_site_a, ("site-a.test", None), 403, "blocked_by_policy"),
     ("allowlist-narrowed", narrow_allowlist, ("site-a.test", None), 403, "not_allowed"),
     ("client-removed", remove_client, ("site-a.test", None), 407, None),
-    ("other-host-header", None, ("site-a.test", "site-b.test"), 403, "host_header_mismatch"),
+    ("other-host-header", None, ("site-a.test", "site-b.test"), 400, "host_header_mismatch"),
 ]
 
 

@@ -113,7 +113,7 @@ async def test_open_tunnel_is_cut_when_the_proxy_stops(tmp_path, echo):
                        [make_client("a", TOKEN_A, ["site-a.test"])])
     _, port = await proxy.start()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"CONNECT site-a.test:{echo} HTTP/1.1\r\nProxy-Authorization: "
+    writer.write(f"CONNECT site-a.test:{echo} HTTP/1.1\r\nHost: site-a.test:{echo}\r\nProxy-Authorization: "
                  f"{basic('a', TOKEN_A)}\r\n\r\n".encode())
     await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     writer.write(b"x")
