@@ -66,6 +66,9 @@ def register(sub) -> None:
                    help="rotated decision logs kept (decisions.log.1 ... .N; default 14)")
     p.add_argument("--no-console", action="store_true",
                    help="no operator console (and so no live_view login handoff)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="the log on stderr: text lines (default) or one JSON object per line "
+                        "(ts, level, logger, event, pid, ids); masked either way")
     p.add_argument("--console-session", metavar="SECONDS", type=int, default=8 * 3600,
                    help="how long a console sign-in lasts, from 1 to 28800 seconds (default "
                         "28800, 8 hours); open pages and their update streams end with it")
@@ -90,7 +93,13 @@ def run(args) -> int:
     from sfguard.supervisor.home import HomeError, resolve_home
     from sfguard.supervisor.protocols import ProfileError
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=redaction.LOG_FORMAT)
+    if args.log_format == "json":   # the run proxies read it from their environment
+        os.environ[redaction.LOG_FORMAT_ENV] = "json"
+    else:
+        os.environ.pop(redaction.LOG_FORMAT_ENV, None)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(redaction.formatter(args.log_format))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     redaction.install()
     from sfguard.supervisor.daemon.guard import KEEP_ENDED_RUNS, KEEP_ENDED_SECONDS
     from sfguard.supervisor.profiles.stores import StoreError

@@ -25,9 +25,12 @@ the raw values.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import threading
+import time
 import traceback
 import urllib.parse
 
@@ -163,3 +166,34 @@ def install(logger: logging.Logger | None = None) -> RedactionFilter:
 #: The one line format of every guard process's log (the daemon, its run proxies): time,
 #: level, logger, message; a message never spans lines.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: `sfguard start --log-format json` sets this for the daemon and its run proxies
+LOG_FORMAT_ENV = "SFGUARD_LOG_FORMAT"
+#: ids a log call may carry (`log.info(..., extra={"run": run_id})`): copied into a JSON line
+LOG_IDS = ("run", "stage", "profile", "session")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts (UTC, ISO 8601), level, logger, event (the message, masked
+    like every record), pid, the ids a record carries, and exc (a traceback, one string)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname, "logger": record.name, "event": record.getMessage(),
+            "pid": record.process}
+        for key in LOG_IDS:
+            value = getattr(record, key, None)
+            if isinstance(value, str):
+                out[key] = value
+        if record.exc_text:          # masked by redact_record, which every record passes
+            out["exc"] = record.exc_text
+        elif record.exc_info:
+            out["exc"] = redact(self.formatException(record.exc_info))
+        return json.dumps(out, ensure_ascii=True, separators=(",", ":"))
+
+
+def formatter(kind: str | None = None) -> logging.Formatter:
+    """The formatter of this process's log: `kind` or $SFGUARD_LOG_FORMAT, `text` or `json`."""
+    kind = kind or os.environ.get(LOG_FORMAT_ENV) or "text"
+    return JsonFormatter() if kind == "json" else logging.Formatter(LOG_FORMAT)

@@ -57,7 +57,7 @@ def install_logging() -> None:
     """Logging of every guard proxy process: to stderr; the guard's own lines from INFO,
     mitmproxy's from WARNING (it logs every connection at INFO); every record masked."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(redaction.LOG_FORMAT))
+    handler.setFormatter(redaction.formatter())   # text, or json under --log-format json
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.WARNING)

@@ -138,7 +138,8 @@ class RunProxy:
         same process) and wait for its "ready" line."""
         argv = niced(child_argv(self.port, self.policy_path, self.decision_log, self.resolve), nice)
         env = {k: v for k, v in os.environ.items()
-               if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH")}
+               if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH",
+                        redaction.LOG_FORMAT_ENV)}
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=None, env=env, start_new_session=True)
