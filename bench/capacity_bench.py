@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from sfguard.supervisor.browsers import tools  # noqa: E402
 from sfguard.supervisor.client.guard_client import GuardClient  # noqa: E402
+from sfguard.supervisor.daemon.metrics import process_kind  # noqa: E402
 from sfguard.supervisor.home import runtime_path  # noqa: E402
 
 KINDS = ("browser", "proxy", "agent_browser", "guard")
@@ -55,20 +56,11 @@ def free_port() -> int:
 
 
 def kind_of(proc: psutil.Process, guard_pid: int) -> str | None:
-    try:
-        if proc.pid == guard_pid:
-            return "guard"
-        name = proc.name().lower()
-        cmd = " ".join(proc.cmdline()[:6])
-    except psutil.Error:
-        return None
-    if "proxy_child" in cmd:
-        return "proxy"
-    if "agent-browser" in name or "agent-browser" in cmd:
-        return "agent_browser"
-    if "chrom" in name:
-        return "browser"
-    return None
+    """The guard's own kinds (supervisor/daemon/metrics.py): guard, proxy, agent_browser, browser."""
+    if proc.pid == guard_pid:
+        return "guard"
+    kind = process_kind(proc)
+    return None if kind == "other" else kind
 
 
 def guard_processes(guard_pid: int, marks: tuple[str, ...]) -> list[psutil.Process]:

@@ -147,14 +147,7 @@ class LocalAuditSink:
         return None if head is None else (head[0], head[1])
 
     def _head_full(self) -> tuple[int, str, str | None] | None:
-        try:
-            d = json.loads(self.head_path.read_bytes())
-            mac = d.get("mac")
-            return int(d["seq"]), str(d["hash"]), (mac if isinstance(mac, str) else None)
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return (-1, "", None)
+        return _keyed_mark(self.head_path)
 
     def _last_line_record(self) -> tuple[int, str] | None:
         """(seq, hash) of the log's last line, read from the end (the log may be large)."""
@@ -247,14 +240,7 @@ class LocalAuditSink:
         return [*self.segments(), self.log_path]
 
     def _anchor(self) -> tuple[int, str, str | None] | None:
-        try:
-            d = json.loads(self.anchor_path.read_bytes())
-            mac = d.get("mac")
-            return int(d["seq"]), str(d["hash"]), (mac if isinstance(mac, str) else None)
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return (-1, "", None)
+        return _keyed_mark(self.anchor_path)
 
     def archive(self, keep_from_seq: int, into: Path | None = None) -> list[Path]:
         """Move every closed segment whose records all come before `keep_from_seq` into
@@ -394,6 +380,19 @@ class LocalAuditSink:
             return (0, GENESIS), (f"{ANCHOR_FILE} is not a valid anchor (its MAC does not match: "
                                   "written without the audit key)")
         return (seq, digest), None
+
+
+def _keyed_mark(path: Path) -> tuple[int, str, str | None] | None:
+    """(seq, hash, mac) of the head file or the anchor; None when absent, (-1, "", None) when
+    it cannot be read as one (verify() names it)."""
+    try:
+        d = json.loads(path.read_bytes())
+        mac = d.get("mac")
+        return int(d["seq"]), str(d["hash"]), (mac if isinstance(mac, str) else None)
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return (-1, "", None)
 
 
 def _last_record_of(path: Path) -> tuple[int, str] | None:

@@ -20,21 +20,9 @@ import pytest
 
 from sfguard.supervisor.home import runtime_dir
 from tests.daemon.conftest import FAKE_AB, Daemon, fake_browser_for
+from tests.disk import fill
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
-
-
-def fill(disk: Path) -> Path:
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for chunk in (65536, 4096, 1):
-            with contextlib.suppress(OSError):
-                for _ in range(100_000):
-                    os.write(fd, b"\0" * chunk)
-    finally:
-        os.close(fd)
-    return filler
 
 
 def body(sid: str) -> dict:

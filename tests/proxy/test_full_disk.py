@@ -5,12 +5,11 @@ same requests pass again by themselves. The log is on a small tmpfs made for the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
+
+from tests.disk import fill, small_tmpfs
 
 from .conftest import TOKEN_A, basic, in_process_guard
 from .test_plain_decision_reuse import Conn, Site, connect
@@ -18,30 +17,6 @@ from .test_plain_decision_reuse import Conn, Site, connect
 A = basic("a", TOKEN_A)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
-
-
-@contextlib.contextmanager
-def small_disk(where: Path, size: str = "256k"):
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)], check=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def fill(disk: Path) -> Path:
-    """Fill the disk to the last byte (bounded: the tmpfs is small)."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for chunk in (65536, 4096, 1):
-            with contextlib.suppress(OSError):
-                for _ in range(100_000):
-                    os.write(fd, b"\0" * chunk)
-    finally:
-        os.close(fd)
-    return filler
 
 
 async def connect_tunnel(port: int, up: int) -> tuple[int, bytes]:
@@ -55,7 +30,7 @@ async def connect_tunnel(port: int, up: int) -> tuple[int, bytes]:
 
 async def test_decisions_that_cannot_be_logged_are_refused_until_space_returns(tmp_path):
     site = Site()
-    with small_disk(tmp_path / "disk") as disk:
+    with small_tmpfs(tmp_path / "disk", "256k") as disk:
         async with in_process_guard(disk, site.handle, site=site) as g:
             kept: Conn = await connect(g)
             assert (await kept.get())[0] == 200
