@@ -142,7 +142,7 @@ def run(args) -> int:
         config.check()
     except GuardStartError as exc:
         raise CliError(str(exc)) from None
-    proxy_child.install_logging()
+    proxy_child.install_logging(run_proxy=False)
     try:
         return proxy_child.serve(config, clients, credential=generated)
     except proxy_child.ProxyProcessError as exc:

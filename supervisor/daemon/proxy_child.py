@@ -53,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def install_logging() -> None:
+def install_logging(run_proxy: bool = True) -> None:
     """Logging of every guard proxy process: to stderr; the guard's own lines from INFO,
     mitmproxy's from WARNING (it logs every connection at INFO); every record masked."""
     handler = logging.StreamHandler(sys.stderr)
@@ -65,7 +65,8 @@ def install_logging() -> None:
     logging.getLogger("mitmproxy").setLevel(logging.WARNING)
     # the daemon reports its policy file's reloads and refused edits itself, once (every run
     # proxy watching the same file would repeat them in the same log)
-    logging.getLogger("sfguard.proxy.policy").setLevel(logging.CRITICAL)
+    if run_proxy:   # a standalone `sfguard proxy` reports its own policy edits
+        logging.getLogger("sfguard.proxy.policy").setLevel(logging.CRITICAL)
     # Every record of every logger (ours and mitmproxy's) is masked before a handler sees it.
     redaction.install()
 

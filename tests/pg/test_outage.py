@@ -121,7 +121,7 @@ def test_the_guards_answer_through_a_database_outage_and_lose_nothing(guards, se
     assert out.returncode == 0, out.stderr
     seen = [(r["event"], r["fields"].get("run"), r["fields"].get("outcome"))
             for r in map(json.loads, out.stdout.splitlines())]
-    assert seen == [("profile_leased", "r1", None), ("profile_created", "r1", None),
+    assert seen == [("profile_created", "r1", None), ("profile_leased", "r1", None),
                     ("profile_resealed", "r1", "late"), ("profile_released", "r1", "released_late"),
                     ("profile_leased", "r2", None), ("profile_resealed", "r2", "stored"),
                     ("profile_released", "r2", "succeeded")], seen
