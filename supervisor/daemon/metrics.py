@@ -51,6 +51,8 @@ STAGE_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.
 
 #: how long a rotated-away decision log is still read: its writers reopen within a second
 ROTATED_GRACE_S = 5.0
+#: rotated files looked at when following rotations (the files between two scrapes)
+MAX_ROTATED_FOLLOW = 1000
 
 
 class _Reader:
@@ -62,36 +64,41 @@ class _Reader:
 
 class DecisionTail:
     """Counts the decision log's lines by (decision, reason) from where it stood when the guard
-    started. It keeps the file open: after a rotation (a rename) it goes on reading the old
-    file for a few seconds (a writer may still append to it until it reopens the name) and
-    reads the new one from its start, so no line is missed."""
+    started. It keeps its files open and follows rotations by inode: when the live name points
+    to another file, every file rotated after the one it was reading (NAME.k ... NAME.1) and the
+    new live one are read from their start, however many rotations happened between two scrapes.
+    A rotated-away file is still read for a few seconds (a writer may append to it until it
+    reopens the name), so no line is missed."""
 
     def __init__(self, path: Path):
         self.path = path
         self.counts: Counter[tuple[str, str]] = Counter()
         self._cur: _Reader | None = None
         self._old: list[_Reader] = []
-        self._open(at_end=True)
-
-    def _open(self, at_end: bool) -> bool:
+        # with no live file at start, the newest rotated one (if any) is where new files begin
+        self._before: tuple[int, int] | None = None
         try:
             fh = open(self.path, "rb")  # noqa: SIM115 (kept open between scrapes)
         except OSError:
-            return False
-        if at_end:
-            fh.seek(0, os.SEEK_END)
-        if self._cur is not None:
-            self._cur.left_at = time.monotonic()
-            self._old.append(self._cur)
+            try:
+                st = os.stat(self._rotated_name(1))
+                self._before = (st.st_ino, st.st_dev)
+            except OSError:
+                pass
+            return
+        fh.seek(0, os.SEEK_END)
         self._cur = _Reader(fh)
-        return True
 
-    def _drain(self, r: _Reader) -> None:
+    def _rotated_name(self, i: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{i}")
+
+    def _drain(self, r: _Reader) -> bool:
+        """Count the complete lines `r` has gained; True when it reached the end of its file."""
         budget = DECISION_READ_LIMIT
         while budget > 0:
             data = r.fh.read(min(1024 * 1024, budget))
             if not data:
-                return
+                return True
             budget -= len(data)
             lines = (r.partial + data).split(b"\n")
             r.partial = lines.pop()           # an unfinished last line waits for its end
@@ -99,6 +106,7 @@ class DecisionTail:
                 r.partial = b""
             for line in lines:
                 self._count(line)
+        return False
 
     def _count(self, line: bytes) -> None:
         if not line or len(line) > MAX_DECISION_LINE:
@@ -111,24 +119,57 @@ class DecisionTail:
             reason = rec.get("reason")
             self.counts[(rec["decision"][:32], reason[:64] if isinstance(reason, str) else "")] += 1
 
+    @staticmethod
+    def _ident(fh: Any) -> tuple[int, int]:
+        st = os.fstat(fh.fileno())
+        return st.st_ino, st.st_dev
+
+    def _newer_files(self) -> list[Any]:
+        """Open the files newer than the one being read, oldest first: the rotated ones
+        (NAME.k ... NAME.1) down to ours, then the live one if it exists (it may be missing
+        for a moment: renamed, not yet recreated by a writer)."""
+        known = self._ident(self._cur.fh) if self._cur is not None else self._before
+        found: list[Any] = []
+        seen: set[tuple[int, int]] = set()
+        for i in range(MAX_ROTATED_FOLLOW + 1):
+            try:
+                fh = open(self.path if i == 0 else self._rotated_name(i), "rb")  # noqa: SIM115
+            except OSError:
+                if i == 0:
+                    continue                   # no live file just now: the rotated ones still count
+                break                          # the rotated names end (ours was removed by keep)
+            ident = self._ident(fh)
+            if ident == known:
+                fh.close()
+                break
+            if ident in seen:                  # rotated again while listing: seen already
+                fh.close()
+                continue
+            seen.add(ident)
+            found.append(fh)
+        found.reverse()
+        return found
+
     def read(self) -> Counter[tuple[str, str]]:
         now = time.monotonic()
         for r in list(self._old):
-            self._drain(r)
-            if now - r.left_at > ROTATED_GRACE_S:
+            if self._drain(r) and now - r.left_at > ROTATED_GRACE_S:
                 r.fh.close()
                 self._old.remove(r)
-        if self._cur is None and not self._open(at_end=False):
-            return self.counts
-        assert self._cur is not None
-        self._drain(self._cur)
-        try:
-            st = os.stat(self.path)
-            mine = os.fstat(self._cur.fh.fileno())
-            replaced = (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev)
-        except FileNotFoundError:
-            replaced = False          # renamed, not yet recreated: the next scrape finds it
-        if replaced and self._open(at_end=False):
+        if self._cur is not None:
+            self._drain(self._cur)
+        newer = self._newer_files()
+        if newer:
+            if self._cur is not None:
+                self._cur.left_at = now
+                self._old.append(self._cur)
+            *rotated_files, newest = newer
+            for fh in rotated_files:
+                r = _Reader(fh)
+                r.left_at = now
+                self._old.append(r)
+                self._drain(r)
+            self._cur = _Reader(newest)        # the live file, or the newest rotated one
             self._drain(self._cur)
         return self.counts
 

@@ -63,19 +63,22 @@ def test_retention_settings_are_checked(bad):
         bad.check()
 
 
-def test_no_acknowledged_line_is_lost_while_writers_append(tmp_path):
+@pytest.mark.parametrize("read_every", [1, 12], ids=["scrape_each_check", "rotations_between_scrapes"])
+def test_no_acknowledged_line_is_lost_while_writers_append(tmp_path, read_every):
     path = tmp_path / "decisions.log"
     r = Retention(max_bytes=4096, max_age_s=3600, keep=1000)
     n = 1500
     tail = DecisionTail(path)
     writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(n), f"w{k}"],
                                 env=dict(os.environ)) for k in range(2)]
-    rotations = 0
+    rotations = checks = 0
     deadline = time.monotonic() + 120
     while any(w.poll() is None for w in writers):
         assert time.monotonic() < deadline, "writers did not finish"
         rotations += rotate_if_due(path, r)
-        tail.read()
+        checks += 1
+        if checks % read_every == 0:       # a scrape now and then: several rotations between two
+            tail.read()
         time.sleep(0.05)
     assert all(w.wait(30) == 0 for w in writers)
     tail.read()
