@@ -25,10 +25,8 @@ refuses SNI or Host header mismatches itself through `refuse`.
 denial becomes decision "allow" with reason "would_deny:<code>" (in one place, `_finish`). Every
 other check (malformed host, port, private and special addresses, SNI and Host agreement,
 credentials, request limits) denies in every mode, and `check_address` judges the addresses of
-a would-deny host like those of an allowed one.
-
-An allowing IP or CIDR pattern (a run's, or allow_always) never exempts an address from that
-rule: only `private_networks.allow` does (docs/policy.md, "Special addresses").
+a would-deny host like those of an allowed one. An allowing IP or CIDR pattern never exempts
+an address: only `private_networks.allow` does. Writes on an allowed host: policy/writes.py.
 """
 from __future__ import annotations
 
@@ -43,13 +41,13 @@ from sfguard.policy.errors import MalformedHost
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, printable_host
 from sfguard.policy.index import Match, RuleSet, suffixes
 from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
+from sfguard.policy.writes import WriteRules
 
 DEFAULT_PORTS = frozenset({80, 443})
 #: The only reasons that report mode turns into "would_deny": the allow and block lists.
 REPORT_RELAXES = frozenset({"not_allowed", "blocked_by_policy"})
 #: A special-purpose IP literal (or IP/CIDR pattern) that only private_networks.allow can open.
 REVIEWER_ONLY = "reviewer_only_address"
-
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -237,7 +235,7 @@ class SitePolicy:
                  tab_quota: int = 8, block: RuleSet | None = None,
                  allow_always: RuleSet | None = None, quiet: RuleSet | None = None,
                  private_networks: Iterable[str] = (), version: int = 1,
-                 private_lines: Iterable[int] = ()):
+                 private_lines: Iterable[int] = (), writes: WriteRules | None = None):
         if mode not in ("enforce", "report"):
             raise ValueError("mode is 'enforce' or 'report'")
         self.source = source
@@ -250,6 +248,7 @@ class SitePolicy:
         self.allow_always = allow_always if allow_always is not None else RuleSet(label)
         self.quiet = quiet if quiet is not None else RuleSet(label)
         self.private_networks = tuple(ipaddress.ip_network(n) for n in private_networks)
+        self.writes = writes if writes is not None else WriteRules()   # policy/writes.py
         lines = list(private_lines)
         #: the source line of each private_networks.allow entry (0: unknown)
         self.private_lines = tuple(lines[i] if i < len(lines) else 0
