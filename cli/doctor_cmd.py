@@ -109,6 +109,15 @@ def _browser_user_check() -> tuple[str, str, str]:
     return ("ok", "browser user:", "browsers run " + browser_user.describe(user))
 
 
+def _proxy_versions_check() -> tuple[str, str, str]:
+    """The proxy runs only on the mitmproxy/h11 versions it was tested on (proxy_addons/versions.py)."""
+    from sfguard.proxy_addons import versions
+    problem = versions.untested()
+    if problem is None:
+        return ("ok", "proxy versions:", versions.describe())
+    return ("missing", "proxy versions", problem)
+
+
 def run(args) -> int:
     from sfguard.cli.main import version
     checks: list[tuple[str, str, str]] = []   # (status, what, detail)
@@ -129,6 +138,7 @@ def run(args) -> int:
         note = " (inside a container)" if tools.in_container() else ""
         checks.append(("info", "display", "no display (DISPLAY/WAYLAND_DISPLAY unset)" + note
                        + ": browsers run headless; a local login window is not possible"))
+    checks.append(_proxy_versions_check())
     checks.append(_sandbox_check())
     checks.append(_browser_user_check())
     ok, text = _keyring_backend()

@@ -105,6 +105,10 @@ def run(args) -> int:
     from sfguard.supervisor.profiles.stores import StoreError
     keep_runs = KEEP_ENDED_RUNS if args.keep_ended_runs is None else args.keep_ended_runs
     keep_hours = KEEP_ENDED_SECONDS / 3600 if args.keep_ended_hours is None else args.keep_ended_hours
+    from sfguard.proxy_addons import versions
+    untested = versions.untested()
+    if untested is not None:       # every run proxy would refuse to start: say it now
+        raise CliError(f"cannot start: {untested}", 2)
     if not 0 <= keep_runs <= 1_000_000:
         raise CliError("--keep-ended-runs: a number of runs from 0 to 1000000", 2)
     if not 0 < keep_hours <= 24 * 366:    # also refuses nan and inf

@@ -26,9 +26,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sfguard.proxy_addons import _lean_import
+from sfguard.proxy_addons import _lean_import, versions
 
-_lean_import.install()  # before any mitmproxy import: skip mitmproxy's default addon set
+#: why this proxy will not start (another mitmproxy or h11 than the tested one), or None
+UNTESTED = versions.untested()
+if UNTESTED is None:
+    _lean_import.install()  # before any mitmproxy import: skip mitmproxy's default addon set
 
 from mitmproxy import options
 from mitmproxy.addons import proxyserver
@@ -122,6 +125,8 @@ class GuardProxy:
         """Start listening; returns (host, port). Raises GuardStartError."""
         if self._master is not None:
             raise GuardStartError("already started")
+        if UNTESTED is not None:         # fail closed: proxy_addons/versions.py
+            raise GuardStartError(UNTESTED)
         self.decision_log = DecisionLog(self.config.decision_log)
         self.state = GuardState(
             self.registry, self.policy_status, Resolver(self.config.resolve), self.decision_log,
@@ -168,7 +173,7 @@ class GuardProxy:
                 f"cannot listen on {policy.join_host_port(self.config.listen_host, self.config.listen_port)}{detail}")
         self.address = (str(addrs[0][0]), int(addrs[0][1]))
         self._flush_task = asyncio.get_running_loop().create_task(self._flush_quiet())
-        logger.info("guard proxy listening at %s:%d", *self.address)
+        logger.info("guard proxy listening at %s:%d (%s)", *self.address, versions.describe())
         return self.address
 
     async def _flush_quiet(self) -> None:
