@@ -80,23 +80,10 @@ def _parse_listen(text: str) -> tuple[str, int]:
 
 
 def _parse_resolve(values: list[str]) -> dict[str, list[str]]:
-    table: dict[str, list[str]] = {}
-    for item in values:
-        host, sep, ips = item.partition("=")
-        if not sep or not host or not ips:
-            raise CliError(f"--resolve {item!r}: expected HOST=IP")
-        try:
-            name = policy.normalize_host(host)
-        except policy.MalformedHost as exc:
-            raise CliError(f"--resolve {item!r}: {exc.reason}") from None
-        addrs = []
-        for ip in ips.split(","):
-            try:
-                addrs.append(str(ipaddress.ip_address(ip.strip().strip("[]"))))
-            except ValueError:
-                raise CliError(f"--resolve {item!r}: {ip.strip()!r} is not an IP address") from None
-        table.setdefault(name, []).extend(addrs)
-    return table
+    try:
+        return policy.parse_resolve(values)
+    except ValueError as exc:
+        raise CliError(f"--resolve {exc}") from None
 
 
 def _build_clients(args, allow: list[str]) -> tuple[list[clients_mod.Client], str | None]:

@@ -76,13 +76,12 @@ def register(sub) -> None:
 
 
 def _parse_resolve(values: list[str]) -> dict[str, str]:
-    out = {}
-    for v in values:
-        host, sep, ip = v.partition("=")
-        if not sep or not host or not ip:
-            raise CliError(f"--resolve wants HOST=IP, got {v!r}")
-        out[host] = ip
-    return out
+    """The guard's table: host -> "IP[,IP...]" (checked by policy.parse_resolve, the one parser)."""
+    from sfguard import policy
+    try:
+        return {host: ",".join(ips) for host, ips in policy.parse_resolve(values).items()}
+    except ValueError as exc:
+        raise CliError(f"--resolve {exc}", 2) from None
 
 
 def run(args) -> int:

@@ -23,14 +23,21 @@ from sfguard.policy.engine import (
     special_address,
 )
 from sfguard.policy.errors import MalformedHost, PolicyError, PolicyIssue
-from sfguard.policy.hosts import allow_pattern_for_url, join_host_port, normalize_host, split_host_port, url_host_port
+from sfguard.policy.hosts import (
+    allow_pattern_for_url,
+    join_host_port,
+    normalize_host,
+    parse_resolve,
+    split_host_port,
+    url_host_port,
+)
 from sfguard.policy.index import Match, RuleSet, compile_patterns
 from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
 from sfguard.policy.schema import MAX_POLICY_BYTES, default_policy_path, load_policy, parse_policy
 from sfguard.policy.watch import PolicyWatcher
 
 __all__ = [
-    "allow_pattern_for_url", "join_host_port", "url_host_port",
+    "allow_pattern_for_url", "join_host_port", "parse_resolve", "url_host_port",
     "DEFAULT_PORTS", "METADATA_ADDRESSES", "REVIEWER_ONLY", "Decision", "MAX_POLICY_BYTES",
     "MalformedHost", "Match", "Pattern",
     "PatternError", "PolicyError", "PolicyWatcher", "PolicyIssue", "RuleSet", "SitePolicy", "compile_patterns",

@@ -287,3 +287,23 @@ def allow_pattern_for_url(url: str) -> str:
     Raises MalformedHost (see `url_host_port`)."""
     host, port, explicit = url_host_port(url)
     return join_host_port(host, port if explicit else None)
+
+
+def parse_resolve(items: list[str]) -> dict[str, list[str]]:
+    """`--resolve HOST=IP[,IP...]` entries (like curl's) as {normalised host: [IP, ...]}; the one
+    parser of every command that takes them. Raises ValueError naming the entry and the fault."""
+    table: dict[str, list[str]] = {}
+    for item in items:
+        host, sep, ips = item.partition("=")
+        if not sep or not host or not ips:
+            raise ValueError(f"{item!r}: expected HOST=IP")
+        try:
+            name = normalize_host(host)
+        except MalformedHost as exc:
+            raise ValueError(f"{item!r}: {exc.reason}") from None
+        for ip in ips.split(","):
+            try:
+                table.setdefault(name, []).append(str(ipaddress.ip_address(ip.strip().strip("[]"))))
+            except ValueError:
+                raise ValueError(f"{item!r}: {ip.strip()!r} is not an IP address") from None
+    return table

@@ -149,15 +149,11 @@ def serve(config: GuardConfig, clients: Iterable[Client] = (), *, control: bool 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     install_logging()
-    resolve: dict[str, list[str]] = {}
     try:
-        for item in args.resolve:
-            host, _, ip = item.partition("=")
-            try:
-                name = policy.normalize_host(host)
-            except policy.MalformedHost as exc:
-                raise ProxyProcessError(f"--resolve {item!r}: {exc.reason}") from None
-            resolve.setdefault(name, []).append(ip)
+        try:
+            resolve = policy.parse_resolve(args.resolve)
+        except ValueError as exc:
+            raise ProxyProcessError(f"--resolve {exc}") from None
         config = GuardConfig(listen_port=args.listen_port, policy_path=args.policy,
                              resolve=resolve, decision_log=args.decision_log, run=args.run)
         return serve(config, control=True)
