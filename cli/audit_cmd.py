@@ -6,6 +6,7 @@ import json
 import time
 
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 from sfguard.supervisor.home import existing_home
 from sfguard.supervisor.profiles.audit import LocalAuditSink
 from sfguard.supervisor.protocols import validate_name, validate_run_id
@@ -13,7 +14,7 @@ from sfguard.supervisor.protocols import validate_name, validate_run_id
 
 def register(sub) -> None:
     home = argparse.ArgumentParser(add_help=False)
-    home.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(home)
     home.add_argument("--store", metavar="URL", help="'local' (the home's audit.log, default) or the "
                       "shared postgresql://... store (default $SFGUARD_STORE)")
     p = sub.add_parser("audit", help="verify and show the audit log",
@@ -41,7 +42,7 @@ def register(sub) -> None:
                                      "(<home>/audit.anchor) that lets `verify` start after them. The "
                                      "chain must verify first. Local store only; needs the audit key. "
                                      "Exit 0 (also when nothing was old enough), 1 damaged, 2 usage."))
-    a.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(a)
     a.add_argument("--keep-from", metavar="SEQ", type=int, required=True,
                    help="the first record to keep in the home")
     a.add_argument("--to", metavar="DIR", help="where the segments go (default <home>/audit.archive)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 
 
 def register(sub) -> None:
@@ -13,7 +14,7 @@ def register(sub) -> None:
                                     "logins). The link works once, until it expires; opening it "
                                     "gives this browser a session cookie. Exit 3 when no guard "
                                     "runs, 1 when it runs without a console."))
-    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(p)
     p.add_argument("--ttl", metavar="SECONDS", type=int, default=600,
                    help="how long the link stays good if unused (1-86400, default 600)")
     p.add_argument("--json", action="store_true", help="print {url, expires} as JSON")

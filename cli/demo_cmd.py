@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 
 
 def register(sub) -> None:
@@ -18,8 +19,7 @@ def register(sub) -> None:
                                     "fixture login site and a guard of its own, then play the "
                                     "pipeline runner's part twice (run 1 logs in, run 2 finds the "
                                     "login and skips it). Exit 0 when both runs behave as expected."))
-    p.add_argument("--home", metavar="DIR",
-                   help="guard home for the demo (default: a temporary one, deleted at the end)")
+    add_home(p, "guard home for the demo (default: a temporary one, deleted at the end)")
     p.add_argument("--keep", action="store_true",
                    help="keep the demo's temporary files (guard home, demo policy, logs)")
     p.add_argument("--auto-login", action="store_true",

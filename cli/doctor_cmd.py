@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 
+from sfguard.cli.options import add_home
 from sfguard.supervisor.browsers import tools
 
 REQUIRED_PACKAGES = ("mitmproxy", "aiohttp", "pydantic", "PyYAML", "psutil", "keyring",
@@ -17,7 +18,7 @@ def register(sub) -> None:
                                     "present, 1 when something is missing."))
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: {version, ok, checks: [{status, what, detail}]}")
-    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(p)
     p.add_argument("--store", metavar="URL", help="the store to check: 'local' (default) or "
                    "postgresql://... (default $SFGUARD_STORE)")
     p.set_defaults(func=run)

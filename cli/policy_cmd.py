@@ -23,11 +23,9 @@ import json
 import sys
 
 from sfguard import policy
+from sfguard.cli.options import POLICY_HOME_HELP, add_home
 from sfguard.cli.policy_source import policy_source
 from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
-
-HOME_HELP = ("guard home whose policy to check (default $SFGUARD_HOME or ~/.stageflow/guard): the "
-             "policy its running guard enforces, else its sites.yaml; the file checked is named on stderr")
 
 
 class _Usage(Exception):
@@ -51,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "same as --policy FILE")
     val.add_argument("--policy", dest="policy_file", metavar="FILE",
                      help="policy file (default: the policy of the guard home, see --home)")
-    val.add_argument("--home", metavar="DIR", help=HOME_HELP)
+    add_home(val, POLICY_HOME_HELP)
     val.add_argument("--strict", action="store_true",
                      help="treat warnings (duplicate entries, shadowed allow_always) as errors")
     val.add_argument("--json", action="store_true",
@@ -71,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="a run's allow_domains, comma-separated (may be repeated)")
     exp.add_argument("--policy", metavar="FILE",
                      help="policy file (default: the policy of the guard home, see --home)")
-    exp.add_argument("--home", metavar="DIR", help=HOME_HELP)
+    add_home(exp, POLICY_HOME_HELP)
     exp.add_argument("--json", action="store_true", help="one JSON object per host per line")
     exp.add_argument("--exit-code", action="store_true",
                      help="exit 1 when any host is denied (report mode: would be denied)")

@@ -21,6 +21,7 @@ from typing import Any
 
 from sfguard import policy
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 from sfguard.cli.policy_source import PolicySource, policy_source
 from sfguard.policy import casefile, diff, replay
 
@@ -39,8 +40,7 @@ def register(psub: argparse._SubParsersAction) -> None:
     t.add_argument("--policy", metavar="FILE",
                    help="policy to test (default: the file's own policy: entry, else the policy "
                         "of the guard home, see --home)")
-    t.add_argument("--home", metavar="DIR",
-                   help="guard home whose policy to test when a case file names none (default "
+    add_home(t, "guard home whose policy to test when a case file names none (default "
                         "$SFGUARD_HOME or ~/.stageflow/guard): the policy its running guard "
                         "enforces, else its sites.yaml")
     t.add_argument("--json", action="store_true", help="print one JSON object with every result")

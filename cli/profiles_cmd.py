@@ -14,6 +14,7 @@ import sys
 import time
 
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 from sfguard.supervisor.home import ensure_home, existing_home
 from sfguard.supervisor.profiles.audit import LocalAuditSink
 from sfguard.supervisor.profiles.keys import default_key_provider
@@ -33,7 +34,7 @@ from sfguard.supervisor.protocols import (
 
 def _home_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(p)
     p.add_argument("--store", metavar="URL", help="'local' (the home, default) or the shared "
                    "postgresql://... store (default $SFGUARD_STORE)")
     return p

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 
 
 def register(sub) -> None:
@@ -21,8 +22,7 @@ def register(sub) -> None:
                        description=("Print a systemd unit (Type=notify, restart on failure, "
                                     "read-only system, six capabilities) that runs `sfguard start` "
                                     "on --home. Install it as /etc/systemd/system/sfguard.service."))
-    pr.add_argument("--home", metavar="DIR", default=None,
-                    help="the guard home of the service (default /var/lib/sfguard)")
+    add_home(pr, "the guard home of the service (default /var/lib/sfguard)")
     pr.add_argument("--exec", metavar="PATH", dest="exe", default=None,
                     help="the sfguard executable (default: the one running this command)")
     pr.add_argument("--policy", metavar="FILE", help="a site policy file for `start --policy`")

@@ -38,12 +38,13 @@ PASSED_VARS = ("PATH", "LANG", "TERM")
 
 
 def register(sub) -> None:
+    from sfguard.cli.options import add_home
     p = sub.add_parser(
         "stage-exec", help="run a stage's command inside its sandbox (runner side)",
         description="Run COMMAND as the stage RUN/STAGE inside a bubblewrap sandbox whose only "
                     "ways out are the stage's CDP gate and its run's guard proxy. The current "
                     "directory is the stage's workspace (the one writable folder).")
-    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(p)
     p.add_argument("--run", required=True, metavar="RUN_ID")
     p.add_argument("--stage", required=True, metavar="STAGE_ID")
     p.add_argument("argv", nargs="+", metavar="COMMAND [ARGS...]",

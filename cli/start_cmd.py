@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 
 
 def register(sub) -> None:
@@ -22,7 +23,7 @@ def register(sub) -> None:
                                     "127.0.0.1 with a bearer token. Stop it with Ctrl-C or SIGTERM: "
                                     "every run is torn down. Exit 3 when a guard already runs on "
                                     "this home, 2 for an unusable home or policy."))
-    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(p)
     p.add_argument("--policy", metavar="FILE",
                    help="site policy (default: HOME/sites.yaml, made 0600 from the shipped "
                         "template policy/sites.yaml on first start; edits apply live)")

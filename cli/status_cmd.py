@@ -5,6 +5,7 @@ import json
 import sys
 
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 
 
 def register(sub) -> None:
@@ -15,7 +16,7 @@ def register(sub) -> None:
                                     "not yet ended and the most recently ended ones. Exit 3 when "
                                     "no guard runs on this home; with --check, exit 1 when "
                                     "something needs the operator (see --check)."))
-    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(p)
     p.add_argument("--json", action="store_true", help="print the /v1/status answer as JSON")
     p.add_argument("--check", action="store_true",
                    help="for monitors: exit 1 when something needs the operator (an invalid "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from sfguard.cli.main import CliError
+from sfguard.cli.options import add_home
 
 
 def register(sub) -> None:
@@ -13,7 +14,7 @@ def register(sub) -> None:
                                     "time), reseal unsealed profiles and release their leases. "
                                     "`sfguard start` does the same at start. Exit 3 when a guard is "
                                     "running on this home (it owns its runs)."))
-    p.add_argument("--home", metavar="DIR", help="guard home (default $SFGUARD_HOME or ~/.stageflow/guard)")
+    add_home(p)
     p.add_argument("--policy", metavar="FILE", help="site policy (default: HOME/sites.yaml)")
     p.add_argument("--json", action="store_true", help="print the sweep report as JSON")
     p.set_defaults(func=run)

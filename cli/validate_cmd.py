@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from sfguard import policy
+from sfguard.cli.options import add_home
 from sfguard.cli.policy_source import policy_source
 from sfguard.supervisor.pipeline.spec import validate_pipeline
 
@@ -25,8 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("pipeline", metavar="PIPELINE.yaml", help="the pipeline file")
     p.add_argument("--policy", metavar="FILE",
                    help="site policy (default: the policy of the guard home, see --home)")
-    p.add_argument("--home", metavar="DIR",
-                   help="guard home whose policy to check against (default $SFGUARD_HOME or "
+    add_home(p, "guard home whose policy to check against (default $SFGUARD_HOME or "
                         "~/.stageflow/guard): the policy its running guard enforces, else its "
                         "sites.yaml, else the shipped template; the file checked is named on stderr")
     p.add_argument("--no-tool-check", action="store_true",
