@@ -7,6 +7,11 @@ one of models.ERROR_CODES; `field` names the offending input (e.g. `browser.prof
 from __future__ import annotations
 
 
+class BrowserStartError(Exception):
+    """A browser, or the run proxy it needs, that could not be started or updated: the runner
+    is told `browser_failed` (daemon/stages.py BROWSER_ERRORS)."""
+
+
 class GuardError(Exception):
     """A refusal the caller can act on: a stable code, a message for people, the input field."""
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sfguard.supervisor import redaction
+from sfguard.supervisor.daemon.errors import BrowserStartError
 from sfguard.supervisor.daemon.sweep import ProcRecord, end_child, niced, renice_all_threads
 
 log = logging.getLogger("sfguard.guard")
@@ -106,7 +107,7 @@ class RunProxy:
                 await stdin.drain()
                 await asyncio.wait_for(fut, self.ACK_TIMEOUT)
             except (TimeoutError, ConnectionError) as exc:
-                raise RuntimeError("the run's guard proxy did not take the new allowlist "
+                raise BrowserStartError("the run's guard proxy did not take the new allowlist "
                                    f"({type(exc).__name__})") from None
             finally:
                 self._acks.pop(self._seq, None)
@@ -154,7 +155,7 @@ class RunProxy:
         text = line.decode(errors="replace").strip()
         if not text.startswith("ready http://127.0.0.1:"):
             await self.stop()
-            raise RuntimeError("the run's guard proxy did not start")
+            raise BrowserStartError("the run's guard proxy did not start")
         self.port = int(text.rsplit(":", 1)[1])
         self._reader = asyncio.get_running_loop().create_task(self._read_acks(self.proc))
         if self.clients:

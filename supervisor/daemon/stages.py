@@ -12,7 +12,7 @@ from sfguard.supervisor.browsers import browser_user, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.deferred import no_space
-from sfguard.supervisor.daemon.errors import BadRequest, Conflict, GuardError, Unavailable
+from sfguard.supervisor.daemon.errors import BadRequest, BrowserStartError, Conflict, GuardError, Unavailable
 from sfguard.supervisor.daemon.run_proxy import RunProxy, short_id
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, Stage, StageState
 from sfguard.supervisor.gate.cdp_gate import GateError
@@ -29,8 +29,9 @@ log = logging.getLogger("sfguard.guard")
 #: The whole stage env (docs/design.md 4.3): nothing else reaches a stage.
 STAGE_ENV_KEYS = ("AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
                   "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS")
-#: what a browser that cannot be had is
-BROWSER_ERRORS = (AnchorError, GateError, ProfileError, RuntimeError, OSError)
+#: what a browser that cannot be had is. Nothing wider: an IllegalTransition or another bug of
+#: the guard is not a browser failure; it reaches the API as a 500 with its traceback logged.
+BROWSER_ERRORS = (AnchorError, GateError, ProfileError, BrowserStartError, OSError, TimeoutError)
 
 
 def browser_failed(exc: BaseException, message: str, field: str | None) -> GuardError:
@@ -204,7 +205,7 @@ class Stages:
         proxy = await self.ensure_proxy(run)
         assert run.workdir is not None
         if g.browser_tool.path is None:
-            raise RuntimeError("no browser found (install Chromium or set SFGUARD_BROWSER)")
+            raise BrowserStartError("no browser found (install Chromium or set SFGUARD_BROWSER)")
         if g.browser_user is not None:   # downloads land here; the browser user writes them
             browser_user.owned_subdir(run.workdir / "artifacts", g.browser_user)
         spec = AnchorSpec(session=f"sfa-{short_id()}", socket_dir=g.socket_dir,

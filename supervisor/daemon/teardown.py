@@ -12,6 +12,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from sfguard.supervisor.daemon.deferred import no_space
+from sfguard.supervisor.daemon.errors import BrowserStartError
 from sfguard.supervisor.daemon.runs import (
     Browser,
     Run,
@@ -68,7 +69,7 @@ class Teardown:
             elif run.proxy is not None and browser.client in run.proxy.clients:
                 try:
                     await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser))
-                except RuntimeError as exc:
+                except BrowserStartError as exc:
                     problems.append(str(exc))
         with contextlib.suppress(Exception):
             g.records.save(run)
@@ -101,8 +102,10 @@ class Teardown:
                     with contextlib.suppress(Exception):
                         await g.calls.run(g.store.close, browser.profile, save=False)
         if run.proxy is not None:
-            with contextlib.suppress(RuntimeError):
+            try:
                 await run.proxy.remove_client(browser.client)
+            except BrowserStartError as exc:   # the proxy ends with the run: its old set is harmless
+                log.info("run %s: the proxy kept the ended browser's credential: %s", run.run_id, exc)
         run.browsers.pop(browser.key, None)
         return problems
 

@@ -286,3 +286,31 @@ async def test_the_reviewer_consents_in_the_live_policy(api):
     status, got = await api.call("POST", "/v1/runs/r1/stages", body)
     assert status in (200, 202, 503), got      # past the policy (the fake browser may be away)
     assert got.get("error", {}).get("code") != "reviewer_only_address", got
+
+
+@pytest.mark.parametrize("fault, status, code", [
+    ("illegal_transition", 500, "internal"),
+    ("browser_start", 503, "browser_failed"),
+    ("os_error", 503, "browser_failed"),
+])
+async def test_a_bug_of_the_guard_is_an_internal_error_not_a_browser_failure(api, caplog, fault, status, code):
+    """An IllegalTransition is a bug of the guard (daemon/runs.py): the runner gets a 500 and the
+    guard's log the traceback, never `browser_failed` (which tells the runner to retry later)."""
+    from sfguard.supervisor.daemon.errors import BrowserStartError
+    from sfguard.supervisor.daemon.runs import IllegalTransition, StageState
+
+    async def broken(run, stage):
+        raise {"illegal_transition": IllegalTransition(StageState.READY, StageState.WAITING),
+               "browser_start": BrowserStartError("the run's guard proxy did not start"),
+               "os_error": OSError(5, "Input/output error")}[fault]
+
+    api.guard.stages.throwaway = broken
+    assert (await api.call("POST", "/v1/runs", {"run_id": "r1"}))[0] == 201
+    with caplog.at_level("ERROR", logger="sfguard"):
+        got, body = await api.call("POST", "/v1/runs/r1/stages", stage("s1"))
+    assert (got, body["error"]["code"]) == (status, code), body
+    logged = [r for r in caplog.records if r.levelname == "ERROR" and r.exc_info]
+    if fault == "illegal_transition":
+        assert logged and "IllegalTransition" in repr(logged[0].exc_info[1].__class__)
+    else:
+        assert not logged
