@@ -119,6 +119,25 @@ def _proxy_versions_check() -> tuple[str, str, str]:
     return ("missing", "proxy versions", problem)
 
 
+def _ca_check(args) -> tuple[str, str, str]:
+    """Extra certificate authorities (sfguard start --ca-file): certutil, and what a guard
+    running on this home trusts (supervisor/browsers/trust.py)."""
+    from sfguard.supervisor.browsers import trust
+    from sfguard.supervisor.client.guard_client import GuardClient, GuardUnavailable
+    from sfguard.supervisor.home import resolve_home
+    if trust.certutil() is None:
+        return ("info", "trusted CAs:", "certutil not found (Debian: libnss3-tools): `sfguard start --ca-file` "
+                "cannot be used; browsers trust the system's authorities")
+    try:
+        status, body = GuardClient(resolve_home(getattr(args, "home", None)), timeout=2).call("GET", "/v1/status")
+    except (GuardUnavailable, OSError):
+        return ("ok", "trusted CAs:", "certutil present: `sfguard start --ca-file PEM` can add authorities")
+    cas = body.get("trusted_cas", []) if status == 200 and isinstance(body, dict) else []
+    shown = ", ".join(f"{c['subject']} (sha256 {c['sha256'][:16]}...)" for c in cas)
+    return ("ok", "trusted CAs:", "the guard on this home: its browsers trust the system's authorities"
+            + (f" and {shown}" if shown else " only"))
+
+
 def run(args) -> int:
     from sfguard.cli.main import version
     checks: list[tuple[str, str, str]] = []   # (status, what, detail)
@@ -140,6 +159,7 @@ def run(args) -> int:
         checks.append(("info", "display", "no display (DISPLAY/WAYLAND_DISPLAY unset)" + note
                        + ": browsers run headless; a local login window is not possible"))
     checks.append(_proxy_versions_check())
+    checks.append(_ca_check(args))
     checks.append(_sandbox_check())
     checks.append(_browser_user_check())
     ok, text = _keyring_backend()

@@ -44,6 +44,9 @@ def register(sub) -> None:
                    help="ended runs leave memory after H hours at most (default 24)")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
                    help="DNS override for the run proxies, like curl's --resolve (tests, demos)")
+    p.add_argument("--ca-file", action="append", default=[], metavar="PEM",
+                   help="certificate authorities (PEM) the guard's browsers, and only they, trust "
+                        "besides the system's (intranet sites, a TLS-inspecting network); repeatable")
     p.add_argument("--api-group", metavar="GROUP",
                    help="make the control socket 0660 with this group (and the home 0710), for "
                         "a pipeline runner under another user in GROUP; default: 0600, owner only")
@@ -85,6 +88,19 @@ def _parse_resolve(values: list[str]) -> dict[str, str]:
         raise CliError(f"--resolve {exc}", 2) from None
 
 
+def _browser_host(ca_files: list[str]):
+    """The guard's browser host, trusting the --ca-file authorities (supervisor/browsers/trust.py)."""
+    from sfguard.supervisor.browsers import trust
+    from sfguard.supervisor.browsers.host import LocalBrowserHost
+    try:
+        ca = trust.CaBundle.load(ca_files)
+    except trust.TrustError as exc:
+        raise CliError(str(exc), 2) from None
+    if ca and trust.certutil() is None:
+        raise CliError("--ca-file needs certutil (Debian: apt-get install libnss3-tools)", 2)
+    return LocalBrowserHost(ca=ca)
+
+
 def run(args) -> int:
     from sfguard import policy
     from sfguard.supervisor import redaction
@@ -116,7 +132,7 @@ def run(args) -> int:
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
                       store=args.store, keep_ended_runs=keep_runs,
-                      keep_ended_seconds=keep_hours * 3600)
+                      keep_ended_seconds=keep_hours * 3600, browser_host=_browser_host(args.ca_file))
     except StoreError as exc:
         raise CliError(str(exc), 2) from None
     except ProfileError as exc:  # shared store: unreachable, schema too new, key missing or wrong
@@ -279,6 +295,8 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
     lines += [f"sfguard: home {guard.home} (runtime {guard.runtime})",
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
               f"sfguard: browsers run {describe_browser_user(guard.browser_user)}",
+              "sfguard: browsers trust the system's certificate authorities"
+              + (f" and --ca-file {guard.host.ca.describe()}" if getattr(guard.host, "ca", None) else ""),
               f"sfguard: store {guard.stores.shown}",
               f"sfguard: keys {guard.keys.describe()}",
               f"sfguard: policy {guard.policy_path} (mode {guard.site_policy.mode})",

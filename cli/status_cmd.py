@@ -52,6 +52,9 @@ def run(args) -> int:
     if pol["state"] != "ok":
         line += f"  INVALID EDIT, last good policy kept: {pol['error']}"
     print(line)
+    for ca in body.get("trusted_cas", []):
+        print(f"ca      browsers also trust {ca['subject']} (sha256 {ca['sha256'][:16]}..., "
+              f"until {ca['not_after']}, from {ca['source']})")
     console = body.get("console")
     print(f"console {console['url']} (sign in: sfguard console)" if console else "console off")
     for disk in body.get("disk", []):

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 from pathlib import Path
+
+import psutil
 
 from sfguard.supervisor.daemon.sweep import ProcRecord, scan_orphans, terminate_recorded, wait_gone
 
@@ -166,3 +169,69 @@ async def spawn(argv: list[str], *, env: dict[str, str], cwd: str,
 def _dup_high(fd: int) -> int:
     import fcntl
     return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+
+
+def singleton_lock_pid(profile_dir: Path) -> int | None:
+    """The Chrome pid from the profile's `SingletonLock` symlink (`<hostname>-<pid>`), if the
+    link exists and names this host."""
+    try:
+        target = os.readlink(profile_dir / "SingletonLock")
+    except OSError:
+        return None
+    host, _, pid = target.rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit():
+        return None
+    return int(pid)
+
+
+def _is_main_browser(proc: psutil.Process, profile_dir: Path) -> bool:
+    """A Chrome main process (no --type=) using `profile_dir` as user-data-dir."""
+    try:
+        cmd = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    want = f"--user-data-dir={profile_dir}"
+    return want in cmd and not any(a.startswith("--type=") for a in cmd)
+
+
+def find_browser_process(profile_dir: Path, uids: tuple[int | None, ...] = ()) -> ProcRecord | None:
+    """The live Chrome main process of `profile_dir` (SingletonLock first, then a psutil scan
+    of this user's processes and those of `uids`, e.g. the browser user)."""
+    pid = singleton_lock_pid(profile_dir)
+    if pid is not None:
+        try:
+            proc = psutil.Process(pid)
+            if _is_main_browser(proc, profile_dir):
+                return ProcRecord(pid, proc.create_time(), "browser")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    owners = {os.getuid(), *(u for u in uids if u is not None)}
+    for pid in pids_with_arg(f"--user-data-dir={profile_dir}"):
+        try:
+            proc = psutil.Process(pid)
+            if proc.uids().real in owners and _is_main_browser(proc, profile_dir):
+                return ProcRecord(proc.pid, proc.create_time(), "browser")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return None
+
+
+def pids_with_arg(arg: str) -> list[int]:
+    """Processes whose command line contains `arg`: read straight from /proc (a
+    psutil scan of every process costs tens of milliseconds on each browser launch); psutil's
+    scan where there is no /proc."""
+    want = arg.encode()
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return [p.pid for p in psutil.process_iter(["cmdline"]) if arg in (p.info["cmdline"] or [])]
+    found = []
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        if want in raw:   # a candidate: _is_main_browser checks the words (psutil parses them)
+            found.append(int(name))
+    return found

@@ -27,18 +27,16 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
-import psutil
-
 from sfguard.supervisor.browsers import agent_browser as ab
 from sfguard.supervisor.browsers import browser_user as bu
-from sfguard.supervisor.browsers import chromium, xdisplay
+from sfguard.supervisor.browsers import chromium, trust, xdisplay
+from sfguard.supervisor.browsers.chromium import find_browser_process
 from sfguard.supervisor.daemon.sweep import ProcRecord, terminate_recorded, wait_gone
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
 from sfguard.supervisor.home import HomeError, private_dir
@@ -85,7 +83,7 @@ class Anchor:
     processes: list[ProcRecord]
     launch_seconds: float
     headed: bool = False
-    home_dir: Path | None = None     # the browser user's HOME for this browser (removed at close)
+    home_dir: Path | None = None     # its own HOME (browser user, --ca-file), removed at close
     #: a root guard's headed browser: its grant of the display (xdisplay.grant, removed at close)
     xauth_file: Path | None = field(default=None, repr=False)
     blank_tab: str | None = field(default=None, repr=False)   # Chromium's start-up tab, until taken
@@ -141,51 +139,6 @@ class BrowserHost(Protocol):
 
 # --------------------------------------------------------------------------- helpers
 
-def singleton_lock_pid(profile_dir: Path) -> int | None:
-    """The Chrome pid from the profile's `SingletonLock` symlink (`<hostname>-<pid>`), if the
-    link exists and names this host."""
-    try:
-        target = os.readlink(profile_dir / "SingletonLock")
-    except OSError:
-        return None
-    host, _, pid = target.rpartition("-")
-    if host != socket.gethostname() or not pid.isdigit():
-        return None
-    return int(pid)
-
-
-def _is_main_browser(proc: psutil.Process, profile_dir: Path) -> bool:
-    """A Chrome main process (no --type=) using `profile_dir` as user-data-dir."""
-    try:
-        cmd = proc.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
-    want = f"--user-data-dir={profile_dir}"
-    return want in cmd and not any(a.startswith("--type=") for a in cmd)
-
-
-def find_browser_process(profile_dir: Path, uids: tuple[int | None, ...] = ()) -> ProcRecord | None:
-    """The live Chrome main process of `profile_dir` (SingletonLock first, then a psutil scan
-    of this user's processes and those of `uids`, e.g. the browser user)."""
-    pid = singleton_lock_pid(profile_dir)
-    if pid is not None:
-        try:
-            proc = psutil.Process(pid)
-            if _is_main_browser(proc, profile_dir):
-                return ProcRecord(pid, proc.create_time(), "browser")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    owners = {os.getuid(), *(u for u in uids if u is not None)}
-    for pid in _pids_with_arg(f"--user-data-dir={profile_dir}"):
-        try:
-            proc = psutil.Process(pid)
-            if proc.uids().real in owners and _is_main_browser(proc, profile_dir):
-                return ProcRecord(proc.pid, proc.create_time(), "browser")
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return None
-
-
 def _write_tab_binding(socket_dir: Path, session: str, target_id: str) -> None:
     """Write the session's pin record (`agent_browser.pin_record`, 0600) before its first
     command. Measured on 0.41.2: a daemon that finds it attaches to that tab as its pinned one
@@ -203,27 +156,6 @@ def _write_tab_binding(socket_dir: Path, session: str, target_id: str) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
-
-
-def _pids_with_arg(arg: str) -> list[int]:
-    """Processes whose command line contains `arg`: read straight from /proc (a
-    psutil scan of every process costs tens of milliseconds on each browser launch); psutil's
-    scan where there is no /proc."""
-    want = arg.encode()
-    try:
-        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
-    except OSError:
-        return [p.pid for p in psutil.process_iter(["cmdline"]) if arg in (p.info["cmdline"] or [])]
-    found = []
-    for name in entries:
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        if want in raw:   # a candidate: _is_main_browser checks the words (psutil parses them)
-            found.append(int(name))
-    return found
 
 
 def _proxy_parts(proxy_url: str | None) -> tuple[int | None, tuple[str, str] | None]:
@@ -270,8 +202,10 @@ agent-browser sessions attached to the CDP gate."""
 
     def __init__(self, agent_browser: str | os.PathLike | None = None, *,
                  launch_timeout: float = LAUNCH_TIMEOUT, command_timeout: float = COMMAND_TIMEOUT,
-                 no_sandbox: bool | None = None, user: bu.BrowserUser | None = None):
+                 no_sandbox: bool | None = None, user: bu.BrowserUser | None = None,
+                 ca: trust.CaBundle | None = None):
         self.binary = str(agent_browser) if agent_browser else None
+        self.ca = ca or trust.CaBundle()    # authorities the browsers trust besides the system's
         self.launch_timeout = launch_timeout
         self.command_timeout = command_timeout
         # `user`: the browser user (root only), the sandbox on. Without one, as root Chromium
@@ -320,10 +254,11 @@ agent-browser sessions attached to the CDP gate."""
         if spec.profile_dir is not None and not Path(spec.profile_dir).is_absolute():
             raise AnchorError("the profile dir must be an absolute path")
         profile_dir: Path | None = None
+        home_dir: Path | None = None
         try:
             # where a temp profile and a HOME go (made only when one is needed)
             work = Path(spec.temp_root or socket_dir.parent)
-            if temp_profile or user is not None:
+            if temp_profile or user is not None or self.ca:
                 work = private_dir(work)
             if user is not None:
                 bu.open_path(work)   # the browser user crosses to its HOME and temp profile
@@ -336,15 +271,20 @@ agent-browser sessions attached to the CDP gate."""
                     bu.hand_over(profile_dir, user)
                 else:
                     private_dir(profile_dir)
-            home_dir = bu.owned_dir(work, bu.HOME_PREFIX, user) if user is not None else None
-        except (HomeError, OSError) as exc:
-            if temp_profile and profile_dir is not None:
-                self._drop_temp(profile_dir, temp_profile)
+            # a HOME of its own: the browser user's, or one holding the --ca-file authorities
+            home_dir = bu.owned_dir(work, bu.HOME_PREFIX, user) if user is not None or self.ca else None
+            if self.ca and home_dir is not None:
+                await asyncio.to_thread(trust.install, self.ca, home_dir, *((user.uid, user.gid) if user else ()))
+        except (HomeError, OSError, trust.TrustError) as exc:
+            if profile_dir is not None:
+                self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError(f"could not prepare the folders of anchor {spec.session}: {exc}") from None
         if not Path(spec.browser_path).is_absolute():
             self._drop_temp(profile_dir, temp_profile, home_dir)
             raise AnchorError("the browser path must be an absolute path")
-        env = chromium.browser_env(profile_dir=profile_dir, home=home_dir)
+        env = chromium.browser_env(profile_dir=profile_dir, home=home_dir if user is not None else None)
+        if home_dir is not None:
+            env["HOME"] = str(home_dir)     # where Chromium reads its NSS store (.pki/nssdb)
         try:   # a headed browser: the display granted to its user and checked as that user
             xauth_file = await xdisplay.prepare(env, spec.headed, user, home_dir)
         except (xdisplay.DisplayError, OSError) as exc:

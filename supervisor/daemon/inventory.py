@@ -81,6 +81,8 @@ class Inventory:
                              "keep_ended_hours": g.keep_ended_seconds / 3600},
             "leases": leases,
             "console": {"url": g.console.base_url} if g.console is not None else None,
+            # authorities the browsers trust besides the system's (--ca-file, browsers/trust.py)
+            "trusted_cas": ca.public() if (ca := getattr(g.host, "ca", None)) else [],
             "disk": disk_state(g.home, g.runtime),
             "pending": g.deferred.pending(),
         }
