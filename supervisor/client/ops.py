@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from sfguard import policy
 from sfguard.supervisor.client.guard_client import GuardClient, GuardUnavailable
 
-__all__ = ["GuardNotRunning", "GuardRun", "HandoffRefused", "LoginWindow", "OpError", "ProfileBusy",
+__all__ = ["GuardNotRunning", "GuardRun", "HandoffRefused", "LoginWindow", "OpError", "ProfileInUse",
            "ProfileOps", "guard_running", "new_run_id"]
 
 STAGE_WAIT_S = 60.0          # a queued stage (profile leased by another run) waits this long
@@ -54,8 +54,8 @@ class HandoffRefused(OpError):
     """The guard cannot show a login window (no display, container); str() names the cause."""
 
 
-class ProfileBusy(OpError):
-    pass
+class ProfileInUse(OpError):
+    """The profile is leased by another run for longer than the caller would wait."""
 
 
 def _error_of(status: int, answer: Any) -> OpError:
@@ -90,13 +90,13 @@ class GuardRun:
     def stage(self, stage_id: str, browser: dict, attempt: int = 1,
               wait: float = STAGE_WAIT_S) -> dict[str, str]:
         """Ask for a stage's browser; returns the stage env. A queued stage (the profile is
-        leased by another run) is polled for at most `wait` seconds, then ProfileBusy."""
+        leased by another run) is polled for at most `wait` seconds, then ProfileInUse."""
         body = {"stage_id": stage_id, "attempt": attempt, "browser": browser}
         status, answer = self._call("POST", f"/v1/runs/{self.run_id}/stages", body)
         deadline = time.monotonic() + wait
         while status == 202:
             if time.monotonic() >= deadline:
-                raise ProfileBusy(f"profile {browser.get('profile')!r} is in use by run "
+                raise ProfileInUse(f"profile {browser.get('profile')!r} is in use by run "
                                   f"{answer.get('holder_run')!r} since {answer.get('since')}; "
                                   "try again when that run has ended", "profile_leased", 202)
             time.sleep(0.5)

@@ -50,15 +50,6 @@ def status_of(exc: GuardError) -> int:
     return next((status for kind, status in ERROR_STATUS.items() if isinstance(exc, kind)), 500)
 
 
-class ApiError(Exception):
-    """An error that already carries its HTTP status. Only supervisor/stage/stage_exec.py still
-    raises it (its refusals are 409s); the daemon raises domain errors."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
-
-
 def error_response(status: int, code: str, message: str, field: str | None = None) -> web.Response:
     body = {"error": {"code": code, "message": message, "field": field}}
     return web.json_response(body, status=status)
@@ -360,8 +351,6 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
             return await handler(request)
         except GuardError as exc:
             return error_response(status_of(exc), exc.code, exc.message, exc.field)
-        except ApiError as exc:
-            return error_response(exc.status, exc.code, exc.message, exc.field)
         except web.HTTPRequestEntityTooLarge:
             return error_response(413, "body_too_large", f"request bodies are limited to {MAX_BODY} bytes")
         except web.HTTPNotFound:

@@ -168,14 +168,14 @@ def test_document_covers_exactly_the_served_routes(daemon):
 
 def test_every_error_code_in_the_source_is_in_the_enum():
     """Each code the guard can answer (a domain error such as Conflict("code", ...), whose
-    status is api.ERROR_STATUS's, and ApiError(...) / error_response(...) with their own, in
+    status is api.ERROR_STATUS's, and error_response(...) with its own, in
     supervisor/ and its rooms) is listed in ErrorBody.code, and documented for some route with
     that status."""
     kinds = {kind.__name__: status for kind, status in ERROR_STATUS.items()}
     found: set[tuple[int, str]] = set()
     for path in (ROOT / "supervisor").rglob("*.py"):
         text = path.read_text()
-        found |= {(int(s), c) for s, c in re.findall(r'(?:ApiError|error_response)\(\s*(\d{3}),\s*"([a-z_]+)"', text)}
+        found |= {(int(s), c) for s, c in re.findall(r'error_response\(\s*(\d{3}),\s*"([a-z_]+)"', text)}
         found |= {(kinds[k], c) for k, c in re.findall(rf'\b({"|".join(kinds)})\(\s*"([a-z_]+)"', text)}
     assert found, "no error codes found in supervisor/"
     codes = {c for _, c in found}
