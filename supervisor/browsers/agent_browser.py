@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sfguard.supervisor.daemon.sweep import end_child, niced
 from sfguard.supervisor.home import atomic_write
+from sfguard.supervisor.procs import end_child, niced
 
 #: Plain variables a launch env may inherit from the guard's own environment.
 INHERITED_VARS = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY",

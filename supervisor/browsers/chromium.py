@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from sfguard.supervisor.daemon.sweep import ProcRecord, scan_orphans, terminate_recorded, wait_gone
+from sfguard.supervisor.procs import ProcRecord, scan_orphans, terminate_recorded, wait_gone
 
 #: The flags agent-browser 0.41.2 launched Chromium with, kept because they still serve.
 AGENT_BROWSER_FLAGS = (

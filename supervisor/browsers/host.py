@@ -37,9 +37,9 @@ from sfguard.supervisor.browsers import agent_browser as ab
 from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers import chromium, trust, xdisplay
 from sfguard.supervisor.browsers.chromium import find_browser_process
-from sfguard.supervisor.daemon.sweep import ProcRecord, terminate_recorded, wait_gone
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
 from sfguard.supervisor.home import HomeError, private_dir
+from sfguard.supervisor.procs import ProcRecord, terminate_recorded, wait_gone
 
 #: Bound for a browser to answer its pipe after start. Generous: the first start on a fresh
 #: machine builds the font and shader caches (measured up to ~10 s under load).

@@ -28,8 +28,8 @@ from typing import Any
 
 from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers import chromium, tools
-from sfguard.supervisor.daemon.sweep import ProcRecord, terminate_recorded
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession
+from sfguard.supervisor.procs import ProcRecord, terminate_recorded
 
 
 class ViewerError(Exception):

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from sfguard.supervisor.browsers import agent_browser
 from sfguard.supervisor.daemon.runs import Run, StageState
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
-from sfguard.supervisor.daemon.sweep import ProcRecord, scan_orphans, terminate_recorded
 from sfguard.supervisor.home import FILE_MODE, atomic_write, private_dir
+from sfguard.supervisor.procs import ProcRecord, scan_orphans, terminate_recorded
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.lease import current_process, process_alive
 from sfguard.supervisor.protocols import ProcessIdentity

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sfguard.supervisor import redaction
 from sfguard.supervisor.daemon.errors import BrowserStartError
-from sfguard.supervisor.daemon.sweep import ProcRecord, end_child, niced, renice_all_threads
+from sfguard.supervisor.procs import ProcRecord, end_child, niced, renice_all_threads
 
 log = logging.getLogger("sfguard.guard")
 

@@ -22,7 +22,7 @@ from sfguard.supervisor.browsers.host import Anchor
 from sfguard.supervisor.browsers.login import LoginResult
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.errors import GuardError
-from sfguard.supervisor.daemon.sweep import ProcRecord
+from sfguard.supervisor.procs import ProcRecord
 from sfguard.supervisor.protocols import ProfileKey, Waiting
 
 if TYPE_CHECKING:

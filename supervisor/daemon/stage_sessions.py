@@ -35,8 +35,8 @@ from pathlib import Path
 
 from sfguard.supervisor.browsers import agent_browser
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, BrowserHost
-from sfguard.supervisor.daemon.sweep import ProcRecord, renice_all_threads, terminate_recorded
 from sfguard.supervisor.gate.cdp_gate import CdpGate, GateError
+from sfguard.supervisor.procs import ProcRecord, renice_all_threads, terminate_recorded
 
 log = logging.getLogger("sfguard.sessions")
 

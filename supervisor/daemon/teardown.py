@@ -22,7 +22,7 @@ from sfguard.supervisor.daemon.runs import (
     StageOutcome,
     StageState,
 )
-from sfguard.supervisor.daemon.sweep import terminate_recorded
+from sfguard.supervisor.procs import terminate_recorded
 from sfguard.supervisor.profiles import store_ops
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, StageState, now_iso
-from sfguard.supervisor.daemon.sweep import terminate_recorded
+from sfguard.supervisor.procs import terminate_recorded
 
 if TYPE_CHECKING:
     from sfguard.supervisor.daemon.guard import Guard

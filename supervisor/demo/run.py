@@ -33,9 +33,9 @@ from sfguard import policy
 from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
 from sfguard.supervisor.client.guard_client import GuardClient
 from sfguard.supervisor.client.ops import OpError, guard_running
-from sfguard.supervisor.daemon.sweep import end_popen, scan_orphans, terminate_recorded
 from sfguard.supervisor.demo.runner import DemoError, DemoRunner, RunReport
 from sfguard.supervisor.home import resolve_home, runtime_path
+from sfguard.supervisor.procs import end_popen, scan_orphans, terminate_recorded
 from sfguard.supervisor.stage.sandbox import lookup_user
 
 # Package data: installed with the wheel, so the demo runs outside a checkout too.

@@ -15,8 +15,8 @@ from sfguard.fixtures.login_server import start_login_server
 from sfguard.supervisor.browsers import agent_browser as ab_mod
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost
-from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
 from sfguard.supervisor.gate.cdp_gate import CdpGate
+from sfguard.supervisor.procs import scan_orphans, terminate_recorded
 
 FAKE_AB = Path(__file__).resolve().parents[1] / "fake_agent_browser" / "agent-browser"
 FAKE_CHROMIUM = Path(__file__).resolve().parents[1] / "fake_chromium" / "chromium"

@@ -13,7 +13,7 @@ import pytest
 
 from sfguard.supervisor.browsers import agent_browser as ab
 from sfguard.supervisor.browsers.host import AnchorError
-from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
+from sfguard.supervisor.procs import scan_orphans, terminate_recorded
 from tests.netscan import listening_ports_of_tree
 
 

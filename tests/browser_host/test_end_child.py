@@ -12,8 +12,8 @@ import sys
 import psutil
 import pytest
 
-from sfguard.supervisor.daemon.sweep import end_child, end_popen
 from sfguard.supervisor.home import atomic_file, atomic_write
+from sfguard.supervisor.procs import end_child, end_popen
 
 # A child that prints "ready" once its signal setup is done; with `grand`, it first starts a
 # sleeping grandchild in its own process group and prints that pid.

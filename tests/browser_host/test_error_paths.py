@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from sfguard.supervisor.browsers.host import AnchorError
-from sfguard.supervisor.daemon.sweep import scan_orphans
+from sfguard.supervisor.procs import scan_orphans
 
 
 @pytest.mark.parametrize("control,message", [

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from sfguard.supervisor.browsers import agent_browser as ab
-from sfguard.supervisor.daemon.sweep import scan_orphans
+from sfguard.supervisor.procs import scan_orphans
 
 pytestmark = pytest.mark.browser
 

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from sfguard.supervisor.daemon.sweep import ProcRecord, scan_orphans, terminate_recorded
+from sfguard.supervisor.procs import ProcRecord, scan_orphans, terminate_recorded
 
 SLEEPER = "import signal, sys, time\n{setup}\nprint('ready', flush=True)\ntime.sleep(60)\n"
 

@@ -19,8 +19,8 @@ import pytest
 
 from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
 from sfguard.supervisor.client.guard_client import GuardClient
-from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
 from sfguard.supervisor.home import runtime_dir, runtime_path
+from sfguard.supervisor.procs import scan_orphans, terminate_recorded
 from sfguard.supervisor.stage.sandbox import ensure_system_user, lookup_user
 from tests.daemon.fake_cdp import FakeCdp  # noqa: E402
 

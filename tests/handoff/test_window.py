@@ -39,8 +39,8 @@ from sfguard.supervisor.browsers import tools, xdisplay
 from sfguard.supervisor.browsers.host import AnchorError, AnchorSpec, LocalBrowserHost
 from sfguard.supervisor.browsers.login import check_login
 from sfguard.supervisor.daemon.models import LoginCheck
-from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
 from sfguard.supervisor.home import revoke_traverse
+from sfguard.supervisor.procs import scan_orphans, terminate_recorded
 from sfguard.supervisor.stage.sandbox import ensure_system_user
 
 pytestmark = pytest.mark.browser

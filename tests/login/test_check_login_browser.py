@@ -17,8 +17,8 @@ from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost
 from sfguard.supervisor.browsers.login import LoginCheckError, check_login
 from sfguard.supervisor.daemon.models import LoginCheck
-from sfguard.supervisor.daemon.sweep import scan_orphans, terminate_recorded
 from sfguard.supervisor.gate.cdp_gate import CdpGate
+from sfguard.supervisor.procs import scan_orphans, terminate_recorded
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.browser
