@@ -170,6 +170,21 @@ async def _open_tab(pipe: CdpPipe, deadline: float):
     raise LoginCheckError(f"could not open a tab in the anchor browser ({last})")
 
 
+def _redirect_target(cdp: CdpSession, session: str, target: str, start: str) -> str | None:
+    """Where the check tab's main frame was last sent before its navigation failed, when a
+    redirect sent it away from `start` (read from the Network events already received)."""
+    last = None
+    while not cdp.events.empty():
+        ev = cdp.events.get_nowait()
+        params = ev.get("params") or {}
+        if (ev.get("sessionId") == session and ev.get("method") == "Network.requestWillBeSent"
+                and params.get("type") == "Document" and params.get("frameId") == target
+                and params.get("redirectResponse")):
+            url = (params.get("request") or {}).get("url")
+            last = url if isinstance(url, str) else last
+    return last if last != start else None
+
+
 async def _wait_settled(cdp: CdpSession, session: str, deadline: float, quiet: float) -> None:
     """Wait for the load event after at least one main-frame navigation, then for `quiet`
     seconds without a further main-frame navigation. Bounded by `deadline`."""
@@ -244,11 +259,19 @@ async def check_login(pipe: CdpPipe, check: LoginCheck, *, timeout: float = 30,
             if not isinstance(session, str):
                 raise LoginCheckError("could not attach to the check tab")
             await cdp.call("Page.enable", session=session)
+            # the addresses the tab is sent to (a redirect to a host the run may not reach fails
+            # the navigation; where it was sent still decides: _refused_redirect)
+            await cdp.call("Network.enable", session=session)
             # A new tab may be held at start for a debugger when another client of the anchor
             # auto-attaches with waitForDebuggerOnStart; release it, or navigation never starts.
             await cdp.call("Runtime.runIfWaitingForDebugger", session=session)
             nav = await cdp.call("Page.navigate", {"url": check.url}, session=session)
             if nav.get("errorText"):
+                sent_to = _redirect_target(cdp, session, target, check.url)
+                if sent_to is not None and any(match_pattern(p, sent_to) for p in check.logged_out):
+                    # the site sent the check to its sign-in page on a host this run may not
+                    # reach (an SSO provider): that is the site's answer, logged out
+                    return LoginResult(False, sent_to)
                 raise LoginCheckError(f"the check page {check.url} could not be opened: {nav['errorText']}"
                                       " (is the site in the run's allow_domains, and reachable?)")
             await _wait_settled(cdp, session, deadline, quiet)
