@@ -5,6 +5,7 @@ import importlib.metadata as md
 
 from sfguard.cli.options import add_home
 from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers.handoff import display_refusal
 
 REQUIRED_PACKAGES = ("mitmproxy", "aiohttp", "pydantic", "PyYAML", "psutil", "keyring",
                      "cryptography", "idna", "psycopg", "psycopg-pool")
@@ -152,8 +153,12 @@ def run(args) -> int:
         else:
             checks.append(("missing", tool.name, f"{tool.source}; {tool.hint}"))
     disp = tools.display_available()
-    if disp:
-        checks.append(("ok", "display", f"{disp} is set: headed browsers and local login windows work"))
+    refusal = display_refusal() if disp else None
+    if disp and refusal:
+        checks.append(("info", "display", f"{disp} is set but {refusal}"))
+    elif disp:
+        checks.append(("ok", "display", f"{disp} is set and answers: headed browsers and local "
+                       "login windows work"))
     else:
         note = " (inside a container)" if tools.in_container() else ""
         checks.append(("info", "display", "no display (DISPLAY/WAYLAND_DISPLAY unset)" + note

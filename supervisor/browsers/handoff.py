@@ -12,8 +12,11 @@ page of the guard's console (supervisor/console/handoff.py), at a one-time `url`
 guard without a screen (a container, CI) uses, and the seam for a hosted service.
 
 A handoff is refused up front with `HandoffImpossible` when it cannot work, naming the cause:
-a local window needs a screen, so on Linux DISPLAY or WAYLAND_DISPLAY must be set, and inside a
-container (Docker, Podman, Kubernetes) nobody could see the window at all.
+a local window needs a screen, so on Linux DISPLAY or WAYLAND_DISPLAY must be set ("no_display"),
+and an X display must answer this guard (`xdpyinfo` with the guard's DISPLAY and XAUTHORITY;
+"display_unusable"). Being inside a container is no cause by itself: a container given a
+display (its socket and cookie) shows the window like a desktop. A root guard's browser user
+is probed again when its browser starts (xdisplay.probe, with its own grant).
 
 The guard (daemon) uses it like this:
 
@@ -24,6 +27,7 @@ The guard (daemon) uses it like this:
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -31,7 +35,7 @@ from typing import Annotated, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, StringConstraints, model_validator
 
-from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers import tools, xdisplay
 
 __all__ = ["FakeHandoff", "Handoff", "HandoffImpossible", "HandoffPayload", "LocalWindowHandoff"]
 
@@ -40,7 +44,7 @@ _URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
 
 
 class HandoffImpossible(Exception):
-    """The handoff cannot work here. `cause` is a short code ("no_display", "container");
+    """The handoff cannot work here. `cause` is a short code ("no_display", "display_unusable");
     str() is a full sentence saying why and what to do instead."""
 
     def __init__(self, message: str, cause: str):
@@ -88,39 +92,59 @@ class Handoff(Protocol):
         """The gate payload for a login on `site`. Calls check_possible first."""
 
 
+def display_refusal() -> str | None:
+    """Why this process cannot open its X display (a sentence, no cookie), or None when it
+    can, or when there is no X display to probe (Wayland only, or none: see no_display)."""
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "DISPLAY", "XAUTHORITY")}
+    try:
+        xdisplay.local_display(env)
+        xdisplay.probe(env, None)
+    except xdisplay.DisplayError as exc:
+        return str(exc)
+    return None
+
+
 class LocalWindowHandoff:
     """The operator logs in through a visible browser window on this machine.
 
     The probes are injectable for tests; by default they look at this process's environment
-    (`sfguard.supervisor.browsers.tools.display_available`, `in_container`) and `sys.platform`."""
+    (`tools.display_available`), open the X display once (`display_refusal`) and read
+    `sys.platform`."""
 
     kind = "local_window"
     needs_headed = True
 
     def __init__(self, *, display: Callable[[], str | None] = tools.display_available,
-                 container: Callable[[], bool] = tools.in_container,
+                 usable: Callable[[], str | None] = display_refusal,
                  platform: str | None = None):
         self._display = display
-        self._container = container
+        self._usable = usable
         self._platform = platform or sys.platform
+        self._checked = False
 
     def check_possible(self, *, profile: str | None = None, url: str | None = None) -> None:
         prepare = _prepare_hint(profile, url)
-        if self._container():
-            raise HandoffImpossible(
-                "a visible login window is not possible: the guard runs inside a container, "
-                "where no one can see a browser window (ask for a live_view handoff in the guard's "
-                "console instead: kind live_view, or auto with the console on). "
-                f"{prepare}", "container")
-        if self._platform not in ("darwin", "win32") and not self._display():
+        if self._platform in ("darwin", "win32"):
+            return
+        if not self._display():
             raise HandoffImpossible(
                 "a visible login window is not possible: neither DISPLAY nor WAYLAND_DISPLAY is "
                 "set, so this host has no screen for the guard (sfguard never starts a hidden "
-                "virtual display). Start the guard from a desktop session, or "
-                f"{prepare[0].lower()}{prepare[1:]}", "no_display")
+                "virtual display). Start the guard from a desktop session, ask for a live_view "
+                "handoff in the guard's console (kind live_view, or auto with the console on), "
+                f"or {prepare[0].lower()}{prepare[1:]}", "no_display")
+        why = self._usable()
+        if why:
+            raise HandoffImpossible(
+                f"a visible login window is not possible: {why.rstrip('.')}. In a container, "
+                "give it the display's socket (/tmp/.X11-unix) and an X authority with the "
+                "display's cookie (XAUTHORITY), or ask for a live_view handoff in the guard's "
+                f"console. {prepare}", "display_unusable")
+        self._checked = True
 
     def payload(self, *, site: str, reason: str, url: str | None = None) -> HandoffPayload:
-        self.check_possible(url=url)
+        if not self._checked:   # one probe of the display per handoff
+            self.check_possible(url=url)
         return HandoffPayload(kind="local_window", site=site, reason=reason, url=url)
 
 

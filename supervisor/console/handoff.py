@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from sfguard import policy
 from sfguard.supervisor.browsers import tools
+from sfguard.supervisor.browsers.handoff import display_refusal
 from sfguard.supervisor.console.liveview import LiveView
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, GuardError, NotFound, Unavailable
@@ -71,15 +72,17 @@ class LiveHandoff:
 
 
 def wants_live_view(guard, body: models.HandoffRequest) -> bool:
-    """`live_view` asked for, or `auto` with a page to open on a guard with no screen (no
-    display, or a container) and its console on."""
+    """`live_view` asked for, or `auto` with a page to open on a guard with no usable screen
+    (no display, or one this guard cannot open; a container given a display has one) and its
+    console on."""
     kind = getattr(body, "kind", "auto")
     if kind == "live_view":
         return True
     if kind == "local_window":
         return False
-    no_screen = tools.in_container() or not tools.display_available()
-    return no_screen and bool(body.url) and getattr(guard, "console", None) is not None
+    if not body.url or getattr(guard, "console", None) is None:
+        return False
+    return not tools.display_available() or display_refusal() is not None
 
 
 def _registry(guard) -> dict[str, LiveHandoff]:

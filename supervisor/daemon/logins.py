@@ -1,6 +1,7 @@
 """Login checks, envelope verification and the human handoff, in a run's leased browser."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -12,6 +13,7 @@ from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
 from sfguard.supervisor.daemon.runs import Run
+from sfguard.supervisor.daemon.stages import BROWSER_ERRORS
 from sfguard.supervisor.protocols import ProfileError
 
 if TYPE_CHECKING:
@@ -28,6 +30,23 @@ def run_allow(run: Run, profile: str) -> list[str]:
         if st.browser_req.profile == profile:
             out.update(st.browser_req.allow_domains)
     return sorted(out)
+
+
+async def open_in_titled_window(pipe: Any, url: str) -> None:
+    """Open `url` as a tab in the browser's first window, the one titled with site and
+    profile (--window-name names only that one; a new window would carry the page's title).
+    Chromium puts a new tab in the window last in front, so that window is brought forward
+    first."""
+    targets = (await pipe.call("Target.getTargets"))["targetInfos"]
+    windows = []
+    for t in targets:
+        if t.get("type") == "page":
+            w = await pipe.call("Browser.getWindowForTarget", {"targetId": t["targetId"]})
+            windows.append((w["windowId"], t["targetId"]))
+    if windows:
+        await pipe.call("Target.activateTarget", {"targetId": min(windows)[1]})
+    made = await pipe.call("Target.createTarget", {"url": url})
+    await pipe.call("Target.activateTarget", {"targetId": made["targetId"]})
 
 
 class Logins:
@@ -95,8 +114,8 @@ class Logins:
         if live.wants_live_view(g, body):   # no screen here: a live view in the console
             return await live.open_live(g, run, body)
         handoff = g.new_handoff()
-        try:
-            handoff.check_possible(profile=body.profile, url=body.url)
+        try:   # opens the display (xdpyinfo, bounded): off the event loop
+            await asyncio.to_thread(handoff.check_possible, profile=body.profile, url=body.url)
         except HandoffImpossible as exc:
             raise Conflict("handoff_impossible", str(exc), None) from None
         browser = await g.leased_browser(run, body.profile, headed=True)
@@ -106,14 +125,22 @@ class Logins:
             # with the site and the profile
             async with browser.lock:
                 await g.host.close_anchor(browser.anchor)
+                before, profile_dir = (browser.headed, browser.site), browser.anchor.profile_dir
                 browser.headed, browser.site = True, body.site
-                browser.anchor = await g.stages.launch(run, browser, browser.anchor.profile_dir)
+                try:
+                    browser.anchor = await g.stages.launch(run, browser, profile_dir)
+                except BROWSER_ERRORS as exc:   # e.g. the browser user cannot open the display
+                    browser.headed, browser.site = before
+                    browser.anchor = await g.stages.launch(run, browser, profile_dir)
+                    await g.watchdog.reattach(run, browser)
+                    raise Conflict("handoff_impossible", "a visible login window is not "
+                                   f"possible: {exc}", None) from None
                 await g.watchdog.reattach(run, browser)
         if body.url:
             host = urlsplit(body.url).hostname or ""
             await run.proxy.set_allow(browser.client, g.browser_allow(run, browser) + [host])
             try:
-                await browser.anchor.pipe.call("Target.createTarget", {"url": body.url, "newWindow": True})
+                await open_in_titled_window(browser.anchor.pipe, body.url)
             except Exception as exc:
                 raise Unavailable("browser_failed", f"could not open the page in the browser "
                                   f"({type(exc).__name__})", None) from None

@@ -1,10 +1,11 @@
 """The human handoff seam: payload schema and when a local login window is refused."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from pydantic import ValidationError
 
-from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.handoff import (
     FakeHandoff,
     Handoff,
@@ -16,31 +17,33 @@ from sfguard.supervisor.browsers.handoff import (
 SITE_URL = "http://127.0.0.1:8080/login"
 
 
-def local(display=None, container=False, platform="linux"):
-    return LocalWindowHandoff(display=lambda: display, container=lambda: container, platform=platform)
+def local(display=None, refusal=None, platform="linux"):
+    return LocalWindowHandoff(display=lambda: display, usable=lambda: refusal, platform=platform)
 
 
-@pytest.mark.parametrize("display,container,platform,cause", [
-    (None, False, "linux", "no_display"),
-    (None, True, "linux", "container"),
-    (":0", True, "linux", "container"),          # a DISPLAY inside a container is no screen
-    ("wayland-0", True, "darwin", "container"),
-    (None, False, "freebsd14", "no_display"),
+CANNOT = "this user cannot open the display :5 (refused or not running)"
+
+
+@pytest.mark.parametrize("display,refusal,platform,cause", [
+    (None, None, "linux", "no_display"),
+    (None, CANNOT, "linux", "no_display"),
+    (":5", CANNOT, "linux", "display_unusable"),   # set, but it does not answer this guard
+    (None, None, "freebsd14", "no_display"),
 ])
-def test_local_window_refused_with_the_cause(display, container, platform, cause):
-    h = local(display, container, platform)
+def test_local_window_refused_with_the_cause(display, refusal, platform, cause):
+    h = local(display, refusal, platform)
     with pytest.raises(HandoffImpossible) as exc:
         h.payload(site="127.0.0.1", reason="log in", url=SITE_URL)
     assert exc.value.cause == cause
     msg = str(exc.value)
-    assert "not possible" in msg
+    assert "not possible" in msg and "live_view" in msg
     # says what to do instead, with the URL, and that nothing is to be copied
     assert f"sfguard profiles login NAME --url {SITE_URL}" in msg
     assert "copy nothing" in msg
     if cause == "no_display":
         assert "DISPLAY" in msg and "WAYLAND_DISPLAY" in msg
     else:
-        assert "container" in msg
+        assert "cannot open the display :5" in msg and "XAUTHORITY" in msg
 
 
 def test_check_possible_names_the_profile():
@@ -52,22 +55,29 @@ def test_check_possible_names_the_profile():
 @pytest.mark.parametrize("display,platform", [(":0", "linux"), ("wayland-0", "linux"),
                                               (None, "darwin"), (None, "win32")])
 def test_local_window_payload_when_possible(display, platform):
-    h = local(display, False, platform)
+    h = local(display, None, platform)
     assert isinstance(h, Handoff) and h.needs_headed
     p = h.payload(site="127.0.0.1", reason="The fixture site needs a login.", url=SITE_URL)
     assert p.model_dump() == {"kind": "local_window", "site": "127.0.0.1",
                               "reason": "The fixture site needs a login.", "url": SITE_URL}
 
 
-def test_default_probes_read_the_environment(monkeypatch):
-    # On this (container) host the default handoff must refuse, naming the real cause.
+def test_a_container_is_no_cause_by_itself(monkeypatch):
+    """This host may be a container (/.dockerenv): without a display the cause is the missing
+    display; a display that does not answer is named as such, never 'container'."""
     monkeypatch.delenv("DISPLAY", raising=False)
     monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
     with pytest.raises(HandoffImpossible) as exc:
         LocalWindowHandoff(platform="linux").check_possible()
-    assert exc.value.cause == ("container" if tools.in_container() else "no_display")
-    if not tools.in_container():
-        monkeypatch.setenv("DISPLAY", ":99")
+    assert exc.value.cause == "no_display"
+    monkeypatch.setenv("DISPLAY", ":239")   # no X server there
+    monkeypatch.setenv("XAUTHORITY", os.devnull)
+    with pytest.raises(HandoffImpossible) as exc:
+        LocalWindowHandoff(platform="linux").check_possible()
+    assert exc.value.cause == "display_unusable" and "container" not in exc.value.cause
+    assert "cannot open the display :239" in str(exc.value)
+    monkeypatch.setenv("DISPLAY", "other-host:0")   # X over TCP: not this machine's display
+    with pytest.raises(HandoffImpossible, match="not a display of this machine"):
         LocalWindowHandoff(platform="linux").check_possible()
 
 

@@ -1,0 +1,95 @@
+"""The `local_window` handoff route end to end, on a real X display (issue 36).
+
+A real `sfguard start` (root guard, browsers as the browser user) runs in the "desktop
+session" of an Xvfb the test starts (DISPLAY and XAUTHORITY in its environment, as a
+session or a container given a display would have). The runner asks
+POST /v1/runs/{run}/handoff kind local_window; the window shows on the display, titled with
+site and profile, on the login page; the person types into it with xdotool (keys and clicks,
+no CDP); the guard's login check says logged in; the window goes when the run ends; the next
+run finds the login in the profile. Pictures in .ci-artifacts/handoff/.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from sfguard.supervisor.browsers import xdisplay
+from tests.daemon.conftest import Daemon
+from tests.handoff.test_window import (  # noqa: F401  (xserver is a fixture)
+    _x,
+    find_window,
+    grab,
+    person_logs_in,
+    save_png,
+    xserver,
+)
+
+pytestmark = pytest.mark.browser
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def x_daemon(tmp_path, site, xserver):  # noqa: F811
+    home = (tmp_path / "home").absolute()
+    pol = tmp_path / "sites.yaml"
+    pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
+                   "private_networks:\n  allow: [127.0.0.1/32]\n")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8",
+           "PYTHONPATH": ROOT, "DISPLAY": xserver.display, "XAUTHORITY": str(xserver.auth)}
+    d = Daemon(home, env, tmp_path / "daemon.log")
+    d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1")
+    yield d
+    d.finish()
+
+
+def _check(d, run, a):
+    check = {"url": f"{a}/account", "logged_in": f"{a}/account", "logged_out": [f"{a}/login*"]}
+    status, res = d.call("POST", f"/v1/runs/{run}/login-check", {"profile": "acct", "login_check": check})
+    assert status == 200, res
+    return res["logged_in"]
+
+
+def _stage(d, run, headed):
+    body = {"stage_id": "login", "attempt": 1,
+            "browser": {"profile": "acct", "headed": headed, "allow_domains": ["site-a.test"]}}
+    status, answer = d.call("POST", f"/v1/runs/{run}/stages", body)
+    assert status == 200, answer
+
+
+def test_local_window_handoff_through_the_guard(x_daemon, site, xserver):  # noqa: F811
+    d = x_daemon
+    a = f"http://site-a.test:{site}"
+    env = {"PATH": os.environ["PATH"], "DISPLAY": xserver.display, "XAUTHORITY": str(xserver.auth)}
+    assert d.call("POST", "/v1/runs", {"run_id": "login1"})[0] == 201
+    _stage(d, "login1", headed=False)   # the handoff reopens the anchor as a window
+    assert not _check(d, "login1", a)
+    started = time.monotonic()
+    status, payload = d.call("POST", "/v1/runs/login1/handoff",
+                             {"profile": "acct", "site": "site-a.test", "reason": "log in, please",
+                              "url": f"{a}/login?next=/account", "kind": "local_window"})
+    assert status == 200, payload
+    assert payload["kind"] == "local_window" and payload["url"] == f"{a}/login?next=/account"
+    title = xdisplay.window_title("acct", "site-a.test")
+    wid = find_window(title, env)
+    info = _x("xwininfo", "-id", wid, env=env)
+    assert f'"{title}"' in info and "IsViewable" in info
+    # the stage keeps waiting: the run and its stage are still there
+    status, stage = d.call("GET", "/v1/runs/login1/stages/login")
+    assert status == 200 and stage["state"] == "ready", stage
+    person_logs_in(wid, env, "operator", "correct-horse", "route")
+    deadline = time.monotonic() + 30
+    while not _check(d, "login1", a):
+        assert time.monotonic() < deadline, "the guard's login check never said logged in"
+        time.sleep(0.5)
+    w, h, rows = grab(wid, env)
+    save_png("route-logged-in", w, h, rows)
+    assert time.monotonic() - started < 120
+    assert d.call("POST", "/v1/runs/login1/end", {"outcome": "succeeded"})[0] == 200
+    assert find_window(title, env, present=False) is None   # the window goes with the run
+    # the next run, headless: the login is in the profile
+    assert d.call("POST", "/v1/runs", {"run_id": "next1"})[0] == 201
+    _stage(d, "next1", headed=False)
+    assert _check(d, "next1", a), "the login did not stay in the profile"
+    d.call("POST", "/v1/runs/next1/end", {"outcome": "succeeded"})
