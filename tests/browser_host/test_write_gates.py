@@ -237,3 +237,36 @@ async def test_allow_is_unchanged_and_reads_pass_in_gate(guarded):
         n = len(site.got)
         await run(tab, script)
         assert await until(lambda n=n: any(g[1] != "GET" for g in site.got[n:])), name
+
+
+@pytest.mark.browser
+async def test_a_retry_of_a_replay_unsafe_stage_is_held_with_what_the_first_attempt_sent(guarded):
+    anchor, site = guarded
+    # attempt 1 (writes: allow, replay_safe: false) posts the form: it reaches the site
+    first = gate(anchor, "allow", replay_unsafe=True)
+    tab = await fresh_tab(anchor, site)
+    n = len(site.got)
+    await run(tab, WAYS["form"][0])
+    assert await until(lambda: any(g[1] == "POST" for g in site.got[n:]))
+    assert [(r["method"], str(r["url"]).split(":")[-1]) for r in first.released] == [
+        ("POST", f"{site.port}/w/form")]
+    # attempt 2 of the same stage: the same form is held, showing attempt 1's write
+    approver = FakeApprover("manual")
+    gate(anchor, "allow", approver, earlier=tuple(first.released))
+    tab = await fresh_tab(anchor, site)
+    n = len(site.got)
+    await run(tab, WAYS["form"][0])
+    assert await until(lambda: bool(approver.asked))
+    await asyncio.sleep(1.0)
+    assert [g for g in site.got[n:] if g[1] != "GET"] == []
+    held = approver.asked[-1]
+    assert held.why == "replay_unsafe_retry"
+    assert [e["url"] for e in held.earlier] == [r["url"] for r in first.released]
+    assert held.form == (("msg", "hello"),)
+    approver.decide_all(False)
+    # a replay-safe stage's retry (no history kept) is not held
+    gate(anchor, "allow", FakeApprover("manual"))
+    tab = await fresh_tab(anchor, site)
+    n = len(site.got)
+    await run(tab, WAYS["form"][0])
+    assert await until(lambda: any(g[1] == "POST" for g in site.got[n:]))
