@@ -96,6 +96,9 @@ class BrowserField(StrictTypes):
     headed: bool = True
     allow_domains: list[AllowPattern] = Field(default_factory=list, max_length=256)
     login_check: LoginCheck | None = None
+    writes: Literal["allow", "gate", "deny"] = Field(default="allow", description=(
+        "what the stage may change on its allowed hosts: allow (as today), gate (each write held "
+        "for a person), deny (every write refused); a site policy floor can only make it stricter"))
 
     @field_validator("profile")
     @classmethod
@@ -111,6 +114,9 @@ class CreateRun(Strict):
 class StageRequest(Strict):
     stage_id: StageId
     attempt: int = Field(ge=1, le=10_000)
+    replay_safe: bool = Field(default=True, description=(
+        "false: when an earlier attempt of this stage in the run sent a write, every write of a "
+        "later attempt is held for a person (a retry never sends a form twice unasked)"))
     browser: BrowserField
 
 
@@ -170,6 +176,9 @@ class StageReady(Answer):
     exec_prefix: list[str] | None = Field(default=None, description=(
         "the argv prefix a runner puts in front of the stage's command to run it confined "
         "(`sfguard stage-exec --home HOME --run RUN --stage STAGE --`)"))
+    writes: dict[str, Literal["allow", "gate", "deny"]] = Field(default_factory=dict, description=(
+        "the effective write mode per allowed host pattern (the stricter of browser.writes and "
+        "the site policy), for the runner to tell the agent"))
 
 
 class StageUser(Strict):

@@ -121,6 +121,7 @@ class Stage:
     error: GuardError | None = None
     processes: list[ProcRecord] = field(default_factory=list)  # the stage session's daemon
     events: list[dict[str, Any]] = field(default_factory=list)  # what happened to it (browser restarts)
+    write_modes: dict[str, str] = field(default_factory=dict)   # effective write mode per allowed pattern
 
     def move(self, to: StageState) -> None:
         if to not in STAGE_TRANSITIONS[self.state]:
@@ -131,7 +132,7 @@ class Stage:
         """The stage as the runner sees it: ready (env), waiting (holder, place) or ended; a
         failed stage raises its error."""
         if self.state == StageState.READY:
-            return {"state": "ready", "env": self.env}
+            return {"state": "ready", "env": self.env, "writes": self.write_modes}
         if self.state == StageState.WAITING and self.waiting is not None:
             w = self.waiting
             since = w.holder_since if w.holder_since is not None else w.queued_since

@@ -174,6 +174,8 @@ class CdpPipe:
         self._task: asyncio.Task | None = None
         self.fetch_on = False                             # browser-wide Fetch interception
         self._fetch_off_timer: asyncio.TimerHandle | None = None
+        #: the write gate (supervisor/writes/intercept.py): paused requests go to it
+        self.writes: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, *, proxy_auth: tuple[str, str] | None = None, timeout: float = 60.0) -> dict:
@@ -439,7 +441,10 @@ class CdpPipe:
 
     def _answer_fetch(self, method: str, params: dict) -> None:
         if method == "Fetch.requestPaused":
-            self._fire("Fetch.continueRequest", {"requestId": params.get("requestId")})
+            if self.writes is not None:
+                self.writes.paused(params)
+            else:
+                self._fire("Fetch.continueRequest", {"requestId": params.get("requestId")})
             return
         from_proxy = (params.get("authChallenge") or {}).get("source") == "Proxy"
         if from_proxy and self._auth:
@@ -461,8 +466,19 @@ class CdpPipe:
         if self.closed.is_set() or not self.fetch_on:
             return
         self.fetch_on = False
+        self.apply_write_patterns()
+
+    def apply_write_patterns(self) -> None:
+        """After the proxy challenges: Fetch stays on only for the write gate's hosts."""
+        if self.closed.is_set() or self.fetch_on:
+            return
+        patterns = self.writes.patterns() if self.writes is not None else []
         with contextlib.suppress(PipeClosed):
-            self._fire("Fetch.disable", {})
+            if patterns:
+                self._fire("Fetch.enable", {"handleAuthRequests": self._auth is not None,
+                                            "patterns": patterns})
+            else:
+                self._fire("Fetch.disable", {})
 
 
 def m_end(text: str) -> int:

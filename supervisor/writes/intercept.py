@@ -1,0 +1,252 @@
+"""Catching a guarded browser's writes in the guard's own DevTools pipe.
+
+The guard holds every browser's DevTools pipe (supervisor/gate/cdp_pipe.py); neither the page nor
+the stage can speak on it. Where a stage of that browser has a host whose effective write mode is
+`gate` or `deny`, browser-level `Fetch.enable` intercepts the requests to those hosts (patterns
+limited to them, so reads elsewhere never pause). Each paused request is judged by the site
+policy's write rules and the stage's mode (`policy.writes.effective`, the only place a mode is
+decided):
+
+  read                  continued at once;
+  write, allow          continued at once (logged);
+  write, deny           answered by the guard: 403 with a short text/html body; the site never
+                        sees it;
+  write, gate           not answered until the approver decides: approved -> continued with
+                        nothing changed (original bytes, exactly once), denied or timed out ->
+                        the 403.
+
+Browser-level interception sees what every renderer sends through the browser's network
+service, so a renderer the page took over cannot skip it. Which stage a request belongs to is not
+known at browser level for workers and service workers: the strictest mode of the stages that
+use the browser applies (fail closed). Nothing here logs a body, a query value or a credential.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from sfguard.policy.errors import MalformedHost
+from sfguard.policy.hosts import normalize_host_ex
+from sfguard.policy.index import RuleSet, compile_patterns
+from sfguard.policy.patterns import PatternError
+from sfguard.policy.writes import WriteRules, WriteVerdict, effective, stricter
+from sfguard.supervisor.writes.held import HeldWrite, WriteApprover, WriteOutcome
+
+log = logging.getLogger("sfguard.writes")
+
+#: default seconds a held write waits for a person (a timeout is a denial)
+DEFAULT_TIMEOUT = 600.0
+REFUSED_BODY = ("<!doctype html><meta charset=utf-8><title>sfguard: write refused</title>"
+                "<p>sfguard: this write was refused by the guard's write gate ({why}). "
+                "It was not sent to the site. Do not try again another way.</p>")
+
+
+class DenyAll:
+    """The approver until the approvals store is wired: every held write is denied at once."""
+
+    async def decide(self, held: HeldWrite, timeout: float) -> WriteOutcome:
+        return WriteOutcome(False, "guard", "no approver")
+
+
+@dataclass
+class WriteContext:
+    """Who the writes of one browser belong to, for the held-write record and the logs."""
+    run_id: str
+    profile: str
+    stage_id: str | None = None
+    attempt: int | None = None
+    #: the stage's write mode per allowed host pattern (the strictest over the browser's stages)
+    modes: dict[str, str] = field(default_factory=dict)
+    #: writes released in earlier attempts of a replay-unsafe stage: every write is held
+    earlier: tuple[dict[str, object], ...] = ()
+    #: `replay_safe: false`: every write is watched (allowed ones recorded for a retry)
+    replay_unsafe: bool = False
+
+
+def url_patterns(host_pattern: str) -> list[dict[str, str]]:
+    """Fetch urlPatterns covering a host pattern (`example.com`, `*.example.com`, `h:8080`)."""
+    host, _, port = host_pattern.rpartition(":") if host_pattern.count(":") == 1 else (host_pattern, "", "")
+    hosts = [host]
+    if host.startswith("*."):
+        hosts = [host[2:], host]
+    out = []
+    for h in hosts:
+        for scheme in ("http", "https", "ws", "wss"):
+            out.append({"urlPattern": f"{scheme}://{h}:{port}/*" if port else f"{scheme}://{h}/*"})
+            if not port:
+                out.append({"urlPattern": f"{scheme}://{h}:*/*"})
+    return out
+
+
+class WriteInterceptor:
+    """The write gate of one browser's pipe. `pipe.writes = WriteInterceptor(pipe, ctx, ...)`;
+    the pipe hands every paused request to `paused`."""
+
+    def __init__(self, pipe: Any, ctx: WriteContext, *, rules: WriteRules | None = None,
+                 approver: WriteApprover | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 record: Callable[[str, dict[str, object]], None] | None = None) -> None:
+        self.pipe, self.ctx = pipe, ctx
+        self.rules = rules or WriteRules()
+        self.approver: WriteApprover = approver or DenyAll()
+        self.timeout = timeout
+        self.record = record
+        self.released: list[dict[str, object]] = []   # writes sent (allowed or approved)
+        self._tasks: set[asyncio.Task] = set()
+        self._compiled: list[tuple[RuleSet, str]] = []
+        self.set_modes(ctx.modes)
+
+    def set_modes(self, modes: dict[str, str]) -> None:
+        self.ctx.modes = dict(modes)
+        self._compiled = []
+        for pattern, mode in modes.items():
+            with contextlib.suppress(PatternError, ValueError):
+                self._compiled.append((compile_patterns([pattern], "writes"), mode))
+
+    def guarded(self) -> bool:
+        return bool(self.ctx.earlier) or self.ctx.replay_unsafe or any(m != "allow" for m in self.ctx.modes.values())
+
+    def patterns(self) -> list[dict[str, str]]:
+        """Fetch patterns: the hosts whose mode is gate or deny (every host for a retry of a
+        replay-unsafe stage that wrote before)."""
+        if self.ctx.earlier or self.ctx.replay_unsafe:
+            return [{"urlPattern": "*"}]
+        out: list[dict[str, str]] = []
+        for pattern, mode in self.ctx.modes.items():
+            if mode != "allow":
+                out += url_patterns(pattern)
+        return out
+
+    def stage_mode(self, host: str, is_ip: bool, port: int | None) -> str:
+        mode = "allow"
+        for rs, m in self._compiled:
+            if rs.match(host, is_ip, port) is not None:
+                mode = stricter(mode, m)
+        return mode
+
+    # -- one paused request ------------------------------------------------------------------
+    def paused(self, params: dict) -> None:
+        """Called by the pipe (synchronously, in its reader) for each Fetch.requestPaused."""
+        rid = params.get("requestId")
+        req = params.get("request") or {}
+        method = str(req.get("method") or "GET").upper()
+        url = str(req.get("url") or "")
+        try:
+            parts = urlsplit(url)
+            host, is_ip = normalize_host_ex(parts.hostname or "")
+            port = parts.port or (443 if parts.scheme in ("https", "wss") else 80)
+        except (MalformedHost, ValueError):
+            self._refuse(rid, "malformed_url", method, "?", "", None)
+            return
+        websocket = parts.scheme in ("ws", "wss")
+        preflight = method == "OPTIONS" and "access-control-request-method" in {
+            k.lower() for k in (req.get("headers") or {})}
+        site = self.rules.judge(host, method, parts.path or "/", websocket=websocket, preflight=preflight)
+        verdict = effective(self.stage_mode(host, is_ip, port), site)
+        if not verdict.write:
+            self.pipe._fire("Fetch.continueRequest", {"requestId": rid})
+            return
+        if self.ctx.earlier:
+            verdict = WriteVerdict(True, "gate", "replay_unsafe_retry",
+                                   explanation="an earlier attempt of this replay-unsafe stage wrote")
+        path = parts.path or "/"
+        if verdict.mode == "allow":
+            self.pipe._fire("Fetch.continueRequest", {"requestId": rid})
+            self._released(method, url)
+            self._log("allowed", method, host, path, verdict)
+        elif verdict.mode == "deny":
+            self._refuse(rid, verdict.reason, method, host, path, verdict)
+        else:
+            task = asyncio.get_running_loop().create_task(
+                self._hold(rid, params, method, url, host, path, verdict))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _released(self, method: str, url: str) -> None:
+        import time  # noqa: PLC0415
+        self.released.append({"method": method, "url": url, "at": time.time()})
+
+    def _refuse(self, rid: Any, why: str, method: str, host: str, path: str,
+                verdict: WriteVerdict | None, decision: str = "refused") -> None:
+        body = REFUSED_BODY.format(why=why).encode()
+        self.pipe._fire("Fetch.fulfillRequest", {
+            "requestId": rid, "responseCode": 403,
+            "responseHeaders": [{"name": "Content-Type", "value": "text/html; charset=utf-8"},
+                                {"name": "X-Sfguard-Decision", "value": f"deny; reason={why}"},
+                                {"name": "Cache-Control", "value": "no-store"}],
+            "body": base64.b64encode(body).decode()})
+        self._log(decision, method, host, path, verdict)
+
+    async def _hold(self, rid: Any, params: dict, method: str, url: str, host: str, path: str,
+                    verdict: WriteVerdict) -> None:
+        held = self.held_write(params, method, url, host, path, verdict)
+        self._log("held", method, host, path, verdict)
+        try:
+            outcome = await asyncio.wait_for(self.approver.decide(held, self.timeout), self.timeout + 5)
+        except TimeoutError:
+            outcome = WriteOutcome(False, "timeout", "no decision in time")
+        except asyncio.CancelledError:
+            outcome = WriteOutcome(False, "guard", "the stage ended")
+            with contextlib.suppress(Exception):
+                self._refuse(rid, "write_denied", method, host, path, verdict, "denied")
+            raise
+        except Exception:  # fail closed: an approver that breaks denies
+            log.exception("the write approver failed; the write is denied")
+            outcome = WriteOutcome(False, "guard", "approver failed")
+        with contextlib.suppress(Exception):
+            if outcome.approved:
+                self.pipe._fire("Fetch.continueRequest", {"requestId": rid})
+                self._released(method, url)
+                self._log("approved", method, host, path, verdict, outcome)
+            else:
+                why = "write_timeout" if outcome.by == "timeout" else "write_denied"
+                self._refuse(rid, why, method, host, path, verdict,
+                             "timeout" if outcome.by == "timeout" else "denied")
+
+    def held_write(self, params: dict, method: str, url: str, host: str, path: str,
+                   verdict: WriteVerdict) -> HeldWrite:
+        req = params.get("request") or {}
+        body = _body(req)
+        headers = {str(k).lower(): str(v) for k, v in (req.get("headers") or {}).items()}
+        ctype = headers.get("content-type")
+        form = None
+        if ctype and ctype.split(";")[0].strip() == "application/x-www-form-urlencoded":
+            form = tuple(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
+        fp = hashlib.sha256(method.encode() + b"\0" + url.encode() + b"\0" + body).hexdigest()
+        return HeldWrite(self.ctx.run_id, self.ctx.stage_id, self.ctx.attempt, self.ctx.profile,
+                         method, url, host, path, form, len(body), ctype, None, fp,
+                         why=verdict.reason if verdict.reason == "replay_unsafe_retry" else "gate",
+                         earlier=self.ctx.earlier)
+
+    def _log(self, decision: str, method: str, host: str, path: str,
+             verdict: WriteVerdict | None, outcome: WriteOutcome | None = None) -> None:
+        if self.record is None:
+            return
+        rec: dict[str, object] = {"run": self.ctx.run_id, "stage": self.ctx.stage_id,
+                                  "attempt": self.ctx.attempt, "method": method, "host": host,
+                                  "path": path, "decision": f"write_{decision}",
+                                  "reason": verdict.reason if verdict else "malformed_url"}
+        if outcome is not None:
+            rec["by"] = outcome.by
+        with contextlib.suppress(Exception):
+            self.record(decision, rec)
+
+    async def close(self) -> None:
+        """Stage or run end: pending writes are denied (their tasks cancelled)."""
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _body(req: dict) -> bytes:
+    entries = req.get("postDataEntries")
+    if isinstance(entries, list) and entries:
+        return b"".join(base64.b64decode(e.get("bytes") or "") for e in entries if isinstance(e, dict))
+    data = req.get("postData")
+    return data.encode() if isinstance(data, str) else b""

@@ -1,0 +1,47 @@
+"""The effective write mode of a stage per allowed host pattern: the stricter of the stage's
+`browser.writes` and the site policy's floor for that host (policy.writes.effective)."""
+from __future__ import annotations
+
+from typing import Any
+
+from sfguard.policy.hosts import split_host_port_raw
+from sfguard.policy.writes import WriteRules, effective
+
+
+def stage_write_modes(site_policy: Any, stage_mode: str, patterns: list[str]) -> dict[str, str]:
+    """{pattern: mode} for the stage's allow_domains (what the runner tells the agent)."""
+    rules = getattr(site_policy, "writes", None) or WriteRules()
+    out: dict[str, str] = {}
+    for pattern in patterns:
+        try:
+            host = split_host_port_raw(pattern)[0]
+        except ValueError:
+            host = pattern
+        host = host[2:] if host.startswith("*.") else host
+        out[pattern] = effective(stage_mode, rules.judge(host, "POST", "/")).mode
+    return out
+
+
+def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: float) -> None:
+    """Install (or widen) the write gate on the browser's pipe: per host, the strictest mode of
+    the stages that use this browser (a request is not always known to belong to one stage:
+    workers, service workers; fail closed). Nothing is installed while every mode is allow."""
+    from sfguard.supervisor.writes.intercept import WriteContext, WriteInterceptor  # noqa: PLC0415
+
+    pipe = browser.anchor.pipe
+    current = pipe.writes
+    modes = dict(current.ctx.modes) if current is not None else {}
+    for pattern, mode in stage.write_modes.items():
+        modes[pattern] = mode if pattern not in modes else max(
+            (modes[pattern], mode), key=("allow", "gate", "deny").index)
+    if current is None and all(m == "allow" for m in modes.values()):
+        return
+    if current is None:
+        profile = browser.profile.name if browser.profile else ""
+        pipe.writes = WriteInterceptor(
+            pipe, WriteContext(run.run_id, profile, stage.stage_id, stage.attempt, modes),
+            approver=approver, timeout=timeout)
+    else:
+        current.ctx.stage_id, current.ctx.attempt = stage.stage_id, stage.attempt
+        current.set_modes(modes)
+    pipe.apply_write_patterns()
