@@ -17,6 +17,7 @@ import sys
 COMMAND_MODULES = (
     "sfguard.cli.start_cmd",
     "sfguard.cli.status_cmd",
+    "sfguard.cli.approvals_cmd",
     "sfguard.cli.console_cmd",
     "sfguard.cli.proxy_cmd",
     "sfguard.cli.policy_cmd",

@@ -44,6 +44,8 @@ def register(sub) -> None:
                    help="ended runs leave memory after H hours at most (default 24)")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
                    help="DNS override for the run proxies, like curl's --resolve (tests, demos)")
+    p.add_argument("--write-gate-timeout", metavar="SECONDS", type=float, default=600.0,
+                   help="how long a write held for a person waits before it is denied (default 600)")
     p.add_argument("--ca-file", action="append", default=[], metavar="PEM",
                    help="certificate authorities (PEM) the guard's browsers, and only they, trust "
                         "besides the system's (intranet sites, a TLS-inspecting network); repeatable")
@@ -141,6 +143,9 @@ def run(args) -> int:
         raise CliError(f"the site policy is invalid:\n{exc}", 2) from None
     except HomeError as exc:
         raise CliError(str(exc), 2) from None
+    if not 1 <= args.write_gate_timeout <= 86400:   # also refuses nan
+        raise CliError("--write-gate-timeout: seconds from 1 to 86400", 2)
+    guard.write_gate_timeout = args.write_gate_timeout
     from sfguard.supervisor.daemon.log_rotation import Retention
     guard.log_retention = Retention(int(args.log_max_mb * 1024 * 1024), args.log_max_age * 3600, args.log_keep)
     try:

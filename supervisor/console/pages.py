@@ -26,7 +26,7 @@ async def page_context(guard: Any, handoffs: dict[str, Any], page: str, query: d
 
 
 async def _overview(guard: Any, handoffs: dict[str, Any]) -> dict[str, Any]:
-    status = await guard.status()
+    status = await guard.inventory.status()
     shown = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
              for h in handoffs.values() if h.state == "open"]
     return {"gs": status, "handoffs": shown}
@@ -79,7 +79,7 @@ def _explain(guard: Any, rec: dict) -> str | None:
 
 
 async def _profiles(guard: Any) -> dict[str, Any]:
-    answer = await guard.list_profiles()
+    answer = await guard.inventory.list_profiles()
     checks: dict[str, dict] = {}
     with contextlib.suppress(Exception):
         for rec in guard.audit.records():

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from sfguard.supervisor.daemon import approval_models as am
 from sfguard.supervisor.daemon import models as m
 from sfguard.supervisor.daemon.errors import (
     BadRequest,
@@ -34,7 +35,7 @@ from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TY
 log = logging.getLogger("sfguard.api")
 #: path parameters are validated like body fields (the same patterns as the models)
 PATH_PARAMS = {"run_id": re.compile(m.RUN_ID), "stage_id": re.compile(m.STAGE_ID),
-               "name": re.compile(m.PROFILE_NAME)}
+               "name": re.compile(m.PROFILE_NAME), "approval_id": am.APPROVAL_ID_RE}
 MAX_BODY = 256 * 1024
 
 
@@ -102,6 +103,7 @@ class Route:
     errors: tuple[tuple[int, tuple[str, ...]], ...] = ()   # beyond the edge, body and path errors
     description: str = ""
     query: tuple[str, ...] = ()                   # accepted query parameters
+    service: str = ""                             # the Guard's service that answers (default: the Guard)
 
     @property
     def operation(self) -> str:
@@ -227,15 +229,31 @@ ROUTES: tuple[Route, ...] = (
           ((200, m.StatusAnswer),), (),
           "What `sfguard status` prints: every run, profile lease and queue, and the site policy's "
           "state (an invalid edit keeps the last good policy). Answers even when a shared store "
-          "does not: then `leases` is empty and `guard.store_error` says why."),
+          "does not: then `leases` is empty and `guard.store_error` says why.", (), "inventory"),
     Route("GET", "/v1/profiles", "api_list_profiles", "Profiles of this guard's scope", None,
           ((200, m.ProfilesAnswer),), ((503, ("store_unreachable",)),),
           "Names, sizes, times, workflow identities and lease holders; never contents. 503 "
-          "store_unreachable when a shared store's database does not answer."),
+          "store_unreachable when a shared store's database does not answer.", (), "inventory"),
     Route("DELETE", "/v1/profiles/{name}", "api_delete_profile", "Delete a profile (not while leased)",
           None, ((200, m.Ok),), ((400, ("invalid_name",)), (404, ("profile_not_found",)),
                                  (409, ("profile_leased",)), (503, ("store_unreachable",))),
-          "Deletes the sealed profile and its login; refused while a run leases it."),
+          "Deletes the sealed profile and its login; refused while a run leases it.", (), "inventory"),
+    Route("GET", "/v1/approvals", "api_list_approvals", "Writes held for a person (write gates)", None,
+          ((200, am.ApprovalsAnswer),), ((400, ("invalid_request",)),),
+          "Held writes, newest last, with what a person needs to decide (form values masked where "
+          "password-like). `run` and `state` filter; `wait=S` answers when the pending list changes "
+          "or after S seconds (a long-poll for a runner that shows gates itself).",
+          ("run", "state", "wait"), "approvals_api"),
+    Route("GET", "/v1/approvals/{approval_id}", "api_get_approval", "One held write", None,
+          ((200, am.ApprovalView),), ((404, ("approval_not_found",)),),
+          "The approval: request, form fields, earlier writes of a retry, state, who decided.",
+          (), "approvals_api"),
+    Route("POST", "/v1/approvals/{approval_id}", "api_decide_approval", "Approve or deny a held write",
+          am.ApprovalDecision, ((200, am.ApprovalView),),
+          ((404, ("approval_not_found",)), (409, ("approval_decided",))),
+          "`approve` sends exactly that request, once, with its original bytes; `deny` fails it in "
+          "the page with a clear message. 409 approval_decided when it was already decided or timed out.",
+          (), "approvals_api"),
 )
 
 
@@ -379,6 +397,9 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                                      name)
             if "wait" in request.query:
                 kwargs["wait"] = _wait_seconds(request.query.getall("wait"))
+            for name in route.query:
+                if name != "wait" and name in request.query:
+                    kwargs[name] = request.query[name]
             if route.body is not None:
                 raw = await request.read()
                 try:
@@ -391,7 +412,8 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                     kwargs["body"] = route.body.model_validate(data)
                 except ValidationError as exc:
                     raise validation_error(exc, route.body) from None
-            answer = await getattr(target, route.operation)(**kwargs)
+            owner = getattr(target, route.service) if route.service else target
+            answer = await getattr(owner, route.operation)(**kwargs)
             return web.json_response(answer, status=route.success_status(answer))
         return handle
 

@@ -39,6 +39,7 @@ from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
 from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.daemon import models, retention
+from sfguard.supervisor.daemon.approvals_api import ApprovalsApi
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, NotFound
@@ -76,6 +77,9 @@ from sfguard.supervisor.profiles.stores import Stores, open_stores
 from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileError, ProfileKey, StoreUnavailable
 from sfguard.supervisor.stage import stage_exec
 from sfguard.supervisor.stage.stage_bridge import BridgeHost
+from sfguard.supervisor.writes.approvals import Approvals
+from sfguard.supervisor.writes.intercept import DEFAULT_TIMEOUT as WRITE_GATE_TIMEOUT
+from sfguard.supervisor.writes.modes import decision_recorder
 
 log = logging.getLogger("sfguard.guard")
 
@@ -159,6 +163,11 @@ class Guard:
         self.watchdog = Watchdog(self)
         self.logins = Logins(self)
         self.inventory = Inventory(self)
+        # write gates: held writes wait for a person here (supervisor/writes/approvals.py)
+        self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields))
+        self.approvals_api, self.write_approver = ApprovalsApi(self.approvals), self.approvals
+        self.write_gate_timeout = WRITE_GATE_TIMEOUT
+        self.write_record = decision_recorder(self.logs_dir / "decisions.log")
         self._lock_fd: int | None = None
         self._watch: asyncio.Task[None] | None = None
         self._refusals: dict[str, int] = {}
@@ -378,7 +387,7 @@ class Guard:
             rec = self.records.ended_record(run_id)
             if rec is not None:   # ended and retired (or before a restart): its kept record
                 return {**rec, "retired": True}
-        return self.run_of(run_id).public()
+        return {**self.run_of(run_id).public(), "approvals": self.approvals.pending_for(run_id)}
 
     async def end_run(self, run_id: str, body: models.RunEnd) -> dict[str, Any]:
         if run_id not in self.runs:
@@ -412,7 +421,7 @@ class Guard:
         headed = self._effective_headed(body.browser)
         if body.browser.profile is not None:
             self.profile_key(run, body.browser.profile)  # validate now (bad input is refused)
-        stage = Stage(run_id, body.stage_id, body.attempt, body.browser, headed)
+        stage = Stage(run_id, body.stage_id, body.attempt, body.browser, headed, replay_safe=body.replay_safe)
         run.stages[body.stage_id] = stage
         await self.stages.advance(run, stage)
         return self._stage_answer(run, stage)
@@ -488,12 +497,3 @@ class Guard:
             raise Conflict("console_off", "the guard runs without its console (--no-console)", None)
         answer: dict[str, Any] = self.console.login_link(body.ttl_s)
         return answer
-
-    async def status(self) -> dict[str, Any]:
-        return await self.inventory.status()
-
-    async def list_profiles(self) -> dict[str, Any]:
-        return await self.inventory.list_profiles()
-
-    async def delete_profile(self, name: str) -> dict[str, Any]:
-        return await self.inventory.delete_profile(name)

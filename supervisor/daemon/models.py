@@ -145,6 +145,8 @@ ERROR_CODES = (
     # login check, envelope verification, handoff
     "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
     "envelope_mismatch", "handoff_impossible", "handoff_not_found", "console_off",
+    # write approvals
+    "approval_not_found", "approval_decided",
     # stage-exec
     "stage_ended", "stage_failed", "stage_not_ready", "sandbox_unavailable",
 )

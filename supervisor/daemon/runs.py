@@ -122,6 +122,7 @@ class Stage:
     processes: list[ProcRecord] = field(default_factory=list)  # the stage session's daemon
     events: list[dict[str, Any]] = field(default_factory=list)  # what happened to it (browser restarts)
     write_modes: dict[str, str] = field(default_factory=dict)   # effective write mode per allowed pattern
+    replay_safe: bool = True                   # false: a retry's writes wait for a person once one was sent
 
     def move(self, to: StageState) -> None:
         if to not in STAGE_TRANSITIONS[self.state]:
@@ -162,6 +163,7 @@ class Run:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     problems: list[str] = field(default_factory=list)
     login_results: dict[str, LoginResult] = field(default_factory=dict)  # profile -> last check
+    released_writes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # stage -> writes sent
     ended_at: float | None = None
 
     def public(self) -> dict[str, Any]:

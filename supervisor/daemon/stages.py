@@ -20,7 +20,6 @@ from sfguard.supervisor.home import private_dir
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.local_store import pipeline_profile_name
 from sfguard.supervisor.protocols import ProfileError, ProfileKey, StoreUnavailable, Waiting
-from sfguard.supervisor.writes.intercept import DEFAULT_TIMEOUT
 from sfguard.supervisor.writes.modes import guard_writes, stage_write_modes
 
 if TYPE_CHECKING:
@@ -145,8 +144,7 @@ class Stages:
         stage.browser_key = browser.key
         stage.write_modes = stage_write_modes(g.site_policy, stage.browser_req.writes,
                                               list(stage.browser_req.allow_domains))
-        guard_writes(run, browser, stage, getattr(g, "write_approver", None),
-                     getattr(g, "write_gate_timeout", DEFAULT_TIMEOUT))
+        guard_writes(run, browser, stage, g.write_approver, g.write_gate_timeout, g.write_record)
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
         anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", g.site_policy.tab_quota
         # The stage's session (a gate token, an agent-browser session through it with the

@@ -45,6 +45,7 @@ class Teardown:
         was_ready = stage.state == StageState.READY
         stage.move(StageState.ENDED)
         stage.outcome = StageOutcome(outcome)
+        g.approvals.cancel(run.run_id, stage.stage_id)    # its held writes are denied, never sent
         if stage.gate_key:  # a stage-exec sandbox loses its gate and proxy at once
             await g.bridges.close(stage.gate_key, run.proxy)
         if stage.gate_key and was_ready:
@@ -121,6 +122,7 @@ class Teardown:
         for stage in list(run.stages.values()):
             if stage.state != StageState.ENDED:
                 run.problems += await self.end_stage(run, stage, stage_outcome)
+        g.approvals.cancel(run.run_id, reason="the run ended")
         for browser in list(run.browsers.values()):
             run.problems += await self.close_browser(run, browser)
         if run.proxy is not None:

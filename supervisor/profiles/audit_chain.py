@@ -26,6 +26,8 @@ EVENTS = frozenset({
     "audit_archived",         # segments moved away (`sfguard audit archive`); the anchor names where it starts
     # console sessions (by their public id, never a cookie or link value)
     "console_signed_in", "console_signed_out", "console_sign_in_refused",
+    # write gates: a write held for a person, and what became of it (supervisor/writes/approvals.py)
+    "write_held", "write_approved", "write_denied", "write_timed_out", "write_cancelled",
 })
 
 _TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)
@@ -100,6 +102,7 @@ FIELDS = {
     "outcome": _token, "reason": _token, "result": _token, "by": _token, "mode": _token,
     "logged_in": _flag, "policy_sha256": _digest, "period_s": _count,
     "seq": _count, "segments": _count,
+    "approval": _token, "attempt": _count, "method": _token, "why": _token,
 }
 
 

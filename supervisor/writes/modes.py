@@ -2,6 +2,7 @@
 `browser.writes` and the site policy's floor for that host (policy.writes.effective)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sfguard.policy.hosts import split_host_port_raw
@@ -22,7 +23,21 @@ def stage_write_modes(site_policy: Any, stage_mode: str, patterns: list[str]) ->
     return out
 
 
-def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: float) -> None:
+def decision_recorder(path: Any) -> Callable[[str, dict[str, object]], None]:
+    """Write decisions into the guard's decision log (beside the proxies' host decisions):
+    client `writes:STAGE`, decision write_allowed|refused|held|approved|denied|timeout."""
+    from sfguard.proxy_addons.decision_log import DecisionLog  # noqa: PLC0415
+    log = DecisionLog(str(path))
+
+    def record(_decision: str, rec: dict[str, object]) -> None:
+        log.write(run=str(rec["run"]), client=f"writes:{rec.get('stage')}", method=str(rec["method"]),
+                  host=str(rec["host"]), port=None, decision=str(rec["decision"]), reason=str(rec["reason"]),
+                  rule=None, addr=None)
+    return record
+
+
+def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: float,
+                 record: Callable[[str, dict[str, object]], None] | None = None) -> None:
     """Install (or widen) the write gate on the browser's pipe: per host, the strictest mode of
     the stages that use this browser (a request is not always known to belong to one stage:
     workers, service workers; fail closed). Nothing is installed while every mode is allow."""
@@ -34,14 +49,20 @@ def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: flo
     for pattern, mode in stage.write_modes.items():
         modes[pattern] = mode if pattern not in modes else max(
             (modes[pattern], mode), key=("allow", "gate", "deny").index)
-    if current is None and all(m == "allow" for m in modes.values()):
+    # replay_safe: false: every write of the stage is watched; once one was sent, a retry's are held
+    replay_unsafe = not getattr(stage, "replay_safe", True)
+    history = run.released_writes.setdefault(stage.stage_id, [])
+    earlier = tuple(history) if replay_unsafe and stage.attempt > 1 else ()
+    if current is None and not replay_unsafe and all(m == "allow" for m in modes.values()):
         return
     if current is None:
         profile = browser.profile.name if browser.profile else ""
-        pipe.writes = WriteInterceptor(
+        current = pipe.writes = WriteInterceptor(
             pipe, WriteContext(run.run_id, profile, stage.stage_id, stage.attempt, modes),
-            approver=approver, timeout=timeout)
+            approver=approver, timeout=timeout, record=record)
     else:
         current.ctx.stage_id, current.ctx.attempt = stage.stage_id, stage.attempt
         current.set_modes(modes)
+    current.ctx.replay_unsafe, current.ctx.earlier = replay_unsafe, earlier
+    current.released = history          # what this attempt sends is the next attempt's `earlier`
     pipe.apply_write_patterns()

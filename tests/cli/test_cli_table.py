@@ -89,6 +89,8 @@ def _tree(path: Path) -> set[str]:
 TABLE = [
     (["status", "--home", "HOME"], 3, "start it with `sfguard start --home HOME`"),
     (["status", "--home", "HOME", "--json"], 3, "no guard is running on HOME"),
+    (["approvals", "list", "--home", "HOME"], 3, "no guard is running on HOME"),
+    (["approvals", "approve", "ap_0123456789abcdef0123", "--home", "HOME"], 3, "no guard is running on HOME"),
     (["profiles", "check", "p1", "--url", "http://127.0.0.1:9/", "--logged-in", "*/in", "--home", "HOME"], 3,
      "`sfguard start --home HOME`"),
     (["profiles", "login", "p1", "--url", "http://127.0.0.1:9/", "--home", "HOME"], 3, "no guard is running"),

@@ -21,6 +21,13 @@ from tests.daemon.conftest import ROOT
 DOC = openapi_document()
 # documented (method, path template, status, code) that this file does not produce, and why
 ELSEWHERE = {
+    **{(mth, path, st, code): "tests/daemon/test_approvals_api.py (writes held through the guard's approver)"
+       for mth, path, st, code in [("GET", "/v1/approvals", 200, None),
+                                   ("GET", "/v1/approvals/{approval_id}", 200, None),
+                                   ("GET", "/v1/approvals/{approval_id}", 404, "approval_not_found"),
+                                   ("POST", "/v1/approvals/{approval_id}", 200, None),
+                                   ("POST", "/v1/approvals/{approval_id}", 404, "approval_not_found"),
+                                   ("POST", "/v1/approvals/{approval_id}", 409, "approval_decided")]},
     ("GET", "/v1/profiles", 503, "store_unreachable"): "tests/pg/test_outage.py (database stopped)",
     ("DELETE", "/v1/profiles/{name}", 503, "store_unreachable"): "tests/pg/test_outage.py",
     ("POST", "/v1/runs/{run_id}/login-check", 503, "store_unreachable"):

@@ -1,0 +1,48 @@
+"""The approvals routes of the control API (`GET /v1/approvals`, `GET /v1/approvals/{id}`,
+`POST /v1/approvals/{id}`): the store's answers in the API's words and errors."""
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from sfguard.supervisor.daemon.approval_models import ApprovalDecision
+from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound
+from sfguard.supervisor.daemon.models import RUN_ID
+from sfguard.supervisor.writes.approvals import TRANSITIONS, ApprovalDecided, ApprovalNotFound, Approvals
+
+RUN_ID_RE = re.compile(RUN_ID)
+
+
+class ApprovalsApi:
+    def __init__(self, approvals: Approvals):
+        self.approvals = approvals
+
+    async def list_approvals(self, run: str | None = None, state: str | None = None,
+                             wait: float = 0.0) -> dict[str, Any]:
+        """With `wait`: answer when the pending list changes, or after `wait` seconds."""
+        if run is not None and not RUN_ID_RE.fullmatch(run):
+            raise BadRequest("invalid_request", "run: not a valid run id", "run")
+        if state is not None and state not in TRANSITIONS:
+            raise BadRequest("invalid_request", f"state: one of {', '.join(TRANSITIONS)}", "state")
+        before = self.approvals.listing(run, "pending")
+        deadline = time.monotonic() + wait
+        while wait > 0 and self.approvals.listing(run, "pending") == before and time.monotonic() < deadline:
+            await self.approvals.wait_changed(deadline - time.monotonic())
+        return {"approvals": self.approvals.listing(run, state)}
+
+    def _get(self, approval_id: str):
+        try:
+            return self.approvals.get(approval_id)
+        except ApprovalNotFound:
+            raise NotFound("approval_not_found", f"no approval {approval_id}", "approval_id") from None
+
+    async def get_approval(self, approval_id: str) -> dict[str, Any]:
+        return self._get(approval_id).public()
+
+    async def decide_approval(self, approval_id: str, body: ApprovalDecision) -> dict[str, Any]:
+        self._get(approval_id)
+        try:
+            return self.approvals.answer(approval_id, body.decision == "approve", "api", body.reason)
+        except ApprovalDecided as exc:
+            raise Conflict("approval_decided", str(exc), "approval_id") from None

@@ -1,0 +1,95 @@
+"""Write approvals over the control API (GET/POST /v1/approvals): a held write waits until a
+person approves or denies it, once; identical writes pending at once are one approval; a
+timeout or the stage's end denies it; password-like form values are masked; every transition
+is in the audit chain with who decided. The guard is built in this process with the in-memory
+seams and driven through the real aiohttp app; held writes come through the guard's own
+approver (`guard.write_approver`), as the browser's write gate hands them over."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sfguard.supervisor.writes.held import HeldWrite
+
+from .test_guard_fakes import api  # noqa: F401 (the fixture)
+
+
+def held(n: int = 1, form=(("title", "hello"), ("password", "hunter2")), stage="s1", fp=None) -> HeldWrite:
+    return HeldWrite("r1", stage, 1, "alpha", "POST", f"https://app.test/items?id={n}&key=v", "app.test", "/items",
+                     tuple(form), 30, "application/x-www-form-urlencoded", None, fp or f"{n:064x}")
+
+
+async def test_approve_releases_exactly_once_and_is_audited(api):  # noqa: F811
+    g = api.guard
+    assert (await api.call("POST", "/v1/runs", {"run_id": "r1"}))[0] == 201
+    waiter = asyncio.create_task(g.write_approver.decide(held(), 30))
+    await asyncio.sleep(0.05)
+    status, body = await api.call("GET", "/v1/approvals?state=pending")
+    assert status == 200 and len(body["approvals"]) == 1
+    ap = body["approvals"][0]
+    assert (ap["method"], ap["host"], ap["path"], ap["state"]) == ("POST", "app.test", "/items", "pending")
+    assert ap["form"] == [["title", "hello"], ["password", "********"]]       # masked when shown
+    assert ap["url"] == "https://app.test/items?id=1&key=v"                  # whole, for the approver
+    status, one = await api.call("GET", f"/v1/approvals/{ap['id']}")
+    assert status == 200 and one["id"] == ap["id"]
+    status, run = await api.call("GET", "/v1/runs/r1")          # the run shows what it holds
+    assert status == 200 and [x["id"] for x in run["approvals"]] == [ap["id"]]
+    status, done = await api.call("POST", f"/v1/approvals/{ap['id']}", {"decision": "approve"})
+    assert status == 200 and done["state"] == "approved" and done["decided_by"] == "api"
+    outcome = await asyncio.wait_for(waiter, 5)
+    assert outcome.approved and outcome.by == "api"
+    status, again = await api.call("POST", f"/v1/approvals/{ap['id']}", {"decision": "deny"})
+    assert (status, again["error"]["code"]) == (409, "approval_decided")
+    assert (await api.call("GET", "/v1/runs/r1"))[1]["approvals"] == []
+    events = [r["event"] for r in api.stores.audit.records(run="r1") if r["event"].startswith("write_")]
+    assert events == ["write_held", "write_approved"]
+    assert "hunter2" not in repr(api.stores.audit.records(run="r1"))
+
+
+async def test_deny_timeout_cancel_and_one_approval_for_identical_writes(api):  # noqa: F811
+    g = api.guard
+    a = asyncio.create_task(g.write_approver.decide(held(2), 30))
+    b = asyncio.create_task(g.write_approver.decide(held(2), 30))            # identical: the same approval
+    await asyncio.sleep(0.05)
+    pending = (await api.call("GET", "/v1/approvals?state=pending"))[1]["approvals"]
+    assert len(pending) == 1
+    await api.call("POST", f"/v1/approvals/{pending[0]['id']}", {"decision": "deny", "reason": "not today"})
+    outs = await asyncio.gather(a, b)
+    assert [o.approved for o in outs] == [False, False] and outs[0].reason == "not today"
+    # a timeout is a denial
+    out = await g.write_approver.decide(held(3), 0.2)
+    assert not out.approved and out.by == "timeout"
+    # the stage's end denies what it still holds
+    c = asyncio.create_task(g.write_approver.decide(held(4, stage="s2"), 30))
+    await asyncio.sleep(0.05)
+    assert g.approvals.cancel("r1", "s2") == 1
+    assert not (await c).approved
+    states = sorted(x["state"] for x in (await api.call("GET", "/v1/approvals"))[1]["approvals"])
+    assert states == ["cancelled", "denied", "timed_out"]
+
+
+async def test_long_poll_answers_when_a_write_is_held(api):  # noqa: F811
+    g = api.guard
+    poll = asyncio.create_task(api.call("GET", "/v1/approvals?state=pending&wait=5"))
+    await asyncio.sleep(0.2)
+    assert not poll.done()
+    waiter = asyncio.create_task(g.write_approver.decide(held(5), 30))
+    status, body = await asyncio.wait_for(poll, 3)
+    assert status == 200 and len(body["approvals"]) == 1
+    g.approvals.cancel("r1")
+    await waiter
+
+
+@pytest.mark.parametrize("method, path, body, status, code", [
+    ("GET", "/v1/approvals/ap_0123456789abcdef0123", None, 404, "approval_not_found"),
+    ("GET", "/v1/approvals/nope", None, 400, "invalid_request"),
+    ("POST", "/v1/approvals/ap_0123456789abcdef0123", {"decision": "approve"}, 404, "approval_not_found"),
+    ("POST", "/v1/approvals/ap_0123456789abcdef0123", {"decision": "maybe"}, 400, "invalid_request"),
+    ("GET", "/v1/approvals?state=odd", None, 400, "invalid_request"),
+    ("GET", "/v1/approvals?run=../x", None, 400, "invalid_request"),
+    ("GET", "/v1/approvals?who=me", None, 400, "invalid_request"),
+])
+async def test_bad_requests(api, method, path, body, status, code):  # noqa: F811
+    got, answer = await api.call(method, path, body)
+    assert (got, answer["error"]["code"]) == (status, code)
