@@ -11,8 +11,10 @@
         decision, the reason code and the rule that decided. A host without a port is explained
         once when every policy port gets the same decision, else once per port. Exit 0 when
         every host was explained (denials included; with --exit-code: 1 when any host is
-        denied), 2 for bad
-        arguments or an invalid policy.
+        denied), 2 for bad arguments or an invalid policy.
+        With --method M [--path P] [--writes MODE]: also whether that request is a write on an
+        allowed host and what the write gate does with it (sent, held for a person, refused),
+        with the writes rule and line that decided (policy/writes.py).
     sfguard policy test|replay|diff: see cli/policy_test_cmd.py.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sfguard import policy
 from sfguard.cli.options import POLICY_HOME_HELP, add_home
 from sfguard.cli.policy_source import policy_source
 from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
+from sfguard.policy.writes import WRITE_MODES, WriteVerdict, effective
 
 
 class _Usage(Exception):
@@ -70,6 +73,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("--policy", metavar="FILE",
                      help="policy file (default: the policy of the guard home, see --home)")
     add_home(exp, POLICY_HOME_HELP)
+    exp.add_argument("--method", type=str.upper, metavar="METHOD",
+                     help="also judge a request with this method as a write or a read (the "
+                          "policy's writes section; see --path and --writes)")
+    exp.add_argument("--path", default="/", metavar="PATH",
+                     help="the request's path for --method (default /; the query is ignored)")
+    exp.add_argument("--writes", choices=WRITE_MODES, default="allow",
+                     help="the stage's browser.writes for --method (default allow)")
     exp.add_argument("--json", action="store_true", help="one JSON object per host per line")
     exp.add_argument("--exit-code", action="store_true",
                      help="exit 1 when any host is denied (report mode: would be denied)")
@@ -83,7 +93,8 @@ def _summary(p: policy.SitePolicy) -> str:
     ports = ", ".join(str(x) for x in sorted(p.ports))
     return (f"{p.source}: valid (version {p.version}, mode {p.mode}; ports {ports}; "
             f"{len(p.allow_always)} allow_always, {len(p.block)} block, {len(p.quiet)} quiet, "
-            f"{len(p.private_networks)} private_networks.allow; tab_quota {p.tab_quota})")
+            f"{len(p.private_networks)} private_networks.allow, {len(p.writes)} writes; "
+            f"tab_quota {p.tab_quota})")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -186,12 +197,16 @@ def _explain(args: argparse.Namespace) -> int:
     for text in hosts:
         for decision in explain_ports(p, text, allow):
             denied = denied or not decision.allowed or decision.would_deny
+            write = _write_verdict(p, decision, args) if args.method else None
             if args.json:
-                print(json.dumps({**decision.as_dict(), "policy": p.source}, ensure_ascii=False))
+                extra = {"write": write.as_dict()} if write is not None else {}
+                print(json.dumps({**decision.as_dict(), "policy": p.source, **extra}, ensure_ascii=False))
             else:
                 if not first:
                     print()
                 print(_human(p, decision, text))
+                if write is not None:
+                    print(_human_write(write, args))
             first = False
     return 1 if args.exit_code and denied else 0
 
@@ -258,6 +273,29 @@ def _human(p: policy.SitePolicy, d: policy.Decision, asked: str) -> str:
         lines.append("  note:       the policy is in report mode: hosts outside the allow and block "
                      "lists pass and are logged as would_deny; every other check still denies")
     return "\n".join(lines)
+
+
+def _write_verdict(p: policy.SitePolicy, d: policy.Decision,
+                   args: argparse.Namespace) -> WriteVerdict | None:
+    """The write gate's verdict for --method/--path on an allowed host (None when denied: a
+    denied host sees no request at all)."""
+    if not d.allowed or d.normalized_host is None:
+        return None
+    path = args.path.split("?", 1)[0] or "/"
+    if not path.startswith("/"):
+        raise _Usage(f"--path starts with /, not {path[:60]!r}")
+    site = p.writes.judge(d.normalized_host, args.method, path, port=d.port)
+    return effective(args.writes, site)
+
+
+def _human_write(v: WriteVerdict, args: argparse.Namespace) -> str:
+    what = "WRITE" if v.write else "READ"
+    outcome = {"allow": "sent", "gate": "HELD for a person", "deny": "REFUSED"}[v.mode] if v.write else "sent"
+    return "\n".join([
+        f"  request:    {args.method} {args.path} (stage browser.writes: {args.writes})",
+        f"  write gate: {what}, {outcome} ({v.reason})",
+        f"  write rule: {v.rule or '(none: no writes entry decided)'}",
+        f"  write why:  {v.explanation}"])
 
 
 def _no_rule(d: policy.Decision) -> str:

@@ -14,6 +14,13 @@ Case files (YAML), either a top-level list of cases or ``{policy: PATH, cases: [
         allow: "*.example.com:8443"  # optional: the run's allow_domains (comma-separated or a list)
         expect: allow
         name: a run may add a port  # optional: shown with a failure
+      - host: shop.example.com       # the write gate (the policy's writes section):
+        allow: shop.example.com
+        expect: allow
+        method: POST                 # the request (path default /, query ignored)
+        path: /cart/checkout
+        writes: allow                # optional: the stage's browser.writes (default allow)
+        expect_write: gate           # read | allow | gate | deny
 
 A decision is the one `sfguard policy explain` gives: the host rules, and for IP literals the
 address check. In report mode a would-be denial is decision `allow` with reason
@@ -32,11 +39,13 @@ from sfguard.policy.engine import Decision, SitePolicy, replace
 from sfguard.policy.errors import MalformedHost, PolicyError
 from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
 from sfguard.policy.index import RuleSet, compile_patterns
+from sfguard.policy.writes import WRITE_MODES, WriteVerdict, effective
 from sfguard.policy.yamlpos import node_line, node_value
 
 MAX_CASE_BYTES = 4 * 1024 * 1024
-CASE_KEYS = ("host", "allow", "expect", "reason", "name")
+CASE_KEYS = ("host", "allow", "expect", "reason", "name", "method", "path", "writes", "expect_write")
 EXPECT = ("allow", "deny")
+EXPECT_WRITE = ("read", *WRITE_MODES)
 class CaseFileError(Exception):
     """A case file that cannot be used: `problems` are lines `FILE[:LINE]: MESSAGE`."""
 
@@ -54,6 +63,10 @@ class Case:
     allow: tuple[str, ...] = ()
     reason: str | None = None
     name: str | None = None
+    method: str | None = None      # with expect_write: the write gate's verdict is checked
+    path: str = "/"
+    writes: str = "allow"
+    expect_write: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,8 @@ class CaseResultRecord(TypedDict):
     decision: str
     reason: str
     rule: str | None
+    expect_write: str | None
+    write: dict[str, object] | None
 
 
 @dataclass(frozen=True)
@@ -84,11 +99,18 @@ class CaseResult:
     case: Case
     decision: Decision
     ok: bool
+    write: WriteVerdict | None = None
 
     def problem(self) -> str:
         c, d = self.case, self.decision
         want = c.expect + (f" ({c.reason})" if c.reason else "")
         got = f"{d.decision} ({d.reason}" + (f", rule {d.rule}" if d.rule else "") + ")"
+        if c.expect_write is not None:
+            want += f", {c.method} {c.path} {c.expect_write}"
+            w = self.write
+            got += f", {c.method} {c.path} " + (
+                "not sent (host denied)" if w is None else
+                f"{write_outcome(w)} ({w.reason}" + (f", rule {w.rule}" if w.rule else "") + ")")
         label = f" [{c.name}]" if c.name else ""
         return f"{c.file}:{c.line}: {printable_host(c.host)}{label}: expected {want}, got {got}"
 
@@ -97,7 +119,13 @@ class CaseResult:
         return {"file": c.file, "line": c.line, "host": c.host, "allow": list(c.allow),
                 "name": c.name, "expect": c.expect, "expect_reason": c.reason, "ok": self.ok,
                 "decision": self.decision.decision, "reason": self.decision.reason,
-                "rule": self.decision.rule}
+                "rule": self.decision.rule, "expect_write": self.case.expect_write,
+                "write": self.write.as_dict() if self.write is not None else None}
+
+
+def write_outcome(v: WriteVerdict) -> str:
+    """`read`, or the write's mode: what a case's expect_write names."""
+    return v.mode if v.write else "read"
 
 
 # --------------------------------------------------------------------------- decisions
@@ -233,9 +261,30 @@ def _case(node: yaml.Node, i: int, source: str, problems: list[str]) -> Case | N
             for issue in exc.issues:
                 problems.append(f"{where}.allow: {issue.message}" + (f" (hint: {issue.hint})" if issue.hint else ""))
             bad = True
+    method, path = values.get("method"), values.get("path", "/")
+    writes, expect_write = values.get("writes", "allow"), values.get("expect_write")
+    if (method is None) != (expect_write is None):
+        problems.append(f"{where}: method and expect_write go together (the write gate's verdict "
+                        "for that request)")
+        bad = True
+    if method is not None and (not isinstance(method, str) or not method.isalpha()):
+        problems.append(f"{where}.method: an HTTP method such as POST (got {method!r})")
+        bad = True
+    if not isinstance(path, str) or not path.startswith("/"):
+        problems.append(f"{where}.path: a path starting with / (got {path!r})")
+        bad = True
+    if writes not in WRITE_MODES:
+        problems.append(f"{where}.writes: the stage's browser.writes, one of {', '.join(WRITE_MODES)} "
+                        f"(got {writes!r})")
+        bad = True
+    if expect_write is not None and expect_write not in EXPECT_WRITE:
+        problems.append(f"{where}.expect_write: one of {', '.join(EXPECT_WRITE)} (got {expect_write!r})")
+        bad = True
     if bad or not isinstance(host, str) or not isinstance(expect, str):
         return None
-    return Case(source, line, host.strip(), expect, tuple(allow), reason, name)
+    return Case(source, line, host.strip(), expect, tuple(allow), reason, name,
+                method.upper() if isinstance(method, str) else None, str(path).split("?", 1)[0],
+                str(writes), expect_write)
 
 
 def run_cases(p: SitePolicy, cases: Iterable[Case]) -> list[CaseResult]:
@@ -244,5 +293,10 @@ def run_cases(p: SitePolicy, cases: Iterable[Case]) -> list[CaseResult]:
         allow = compile_patterns(list(c.allow), source="allow") if c.allow else None
         d = decide_text(p, c.host, allow)
         ok = d.decision == c.expect and (c.reason is None or d.reason == c.reason)
-        out.append(CaseResult(c, d, ok))
+        write = None
+        if c.method is not None and d.allowed and d.normalized_host is not None:
+            write = effective(c.writes, p.writes.judge(d.normalized_host, c.method, c.path, port=d.port))
+        if c.expect_write is not None:
+            ok = ok and write is not None and write_outcome(write) == c.expect_write
+        out.append(CaseResult(c, d, ok, write))
     return out

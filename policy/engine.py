@@ -77,6 +77,7 @@ class PolicySummary(TypedDict):
     block: int
     quiet: int
     private_networks: list[str]
+    writes: int                 # entries of the `writes` section (policy/writes.py)
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ class SitePolicy:
     def summary(self) -> PolicySummary:
         return {"source": self.source, "mode": self.mode, "ports": sorted(self.ports),
                 "tab_quota": self.tab_quota, "allow_always": len(self.allow_always),
-                "block": len(self.block), "quiet": len(self.quiet),
+                "block": len(self.block), "quiet": len(self.quiet), "writes": len(self.writes),
                 "private_networks": [str(n) for n in self.private_networks]}
 
     # -- the one place where mode is applied ------------------------------------------------

@@ -38,6 +38,7 @@ from sfguard.policy.engine import DEFAULT_PORTS, SitePolicy
 from sfguard.policy.errors import PolicyError, PolicyIssue
 from sfguard.policy.index import RuleSet
 from sfguard.policy.patterns import PatternError, parse_pattern
+from sfguard.policy.writes import WriteEntry, WriteRules, parse_request_pattern
 from sfguard.policy.yamlpos import Loc, loc_path, validate_at
 from sfguard.policy.yamltree import COL_BITS, Composer, YMap, YSeq, at_root, child, unpack
 
@@ -66,6 +67,25 @@ class BlockEntry(_Strict):
         return self
 
 
+class WriteEntryModel(_Strict):
+    """One entry of `writes` (policy/writes.py): a floor and the exceptions for some hosts."""
+
+    pattern: str | None = None
+    patterns: list[str] | None = None
+    mode: Literal["allow", "gate", "deny"] = "allow"
+    reason: str
+    reads: list[str] = []
+    writes: list[str] = []
+
+    @model_validator(mode="after")
+    def _one_of(self) -> WriteEntryModel:
+        if (self.pattern is None) == (self.patterns is None):
+            raise ValueError("give either 'pattern' or 'patterns'")
+        if not self.reason.strip():
+            raise ValueError("the reason is empty")
+        return self
+
+
 class PrivateNetworks(_Strict):
     allow: list[str] = []
 
@@ -84,12 +104,14 @@ class PolicyFile(_Strict):
     block: list[BlockEntry] = []
     quiet: list[str] = []
     private_networks: PrivateNetworks = PrivateNetworks()
+    writes: list[WriteEntryModel] = []
 
 
 _KEYS: dict[tuple[str, ...], list[str]] = {
     (): list(PolicyFile.model_fields),
     ("block",): list(BlockEntry.model_fields),
     ("private_networks",): list(PrivateNetworks.model_fields),
+    ("writes",): list(WriteEntryModel.model_fields),
 }
 
 
@@ -114,12 +136,15 @@ def _schema_issue(err: dict[str, Any], at: tuple[Any, int], source: str) -> Poli
     elif kind == "missing":
         msg = f"'{name}' is required"
         hint = {"version": "start the file with: version: 1",
-                "reason": ('every block entry needs a reason a reviewer can read, '
+                "reason": ('every writes entry needs a reason a reviewer can read, '
+                           'e.g. reason: "payments need a person"' if "writes" in shape else
+                           'every block entry needs a reason a reviewer can read, '
                            'e.g. reason: "terms forbid automation"'),
                 }.get(name)
         field = _field_text(loc)
     elif kind == "literal_error":
-        hint = {"mode": "write mode: enforce (deny) or mode: report (log would_deny, allow)",
+        hint = {"mode": ("write mode: allow, gate or deny" if "writes" in shape else
+                         "write mode: enforce (deny) or mode: report (log would_deny, allow)"),
                 "version": "this sfguard reads version: 1"}.get(name, None)
         msg = f"{msg}, got {err.get('input')!r}"
     elif kind in ("greater_than_equal", "less_than_equal"):
@@ -161,6 +186,7 @@ class _Builder:
         self.quiet = RuleSet(label)
         self.private: list[str] = []
         self.private_lines: list[int] = []
+        self.writes: list[WriteEntry] = []
 
     def issue(self, pos: int, field: str, message: str, hint: str | None) -> None:
         if len(self.issues) >= MAX_ISSUES:
@@ -182,6 +208,41 @@ class _Builder:
         for i, text in enumerate(seq):
             self.one(text, positions[i], f"{field}[{i}]", rules, allow_list=allow_list,
                      reason=reason, networks_only=networks_only)
+
+    def write_entry(self, entry: YMap, i: int, label: str) -> None:
+        """One entry of `writes`: its host patterns into a RuleSet of its own, its request
+        patterns parsed (the schema has checked the shape and reports wrong types)."""
+        reason = entry.get("reason")
+        reason = reason.strip() if isinstance(reason, str) else ""
+        mode = entry.get("mode", "allow")
+        hosts = RuleSet(label)
+        texts: list[str] = []
+        before = len(self.issues)
+        if "pattern" in entry:
+            self.one(entry["pattern"], entry.valpos.get("pattern", entry.pos), f"writes[{i}].pattern",
+                     hosts, allow_list=False, reason=reason)
+            texts.append(entry["pattern"])
+        if isinstance(entry.get("patterns"), YSeq):
+            for j, text in enumerate(entry["patterns"]):
+                self.one(text, entry["patterns"].itempos[j], f"writes[{i}].patterns[{j}]", hosts,
+                         allow_list=False, reason=reason)
+                texts.append(text)
+        found: dict[str, list[Any]] = {"reads": [], "writes": []}
+        for kind in found:
+            seq = entry.get(kind)
+            if not isinstance(seq, YSeq):
+                continue
+            for j, text in enumerate(seq):
+                pos = seq.itempos[j]
+                try:
+                    found[kind].append(parse_request_pattern(text, kind, unpack(pos)[0]))
+                except PatternError as exc:
+                    if isinstance(text, str):
+                        self.issue(pos, f"writes[{i}].{kind}[{j}]", exc.message, exc.hint)
+        if len(self.issues) == before and texts and reason and mode in ("allow", "gate", "deny"):
+            self.writes.append(WriteEntry(tuple(str(t) for t in texts), hosts, mode, reason,
+                                          unpack(entry.pos)[0], tuple(found["reads"]),
+                                          tuple(found["writes"]), label))
 
     def one(self, text: Any, pos: int, field: str, rules: RuleSet | None, *, allow_list: bool,
             reason: str | None = None, networks_only: bool = False) -> None:
@@ -299,6 +360,11 @@ def _parse(text: str, source: str) -> SitePolicy:
                 if "patterns" in entry:
                     build.patterns(entry["patterns"], f"block[{i}].patterns", build.block,
                                    allow_list=False, reason=reason)
+        writes = root.get("writes")
+        if isinstance(writes, YSeq):
+            for i, entry in enumerate(writes):
+                if isinstance(entry, YMap):
+                    build.write_entry(entry, i, label)
         networks = root.get("private_networks")
         if isinstance(networks, YMap):
             build.patterns(networks.get("allow"), "private_networks.allow", None, allow_list=True,
@@ -312,4 +378,4 @@ def _parse(text: str, source: str) -> SitePolicy:
     return SitePolicy(source=source, mode=model.mode, ports=model.ports, tab_quota=model.tab_quota,
                       block=build.block, allow_always=build.allow_always, quiet=build.quiet,
                       private_networks=build.private, version=model.version,
-                      private_lines=build.private_lines)
+                      private_lines=build.private_lines, writes=WriteRules(build.writes))

@@ -11,16 +11,43 @@ a read and passes. Each write gets one of three modes, from loosest to strictest
 The stage asks for a mode (`browser.writes`); the security reviewers set a floor per site in
 sites.yaml (`writes`); the stricter of the two wins (`effective`), so a pipeline never loosens the
 site policy. Pure: no I/O, every verdict names its reason, and the rule and line that decided.
+
+The `writes` section of sites.yaml (read by policy/schema.py into `WriteRules`)::
+
+    writes:
+      - pattern: "*.bank.example"        # or patterns: [...], host patterns as in block
+        mode: gate                       # the floor: allow | gate | deny (default allow)
+        reason: "payments need a person"
+        reads:                           # requests that only read although they POST
+          - "POST /search"
+          - "POST /api/graphql"
+        writes:                          # GETs that change something
+          - "GET /logout"
+          - "GET /api/*/delete"
+
+A request pattern is `METHOD /path`: `*` matches within one path segment, `**` across segments,
+the query string is not part of the path. Every entry whose host pattern matches a request's
+host applies: the strictest floor wins, and an exception of any of them counts.
 """
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from sfguard.policy.index import RuleSet
+from sfguard.policy.patterns import PatternError
 
 #: the write modes, loosest first
 WRITE_MODES: tuple[str, ...] = ("allow", "gate", "deny")
 #: methods that only read (OPTIONS only as a CORS preflight)
 READ_METHODS = frozenset({"GET", "HEAD"})
+#: the reason a stage's own shell may not reach a host whose writes are gated or refused
+SHELL_REFUSAL = "writes_guarded_host"
+_METHOD_RE = re.compile(r"^[A-Z]{1,20}$")
+_PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()+,;=:@%*/-]*$")
 
 
 def stricter(a: str, b: str) -> str:
@@ -48,21 +75,138 @@ class WriteVerdict:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class RequestPattern:
+    """`METHOD /path` of a `reads` or `writes` exception."""
+    method: str
+    path: str
+    line: int
+    regex: re.Pattern[str]
+
+    @property
+    def text(self) -> str:
+        return f"{self.method} {self.path}"
+
+    def matches(self, method: str, path: str) -> bool:
+        return method == self.method and self.regex.fullmatch(path) is not None
+
+
+def parse_request_pattern(text: object, kind: str, line: int = 0) -> RequestPattern:
+    """Parse `METHOD /path` for the `reads` or `writes` list of an entry. Raises PatternError
+    (message and a hint saying what to write instead)."""
+    example = '"POST /search"' if kind == "reads" else '"GET /logout"'
+    if not isinstance(text, str):
+        raise PatternError("a request is text", f"quote it, e.g. {example}")
+    parts = text.split()
+    if len(parts) != 2:
+        raise PatternError(f"a request is METHOD /path, not {text[:80]!r}", f"e.g. {example}")
+    method, path = parts
+    if not _METHOD_RE.match(method):
+        raise PatternError(f"{method[:20]!r} is not an HTTP method", f"upper case, e.g. {example}")
+    if kind == "reads" and method in READ_METHODS | {"OPTIONS"}:
+        raise PatternError(f"{method} already only reads",
+                           "list under reads the requests that read although their method writes, "
+                           'e.g. "POST /search"')
+    if kind == "writes" and method != "GET":
+        raise PatternError(f"every {method} already is a write", 'list only GETs under writes, e.g. "GET /logout"')
+    if not _PATH_RE.match(path) or "***" in path:
+        raise PatternError(f"the path {path[:80]!r} is not usable",
+                           "start it with /, no query (?), no spaces; * matches within a segment, "
+                           "** across segments")
+    rx = "".join(".*" if tok == "**" else "[^/]*" if tok == "*" else re.escape(tok)
+                 for tok in re.split(r"(\*\*|\*)", path) if tok)
+    return RequestPattern(method, path, line, re.compile(rx))
+
+
+@dataclass(frozen=True)
+class WriteEntry:
+    """One entry of the `writes` section."""
+    patterns: tuple[str, ...]
+    hosts: RuleSet
+    mode: str
+    reason: str
+    line: int
+    reads: tuple[RequestPattern, ...] = ()
+    writes: tuple[RequestPattern, ...] = ()
+    label: str = "sites.yaml"
+
+    def rule(self, where: int | None = None) -> str:
+        return f"{self.label}:{where or self.line} writes {', '.join(self.patterns)}"
+
+    def covers_all(self) -> bool:
+        """True when a Fetch URL pattern cannot name its hosts (an address range, IPv6)."""
+        return any("/" in p or p.startswith("[") or p.count(":") > 1 for p in self.patterns)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
 class WriteRules:
     """The site policy's `writes` section: floors per site, and the exceptions (requests that
     only read although they POST; GETs that write). Empty: no floor, methods decide."""
 
+    def __init__(self, entries: Iterable[WriteEntry] = ()) -> None:
+        self.entries: tuple[WriteEntry, ...] = tuple(entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def matching(self, host: str, port: int | None = None) -> list[WriteEntry]:
+        is_ip = _is_ip(host)
+        return [e for e in self.entries if e.hosts.match(host.strip("[]"), is_ip, port) is not None]
+
+    def guarded(self) -> list[WriteEntry]:
+        """The entries whose floor is stricter than allow (what the browser must watch)."""
+        return [e for e in self.entries if e.mode != "allow"]
+
+    def floor(self, host: str, port: int | None = None) -> WriteVerdict:
+        """The strictest floor over the entries for `host` (allow with no rule when none)."""
+        best: WriteEntry | None = None
+        for e in self.matching(host, port):
+            if best is None or WRITE_MODES.index(e.mode) > WRITE_MODES.index(best.mode):
+                best = e
+        if best is None or best.mode == "allow":
+            return WriteVerdict(True, "allow", "write_method", explanation="no write floor for this site")
+        return WriteVerdict(True, best.mode, "site_floor", best.rule(), best.line,
+                            f"the site policy sets writes: {best.mode} here ({best.reason})")
+
     def judge(self, host: str, method: str, path: str, *, websocket: bool = False,
-              preflight: bool = False) -> WriteVerdict:
+              preflight: bool = False, port: int | None = None) -> WriteVerdict:
         """The site's verdict for one request to `host` (normalised) with `method` and `path`."""
         m = method.upper()
+        entries = self.matching(host, port) if self.entries else []
+        floor = self.floor(host, port) if entries else WriteVerdict(True, "allow", "write_method")
+
+        def as_write(reason: str, explanation: str, rule: str | None = None,
+                     line: int | None = None) -> WriteVerdict:
+            if floor.mode != "allow":      # the floor names its rule; the kind of write goes first
+                return dataclasses.replace(floor, explanation=f"{explanation}; {floor.explanation}")
+            return WriteVerdict(True, "allow", reason, rule, line, explanation)
+
         if websocket:
-            return WriteVerdict(True, "allow", "websocket_upgrade", explanation="a WebSocket upgrade is a write")
+            return as_write("websocket_upgrade", "a WebSocket upgrade is a write")
         if m in READ_METHODS:
+            for e in entries:
+                for rp in e.writes:
+                    if rp.matches(m, path):
+                        why = f"the site policy names {rp.text} a write ({e.reason})"
+                        if floor.mode != "allow":
+                            why = f"{why}; {floor.explanation}"
+                        return WriteVerdict(True, floor.mode, "site_write_get", e.rule(rp.line), rp.line, why)
             return WriteVerdict(False, "allow", "read_method", explanation=f"{m} only reads")
         if m == "OPTIONS" and preflight:
             return WriteVerdict(False, "allow", "cors_preflight", explanation="a CORS preflight only asks")
-        return WriteVerdict(True, "allow", "write_method", explanation=f"{m} is a write")
+        for e in entries:
+            for rp in e.reads:
+                if rp.matches(m, path):
+                    return WriteVerdict(False, "allow", "site_read", e.rule(rp.line), rp.line,
+                                        f"the site policy names {rp.text} a read ({e.reason})")
+        return as_write("write_method", f"{m} is a write")
 
 
 def effective(stage_mode: str, site: WriteVerdict) -> WriteVerdict:
@@ -75,3 +219,17 @@ def effective(stage_mode: str, site: WriteVerdict) -> WriteVerdict:
         return site
     return dataclasses.replace(site, mode=mode, reason="stage_mode", rule=None, line=None,
                                explanation=f"{site.explanation}; the stage asks for writes: {stage_mode}")
+
+
+def shell_verdict(rules: WriteRules, stage_mode: str, host: str, port: int | None) -> WriteVerdict | None:
+    """A stage's own shell (its proxy credential) reaches a host only when every write there is
+    allowed: the proxy sees a tunnel, not the methods inside it, so a host whose writes are gated
+    or refused for the stage is refused to its shell. None: the shell may go there."""
+    verdict = effective(stage_mode, rules.floor(host, port))
+    if verdict.mode == "allow":
+        return None
+    return dataclasses.replace(
+        verdict, write=True, reason=SHELL_REFUSAL,
+        explanation=f"writes to this host are {'held for a person' if verdict.mode == 'gate' else 'refused'} "
+                    f"for this stage ({verdict.explanation}); the stage's shell cannot reach it: "
+                    "use the browser, where the write gate applies")

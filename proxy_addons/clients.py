@@ -29,6 +29,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from sfguard import policy
+from sfguard.policy.writes import WRITE_MODES
 
 #: A client name: what the decision log shows. No ':' (separator), no spaces or control chars.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -52,6 +53,10 @@ class Client:
     allow: policy.RuleSet | None = field(default=None, repr=False)
     allow_patterns: tuple[str, ...] = ()
     run: str | None = None
+    #: a stage's shell credential: the stage's browser.writes. Hosts whose writes are gated or
+    #: refused for the stage (by it or by the site policy's floor) are refused to this client
+    #: (policy.writes.shell_verdict). None: a browser's client, judged by its write gate instead.
+    writes: str | None = None
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -98,8 +103,8 @@ def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
 def load_clients_text(text: str, source: str, default_allow: Iterable[str] = ()) -> list[Client]:
     """Parse clients from JSON or from lines.
 
-    JSON: a list of objects `{"name": ..., "token": ..., "allow": [patterns], "run": id}` where
-    `allow` and `run` are optional (`allow` defaults to the command line's `--allow`).
+    JSON: a list of objects `{"name": ..., "token": ..., "allow": [patterns], "run": id,
+    "writes": mode}` where `allow`, `run` and `writes` are optional (`allow` defaults to the command line's `--allow`).
     Lines: one `NAME:TOKEN` per line; blank lines and lines starting with '#' are ignored; each
     client gets the default allowlist.
     Raises ClientSpecError naming the source and entry, never the token.
@@ -122,10 +127,13 @@ def load_clients_text(text: str, source: str, default_allow: Iterable[str] = ())
             run = item.get("run")
             if run is not None and not isinstance(run, str):
                 raise ClientSpecError(f"{source}: entry {i}: 'run' must be a string")
-            unknown = set(item) - {"name", "token", "allow", "run"}
+            writes = item.get("writes")
+            if writes is not None and writes not in WRITE_MODES:
+                raise ClientSpecError(f"{source}: entry {i}: 'writes' is one of {', '.join(WRITE_MODES)}")
+            unknown = set(item) - {"name", "token", "allow", "run", "writes"}
             if unknown:
                 raise ClientSpecError(f"{source}: entry {i}: unknown field(s) {sorted(unknown)}")
-            specs.append((item["name"], item["token"], tuple(allow), run))
+            specs.append((item["name"], item["token"], tuple(allow), run, writes))
     else:
         for lineno, line in enumerate(text.splitlines(), 1):
             line = line.strip()
@@ -135,11 +143,11 @@ def load_clients_text(text: str, source: str, default_allow: Iterable[str] = ())
                 name, token = parse_credential(line)
             except ClientSpecError as exc:
                 raise ClientSpecError(f"{source}:{lineno}: {exc}") from None
-            specs.append((name, token, default_allow, None))
+            specs.append((name, token, default_allow, None, None))
     clients = []
-    for i, (name, token, allow, run) in enumerate(specs):
+    for i, (name, token, allow, run, writes) in enumerate(specs):
         try:
-            clients.append(make_client(name, token, allow, run=run))
+            clients.append(make_client(name, token, allow, run=run, writes=writes))
         except ClientSpecError as exc:
             raise ClientSpecError(f"{source}: entry {i}: {exc}") from None
     return clients
@@ -161,12 +169,15 @@ def load_clients_file(path: str | os.PathLike[str]) -> str:
     return p.read_text(encoding="utf-8")
 
 
-def make_client(name: str, token: str, allow: Iterable[str], run: str | None = None) -> Client:
+def make_client(name: str, token: str, allow: Iterable[str], run: str | None = None,
+                writes: str | None = None) -> Client:
     """Build a Client, compiling its allowlist (raises ClientSpecError or policy.PolicyError)."""
     patterns = tuple(allow)
     Client(name=name, token=token)  # validate before compiling
     ruleset = policy.compile_patterns(patterns, source="--allow")
-    return Client(name=name, token=token, allow=ruleset, allow_patterns=patterns, run=run)
+    if writes is not None and writes not in WRITE_MODES:
+        raise ClientSpecError(f"client {name!r}: writes is one of {', '.join(WRITE_MODES)}")
+    return Client(name=name, token=token, allow=ruleset, allow_patterns=patterns, run=run, writes=writes)
 
 
 class ClientRegistry:
@@ -204,7 +215,7 @@ class ClientRegistry:
             if old is None:
                 raise KeyError(name)
             new_client = Client(name=old.name, token=old.token, allow=ruleset,
-                                allow_patterns=patterns, run=old.run)
+                                allow_patterns=patterns, run=old.run, writes=old.writes)
             new = dict(self._clients)
             new[name] = new_client
             self._clients = MappingProxyType(new)

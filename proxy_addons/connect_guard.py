@@ -23,6 +23,7 @@ import logging
 from mitmproxy import http
 
 from sfguard import policy
+from sfguard.policy.writes import SHELL_REFUSAL, shell_verdict
 from sfguard.proxy_addons.clients import Client
 from sfguard.proxy_addons.request_head import EXPLAIN, field_fault, host_fault
 from sfguard.proxy_addons.state import (
@@ -70,6 +71,10 @@ class ConnectGuard:
         host, port)) or None."""
         site = self.s.policy
         d = site.decide(host, port, client.allow)
+        if d.allowed and client.writes is not None and d.normalized_host is not None:
+            refusal = shell_verdict(site.writes, client.writes, d.normalized_host, d.port)
+            if refusal is not None:
+                d = site.refuse(d, SHELL_REFUSAL, refusal.explanation)
         addr = None
         if d.allowed:
             d, addr = await self.s.check_addresses(d)

@@ -279,6 +279,7 @@ class Guard:
             self.calls.submit("the audit record of a policy reload", self.audit.record,
                               "policy_reloaded", mode=self.site_policy.mode, policy_sha256=digest)
             log.info("site policy reloaded from %s", self.policy_path)
+            self.stages.policy_changed()
         elif self.policy_watch.error is not None and self.policy_watch.error is not before:
             log.error("site policy edit refused, the last good policy stays in force: %s",
                       self.policy_error)

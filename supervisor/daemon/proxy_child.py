@@ -13,7 +13,7 @@ exactly as the daemon does) measures the process the daemon runs.
 
 Control protocol (with `control=True`, the daemon's way):
 
-  daemon -> child   one JSON object per line: {"id": N, "clients": [{"name", "token", "allow", "run"}]}
+  daemon -> child   one JSON object per line: {"id": N, "clients": [{"name", "token", "allow", "run", "writes"?}]}
                     (the complete client set; it replaces the previous one atomically)
   child -> daemon   `ready http://127.0.0.1:PORT` once, then {"ack": N} after each update is live
 
@@ -85,7 +85,8 @@ async def _control(registry: ClientRegistry, stop: asyncio.Event) -> None:
             return
         try:
             msg = json.loads(line)
-            clients = [make_client(c["name"], c["token"], c.get("allow", []), run=c.get("run"))
+            clients = [make_client(c["name"], c["token"], c.get("allow", []), run=c.get("run"),
+                                   writes=c.get("writes"))
                        for c in msg["clients"]]
             for c in clients:
                 redaction.register_secret(c.token)

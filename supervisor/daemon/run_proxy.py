@@ -82,6 +82,7 @@ class RunProxy:
         self.proc: asyncio.subprocess.Process | None = None
         self.record: ProcRecord | None = None
         self.clients: dict[str, tuple[str, list[str]]] = {}  # name -> (token, allow patterns)
+        self.client_writes: dict[str, str] = {}   # a stage shell's client -> the stage's browser.writes
         self.restarts = 0
         self._seq = 0
         self._acks: dict[int, asyncio.Future] = {}
@@ -99,6 +100,7 @@ class RunProxy:
             self._acks[self._seq] = fut
             msg = {"id": self._seq, "clients": [
                 {"name": n, "token": t, "allow": a, "run": self.run_id}
+                | ({"writes": self.client_writes[n]} if n in self.client_writes else {})
                 for n, (t, a) in sorted(self.clients.items())]}
             stdin = self.proc.stdin
             assert stdin is not None  # started with stdin=PIPE
@@ -112,11 +114,15 @@ class RunProxy:
             finally:
                 self._acks.pop(self._seq, None)
 
-    async def add_client(self, allow: list[str]) -> str:
+    async def add_client(self, allow: list[str], writes: str | None = None) -> str:
+        """A client with its own credential; `writes` (a stage's shell): hosts whose writes are
+        gated or refused for the stage are refused to it (proxy_addons/clients.py)."""
         name = f"b-{short_id()}"
         token = secrets.token_urlsafe(24)
         redaction.register_secret(token)
         self.clients[name] = (token, sorted(set(allow)))
+        if writes is not None:
+            self.client_writes[name] = writes
         await self._push()
         return name
 
@@ -128,6 +134,7 @@ class RunProxy:
             await self._push()
 
     async def remove_client(self, name: str) -> None:
+        self.client_writes.pop(name, None)
         if self.clients.pop(name, None) is not None:
             await self._push()
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sfguard.policy.writes import WriteRules
 from sfguard.supervisor.browsers import browser_user, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon import models
@@ -20,7 +21,7 @@ from sfguard.supervisor.home import private_dir
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.local_store import pipeline_profile_name
 from sfguard.supervisor.protocols import ProfileError, ProfileKey, StoreUnavailable, Waiting
-from sfguard.supervisor.writes.modes import guard_writes, stage_write_modes
+from sfguard.supervisor.writes.modes import guard_writes, rewire_writes, stage_write_modes
 
 if TYPE_CHECKING:
     from sfguard.supervisor.daemon.guard import Guard
@@ -136,6 +137,16 @@ class Stages:
                 for st in other.waiting_stages():
                     await self.advance(other, st)
 
+    def write_rules(self) -> WriteRules:
+        """The live site policy's writes section (read at each request: hot reload)."""
+        return self.g.site_policy.writes
+
+    def policy_changed(self) -> None:
+        """A reloaded site policy: write floors and exceptions in force for every live browser."""
+        g = self.g
+        rewire_writes([r for r in g.runs.values() if r.state == RunState.ACTIVE], g.site_policy,
+                      g.write_approver, g.write_gate_timeout, g.write_record, self.write_rules)
+
     async def attach(self, run: Run, browser: Browser, stage: Stage) -> None:
         g = self.g
         assert run.proxy is not None and run.workdir is not None and browser.anchor is not None
@@ -144,7 +155,8 @@ class Stages:
         stage.browser_key = browser.key
         stage.write_modes = stage_write_modes(g.site_policy, stage.browser_req.writes,
                                               list(stage.browser_req.allow_domains))
-        guard_writes(run, browser, stage, g.write_approver, g.write_gate_timeout, g.write_record)
+        guard_writes(run, browser, stage, g.write_approver, g.write_gate_timeout, g.write_record,
+                     self.write_rules)
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
         anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", g.site_policy.tab_quota
         # The stage's session (a gate token, an agent-browser session through it with the
@@ -171,7 +183,8 @@ class Stages:
                                               tab_quota=quota, own_tab=anchor.take_blank_tab())
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
         try:
-            await g.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains)
+            await g.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains,
+                                 stage.browser_req.writes)
         except BaseException:
             await g.sessions.end(started)
             raise

@@ -150,7 +150,8 @@ class BridgeHost:
     def get(self, key: str) -> StageBridges | None:
         return self._stages.get(key)
 
-    async def open(self, key: str, cdp_url: str, proxy, allow: list[str]) -> StageBridges:
+    async def open(self, key: str, cdp_url: str, proxy, allow: list[str],
+                   writes: str = "allow") -> StageBridges:
         """Serve the stage's two sockets and give it a proxy client (idempotent: a stage whose
         browser was replaced keeps its bridges, the gate target is refreshed)."""
         parts = urlsplit(cdp_url)
@@ -163,7 +164,7 @@ class BridgeHost:
         _private_folder(self.root, 0o711, None)
         folder = _private_folder(self.root / secrets.token_hex(8),
                                  0o710 if gid is not None else 0o700, gid, self.stage_uid)
-        client = await proxy.add_client(allow)
+        client = await proxy.add_client(allow, writes=writes)
         try:
             gate = _Bridge(folder / "gate.sock", gate_target)
             prox = _Bridge(folder / "proxy.sock", ("127.0.0.1", proxy.port))

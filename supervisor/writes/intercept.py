@@ -89,11 +89,13 @@ class WriteInterceptor:
     """The write gate of one browser's pipe. `pipe.writes = WriteInterceptor(pipe, ctx, ...)`;
     the pipe hands every paused request to `paused`."""
 
-    def __init__(self, pipe: Any, ctx: WriteContext, *, rules: WriteRules | None = None,
+    def __init__(self, pipe: Any, ctx: WriteContext, *,
+                 rules: WriteRules | Callable[[], WriteRules] | None = None,
                  approver: WriteApprover | None = None, timeout: float = DEFAULT_TIMEOUT,
                  record: Callable[[str, dict[str, object]], None] | None = None) -> None:
         self.pipe, self.ctx = pipe, ctx
-        self.rules = rules or WriteRules()
+        #: the site policy's writes section; a callable gives the live one (hot reload)
+        self._rules = rules if rules is not None else WriteRules()
         self.approver: WriteApprover = approver or DenyAll()
         self.timeout = timeout
         self.record = record
@@ -101,6 +103,10 @@ class WriteInterceptor:
         self._tasks: set[asyncio.Task] = set()
         self._compiled: list[tuple[RuleSet, str]] = []
         self.set_modes(ctx.modes)
+
+    @property
+    def rules(self) -> WriteRules:
+        return self._rules() if callable(self._rules) else self._rules
 
     def set_modes(self, modes: dict[str, str]) -> None:
         self.ctx.modes = dict(modes)
@@ -110,18 +116,25 @@ class WriteInterceptor:
                 self._compiled.append((compile_patterns([pattern], "writes"), mode))
 
     def guarded(self) -> bool:
-        return bool(self.ctx.earlier) or self.ctx.replay_unsafe or any(m != "allow" for m in self.ctx.modes.values())
+        return (bool(self.ctx.earlier) or self.ctx.replay_unsafe or bool(self.rules.guarded())
+                or any(m != "allow" for m in self.ctx.modes.values()))
 
     def patterns(self) -> list[dict[str, str]]:
-        """Fetch patterns: the hosts whose mode is gate or deny (every host for a retry of a
-        replay-unsafe stage that wrote before)."""
+        """Fetch patterns: the hosts whose mode is gate or deny, by the stage or by a floor of
+        the site policy (every host for a retry of a replay-unsafe stage that wrote before, or
+        for a floor over an address range, which a URL pattern cannot name)."""
         if self.ctx.earlier or self.ctx.replay_unsafe:
             return [{"urlPattern": "*"}]
         out: list[dict[str, str]] = []
         for pattern, mode in self.ctx.modes.items():
             if mode != "allow":
                 out += url_patterns(pattern)
-        return out
+        for entry in self.rules.guarded():
+            if entry.covers_all():
+                return [{"urlPattern": "*"}]
+            for pattern in entry.patterns:
+                out += url_patterns(pattern)
+        return list({p["urlPattern"]: p for p in out}.values())
 
     def stage_mode(self, host: str, is_ip: bool, port: int | None) -> str:
         mode = "allow"
@@ -147,7 +160,8 @@ class WriteInterceptor:
         websocket = parts.scheme in ("ws", "wss")
         preflight = method == "OPTIONS" and "access-control-request-method" in {
             k.lower() for k in (req.get("headers") or {})}
-        site = self.rules.judge(host, method, parts.path or "/", websocket=websocket, preflight=preflight)
+        site = self.rules.judge(host, method, parts.path or "/", websocket=websocket,
+                                preflight=preflight, port=port)
         verdict = effective(self.stage_mode(host, is_ip, port), site)
         if not verdict.write:
             self.pipe._fire("Fetch.continueRequest", {"requestId": rid})

@@ -2,24 +2,41 @@
 `browser.writes` and the site policy's floor for that host (policy.writes.effective)."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from sfguard.policy.errors import PolicyError
 from sfguard.policy.hosts import split_host_port_raw
-from sfguard.policy.writes import WriteRules, effective
+from sfguard.policy.index import compile_patterns
+from sfguard.policy.writes import WriteRules, effective, stricter
+
+
+def _base_host(pattern: str) -> tuple[str, int | None]:
+    try:
+        host, port = split_host_port_raw(pattern)
+    except ValueError:
+        host, port = pattern, None
+    return (host[2:] if host.startswith("*.") else host), (int(port) if port and port.isdigit() else None)
 
 
 def stage_write_modes(site_policy: Any, stage_mode: str, patterns: list[str]) -> dict[str, str]:
-    """{pattern: mode} for the stage's allow_domains (what the runner tells the agent)."""
+    """{pattern: mode} for the stage's allow_domains (what the runner tells the agent), plus the
+    site policy's floors on hosts inside them (`*.example.com` allow, `pay.example.com` gate)."""
     rules = getattr(site_policy, "writes", None) or WriteRules()
     out: dict[str, str] = {}
     for pattern in patterns:
-        try:
-            host = split_host_port_raw(pattern)[0]
-        except ValueError:
-            host = pattern
-        host = host[2:] if host.startswith("*.") else host
-        out[pattern] = effective(stage_mode, rules.judge(host, "POST", "/")).mode
+        host, port = _base_host(pattern)
+        out[pattern] = effective(stage_mode, rules.floor(host, port)).mode
+    if rules.guarded() and patterns:
+        with contextlib.suppress(PolicyError, ValueError):
+            allowed = compile_patterns(list(patterns), "allow_domains")
+            for entry in rules.guarded():
+                for pattern in entry.patterns:
+                    host, port = _base_host(pattern)
+                    if pattern not in out and allowed.match(host, ":" in host or host.replace(".", "").isdigit(),
+                                                            port) is not None:
+                        out[pattern] = stricter(stage_mode, entry.mode)
     return out
 
 
@@ -37,7 +54,8 @@ def decision_recorder(path: Any) -> Callable[[str, dict[str, object]], None]:
 
 
 def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: float,
-                 record: Callable[[str, dict[str, object]], None] | None = None) -> None:
+                 record: Callable[[str, dict[str, object]], None] | None = None,
+                 rules: Callable[[], WriteRules] | None = None) -> None:
     """Install (or widen) the write gate on the browser's pipe: per host, the strictest mode of
     the stages that use this browser (a request is not always known to belong to one stage:
     workers, service workers; fail closed). Nothing is installed while every mode is allow."""
@@ -53,16 +71,39 @@ def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: flo
     replay_unsafe = not getattr(stage, "replay_safe", True)
     history = run.released_writes.setdefault(stage.stage_id, [])
     earlier = tuple(history) if replay_unsafe and stage.attempt > 1 else ()
-    if current is None and not replay_unsafe and all(m == "allow" for m in modes.values()):
+    floors = bool(rules().guarded()) if rules is not None else False
+    if current is None and not replay_unsafe and not floors and all(m == "allow" for m in modes.values()):
         return
     if current is None:
         profile = browser.profile.name if browser.profile else ""
         current = pipe.writes = WriteInterceptor(
             pipe, WriteContext(run.run_id, profile, stage.stage_id, stage.attempt, modes),
-            approver=approver, timeout=timeout, record=record)
+            rules=rules, approver=approver, timeout=timeout, record=record)
     else:
         current.ctx.stage_id, current.ctx.attempt = stage.stage_id, stage.attempt
         current.set_modes(modes)
     current.ctx.replay_unsafe, current.ctx.earlier = replay_unsafe, earlier
     current.released = history          # what this attempt sends is the next attempt's `earlier`
     pipe.apply_write_patterns()
+
+
+def rewire_writes(runs: Any, site_policy: Any, approver: Any, timeout: float,
+                  record: Callable[[str, dict[str, object]], None] | None,
+                  rules: Callable[[], WriteRules]) -> None:
+    """After a policy reload: every live browser's write modes from its stages again, from
+    scratch (a floor the reviewers loosened loosens too), the gate installed where a new floor
+    needs one, and its Fetch patterns re-applied. Each paused request is judged against the
+    live policy anyway; this keeps the patterns (what pauses at all) in step with it."""
+    for run in runs:
+        for browser in list(run.browsers.values()):
+            pipe = getattr(browser.anchor, "pipe", None) if browser.anchor is not None else None
+            stages = [run.stages[s] for s in sorted(browser.stages) if s in run.stages]
+            if pipe is None or not stages:
+                continue
+            for stage in stages:
+                stage.write_modes = stage_write_modes(site_policy, stage.browser_req.writes,
+                                                      list(stage.browser_req.allow_domains))
+            if pipe.writes is not None:
+                pipe.writes.set_modes({})
+            for stage in stages:
+                guard_writes(run, browser, stage, approver, timeout, record, rules)

@@ -36,6 +36,12 @@ EXPECTED = {
     "tab_indent.yaml": [(4, 1, "(yaml)", "tab", "spaces, not tabs")],
     "control_char.yaml": [(2, 22, "(yaml)", "U+0007", "control characters")],
     "two_documents.yaml": [(2, 1, "(document)", "more than one YAML document", "'---'")],
+    "writes_bad_mode.yaml": [(4, 11, "writes[0].mode", "'hold'", "allow, gate or deny")],
+    "writes_no_reason.yaml": [(3, 5, "writes[0].reason", "'reason' is required", "every writes entry needs a reason")],
+    "writes_reads_get.yaml": [(6, 9, "writes[0].reads[0]", "GET already only reads", '"POST /search"')],
+    "writes_writes_post.yaml": [(6, 9, "writes[0].writes[0]", "every POST already is a write", '"GET /logout"')],
+    "writes_bad_path.yaml": [(6, 9, "writes[0].reads[0]", "'search?q=1' is not usable", "no query")],
+    "writes_public_suffix.yaml": [(3, 14, "writes[0].pattern", "public suffix com", "registrable domain")],
     "many_errors.yaml": [
         (2, 7, "mode", "'loud'", "mode: enforce"),
         (3, 9, "ports[0]", "valid integer", "without quotes"),
