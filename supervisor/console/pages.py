@@ -10,6 +10,8 @@ import shlex
 from collections import deque
 from typing import Any
 
+from sfguard.supervisor.console import approvals_page
+
 DECISIONS_TAIL = 5000
 DECISIONS_SHOWN = 200
 AUDIT_SHOWN = 50
@@ -22,6 +24,8 @@ async def page_context(guard: Any, handoffs: dict[str, Any], page: str, query: d
         return _decisions(guard, query)
     if page == "profiles":
         return await _profiles(guard)
+    if page == "approvals":
+        return approvals_page.context(guard)
     return _audit(guard)
 
 
@@ -29,7 +33,7 @@ async def _overview(guard: Any, handoffs: dict[str, Any]) -> dict[str, Any]:
     status = await guard.inventory.status()
     shown = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
              for h in handoffs.values() if h.state == "open"]
-    return {"gs": status, "handoffs": shown}
+    return {"gs": status, "handoffs": shown, "approvals": approvals_page.context(guard)["pending"]}
 
 
 def _decisions(guard: Any, query: dict[str, str]) -> dict[str, Any]:

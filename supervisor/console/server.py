@@ -40,8 +40,8 @@ import jinja2
 from aiohttp import WSMsgType, web
 
 from sfguard.policy import join_host_port
+from sfguard.supervisor.console import approvals_page, pages
 from sfguard.supervisor.console import handoff as live
-from sfguard.supervisor.console import pages
 from sfguard.supervisor.console.auth import LINK_TTL, SESSION_TTL, ConsoleAuth, Session
 from sfguard.supervisor.console.listen import ConsoleError, parse_listen  # noqa: F401 (start_cmd imports them here)
 from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -56,7 +56,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
        "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 SSE_STEP = 1.0
 SSE_HEARTBEAT = 15.0
-PAGES = ("overview", "decisions", "profiles", "audit")
+PAGES = ("overview", "approvals", "decisions", "profiles", "audit")
 REFUSED_PERIOD = 60.0       # refused sign-in links: at most one audit record a minute
 
 def _text(value: object) -> str | None:
@@ -95,6 +95,7 @@ class ConsoleServer:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> str:
         app = self.app()
+        self.guard.approvals.listeners.append(self.notify)   # a write held or decided: pages update
         # open SSE streams and live-view sockets must not hold up the guard's stop
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
@@ -197,6 +198,7 @@ class ConsoleServer:
         app.router.add_get("/live/{hid}/ws", self.h_live_ws)
         app.router.add_post("/live/{hid}/done", self.h_live_end)
         app.router.add_post("/live/{hid}/cancel", self.h_live_end)
+        approvals_page.register(app, self)
         return app
 
     def _hosts(self) -> set[str]:

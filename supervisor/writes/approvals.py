@@ -5,12 +5,14 @@ An approval moves pending -> approved | denied | timed_out | cancelled, once (`T
 decided one answers 409 when decided again. Identical writes pending at once (same run, stage
 and fingerprint) are one approval: every waiter gets its outcome. Pending ones live only while
 the guard runs (the held request lives in the browser); decided ones are kept for listing, the
-newest `KEEP_DECIDED`. Password-like form fields are masked whenever an approval is shown
+newest `KEEP_DECIDED` (without their screenshot, which is kept while pending only).
+Password-like form fields are masked whenever an approval is shown
 (`SECRET_FIELD`); no form value or query value is ever logged.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import secrets
@@ -91,6 +93,8 @@ class Approvals:
         self.keep = keep
         self.items: OrderedDict[str, Approval] = OrderedDict()
         self.changed = asyncio.Event()
+        #: called on every change (the console's live pages)
+        self.listeners: list[Callable[[], None]] = []
 
     # -- WriteApprover ---------------------------------------------------------------------
     async def decide(self, held: HeldWrite, timeout: float) -> WriteOutcome:
@@ -159,6 +163,8 @@ class Approvals:
     def _finish(self, ap: Approval, state: str, outcome: WriteOutcome) -> None:
         ap.move(state)
         ap.decided_at, ap.by, ap.reason = time.time(), outcome.by, outcome.reason
+        if ap.held.screenshot is not None:   # kept while pending only (decided ones are many)
+            ap.held = dataclasses.replace(ap.held, screenshot=None)
         if ap.outcome is not None and not ap.outcome.done():
             ap.outcome.set_result(outcome)
         self._record({"approved": "write_approved", "denied": "write_denied", "timed_out": "write_timed_out",
@@ -172,6 +178,11 @@ class Approvals:
     def _changed(self) -> None:
         self.changed.set()
         self.changed = asyncio.Event()
+        for listener in list(self.listeners):
+            try:
+                listener()
+            except Exception as exc:   # a page that cannot refresh never stops a decision
+                log.warning("an approvals listener failed: %s", type(exc).__name__)
 
     def _record(self, event: str, ap: Approval) -> None:
         if self.audit is None:

@@ -25,10 +25,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from email import policy as email_policy
+from email.parser import BytesParser
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -43,6 +46,9 @@ log = logging.getLogger("sfguard.writes")
 
 #: default seconds a held write waits for a person (a timeout is a denial)
 DEFAULT_TIMEOUT = 600.0
+#: how long capturing the tab of a held write may take, and how many tabs it looks through
+CAPTURE_SECONDS = 5.0
+MAX_CAPTURE_TABS = 16
 REFUSED_BODY = ("<!doctype html><meta charset=utf-8><title>sfguard: write refused</title>"
                 "<p>sfguard: this write was refused by the guard's write gate ({why}). "
                 "It was not sent to the site. Do not try again another way.</p>")
@@ -199,7 +205,9 @@ class WriteInterceptor:
 
     async def _hold(self, rid: Any, params: dict, method: str, url: str, host: str, path: str,
                     verdict: WriteVerdict) -> None:
-        held = self.held_write(params, method, url, host, path, verdict)
+        shot, tab_url = await self.capture(params.get("frameId"))
+        held = dataclasses.replace(self.held_write(params, method, url, host, path, verdict),
+                                   screenshot=shot, tab_url=tab_url)
         self._log("held", method, host, path, verdict)
         try:
             outcome = await asyncio.wait_for(self.approver.decide(held, self.timeout), self.timeout + 5)
@@ -223,6 +231,39 @@ class WriteInterceptor:
                 self._refuse(rid, why, method, host, path, verdict,
                              "timeout" if outcome.by == "timeout" else "denied")
 
+    async def capture(self, frame_id: object) -> tuple[bytes | None, str | None]:
+        """The tab a held write came from, as the person will judge it: a PNG and its address.
+        The tab is the page target whose main frame sent the write (form, fetch, popup), else
+        the page holding that frame (an iframe), else the only page. Bounded: a tab that cannot
+        be captured in CAPTURE_SECONDS gives (None, address or None); the write still waits."""
+        cdp = None
+        try:
+            async with asyncio.timeout(CAPTURE_SECONDS):
+                cdp = await self.pipe.session("write gate capture")
+                pages = [t for t in (await cdp.call("Target.getTargets")).get("targetInfos", [])
+                         if t.get("type") == "page"]
+                order = sorted(pages, key=lambda t: t.get("targetId") != frame_id)
+                for info in order[:MAX_CAPTURE_TABS]:
+                    sid = (await cdp.call("Target.attachToTarget",
+                                          {"targetId": info["targetId"], "flatten": True}))["sessionId"]
+                    try:
+                        if info.get("targetId") != frame_id and len(pages) > 1:
+                            tree = await cdp.call("Page.getFrameTree", session=sid)
+                            if not _has_frame(tree.get("frameTree") or {}, frame_id):
+                                continue
+                        shot = await cdp.call("Page.captureScreenshot", {"format": "png"}, session=sid)
+                        return base64.b64decode(shot.get("data") or ""), str(info.get("url") or "") or None
+                    finally:
+                        with contextlib.suppress(Exception):
+                            await cdp.call("Target.detachFromTarget", {"sessionId": sid}, timeout=2)
+        except Exception as exc:  # noqa: BLE001 - a held write never fails for want of a picture
+            log.info("no screenshot of the tab of a held write: %s", type(exc).__name__)
+        finally:
+            if cdp is not None:
+                with contextlib.suppress(Exception):
+                    await cdp.close()
+        return None, None
+
     def held_write(self, params: dict, method: str, url: str, host: str, path: str,
                    verdict: WriteVerdict) -> HeldWrite:
         req = params.get("request") or {}
@@ -230,8 +271,11 @@ class WriteInterceptor:
         headers = {str(k).lower(): str(v) for k, v in (req.get("headers") or {}).items()}
         ctype = headers.get("content-type")
         form = None
-        if ctype and ctype.split(";")[0].strip() == "application/x-www-form-urlencoded":
+        kind = ctype.split(";")[0].strip().lower() if ctype else ""
+        if kind == "application/x-www-form-urlencoded":
             form = tuple(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
+        elif kind == "multipart/form-data" and ctype is not None:
+            form = _multipart(body, ctype)
         fp = hashlib.sha256(method.encode() + b"\0" + url.encode() + b"\0" + body).hexdigest()
         return HeldWrite(self.ctx.run_id, self.ctx.stage_id, self.ctx.attempt, self.ctx.profile,
                          method, url, host, path, form, len(body), ctype, None, fp,
@@ -256,6 +300,33 @@ class WriteInterceptor:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _multipart(body: bytes, ctype: str) -> tuple[tuple[str, str], ...] | None:
+    """The fields of a multipart/form-data body: text values as they are, a file as
+    `(file NAME, N bytes)`. None when the body does not parse."""
+    msg = BytesParser(policy=email_policy.HTTP).parsebytes(
+        b"Content-Type: " + ctype.encode("latin-1", "replace") + b"\r\n\r\n" + body)
+    if not msg.is_multipart():
+        return None
+    out: list[tuple[str, str]] = []
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not isinstance(name, str):
+            continue
+        data = part.get_payload(decode=True) or b""
+        filename = part.get_filename()
+        if filename is not None:
+            out.append((name, f"(file {filename}, {len(data)} bytes)"))
+        else:
+            out.append((name, data.decode(part.get_content_charset() or "utf-8", "replace")))
+    return tuple(out)
+
+
+def _has_frame(tree: dict, frame_id: object) -> bool:
+    if (tree.get("frame") or {}).get("id") == frame_id:
+        return True
+    return any(_has_frame(child, frame_id) for child in tree.get("childFrames") or [])
 
 
 def _body(req: dict) -> bytes:

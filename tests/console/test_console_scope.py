@@ -127,6 +127,9 @@ def shared_fake(tmp_path_factory):
 
 
 # -- 1. every route, every session, both cookie names ----------------------------------------------
+NO_APPROVAL = "ap_" + "0" * 20
+
+
 def test_every_console_route_takes_only_its_own_scope(shared_fake):
     d = shared_fake
     base = d.console
@@ -140,10 +143,12 @@ def test_every_console_route_takes_only_its_own_scope(shared_fake):
         if (method, pattern) in PUBLIC:
             continue
         names = set(re.findall(r"{(\w+)}", pattern))
-        assert names <= {"hid"}, f"a new route variable in {pattern}: add it to this table"
-        path = pattern.replace("{hid}", a["hid"])
+        assert names <= {"hid", "aid"}, f"a new route variable in {pattern}: add it to this table"
+        path = pattern.replace("{hid}", a["hid"]).replace("{aid}", NO_APPROVAL)
         live_route = pattern.startswith("/live/{hid}")
         ok = 403 if method == "POST" else 101 if path.endswith("/ws") else 200
+        if "{aid}" in pattern and method == "GET":
+            ok = 404           # past the session check: no such approval here
         for who in ("console", "live", "other-live", None):
             for name in (CONSOLE_COOKIE, LIVE_COOKIE) if who else (None,):
                 right = (who == "console" and name == CONSOLE_COOKIE) or \

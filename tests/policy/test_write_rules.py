@@ -154,13 +154,14 @@ policy: sites.yaml
 cases:
   - {host: www.bank.example, allow: "*.bank.example", expect: allow, method: POST, path: /pay, expect_write: gate}
   - {host: www.bank.example, allow: "*.bank.example", expect: allow, method: POST, path: /search, expect_write: read}
-  - {host: news.example, allow: news.example, expect: allow, method: GET, path: /signout, writes: deny, expect_write: deny}
+  - {host: news.example, allow: news.example, expect: allow, method: GET, path: /signout,
+     writes: deny, expect_write: deny}
   - {host: shop.example, allow: shop.example, expect: allow, method: POST, expect_write: allow, name: loosened}
 """)
     proc = sfguard("policy", "test", str(tmp_path / "cases.yaml"))
     assert proc.returncode == 1
     assert "3 passed, 1 failed" in proc.stdout + proc.stderr
-    assert "cases.yaml:6: shop.example [loosened]: expected allow, POST / allow" in proc.stdout + proc.stderr
+    assert "cases.yaml:7: shop.example [loosened]: expected allow, POST / allow" in proc.stdout + proc.stderr
     assert "POST / deny (site_floor, rule sites.yaml:12 writes shop.example, 10.0.0.0/8)" in proc.stdout + proc.stderr
     (tmp_path / "bad.yaml").write_text("policy: sites.yaml\ncases:\n"
                                        "  - {host: a.example, expect: deny, method: POST}\n"

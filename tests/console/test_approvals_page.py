@@ -1,0 +1,80 @@
+"""The console's approvals page with real browsers: a guarded stage (writes: gate) submits the
+login form; a person, in a browser of their own signed in to the console, sees the held write
+on /approvals (the request, the masked password, a screenshot of the tab), and approves it with
+the page's button: the site receives exactly one POST, and the audit chain names the console
+session that decided. Screenshots go to .ci-artifacts/console/."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from sfguard.supervisor.console.viewer import Viewer
+from tests.console.conftest import ARTIFACTS, ROOT, link
+from tests.daemon.test_real_browser import as_stage
+
+pytestmark = pytest.mark.browser
+
+
+def submits(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/submits.json", timeout=10) as r:
+        return len(json.load(r)["submits"])
+
+
+def test_a_person_approves_a_held_write_from_the_console(guard):
+    d, port = guard, guard.site
+    assert d.call("POST", "/v1/runs", {"run_id": "ap-1"})[0] == 201
+    status, ans = d.call("POST", "/v1/runs/ap-1/stages", {"stage_id": "post", "attempt": 1, "browser": {
+        "profile": "fixture", "headed": False, "allow_domains": [f"site-a.test:{port}"], "writes": "gate"}})
+    assert status == 200, ans
+    env = ans["env"]
+    assert as_stage(env, "open", f"http://site-a.test:{port}/login").returncode == 0
+    assert as_stage(env, "fill", "input[name=user]", "operator").returncode == 0
+    assert as_stage(env, "fill", "input[name=password]", "correct-horse").returncode == 0
+    as_stage(env, "click", "button[type=submit]", timeout=60)
+    status, body = d.call("GET", "/v1/approvals?state=pending&wait=20")
+    assert status == 200 and len(body["approvals"]) == 1, body
+    held = body["approvals"][0]
+    assert held["screenshot"] is True and held["tab_url"] == f"http://site-a.test:{port}/login", held
+    before = submits(port)
+
+    async def person() -> dict:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        async with Viewer() as v:
+            await v.goto(link(d))
+            await v.wait_for("location.pathname === '/'", 20, "the console after sign-in")
+            overview = await v.eval("document.body.innerText")
+            await v.goto(d.console + "/approvals")
+            await v.wait_for(f"document.getElementById('{held['id']}') !== null", 20, "the held write")
+            await v.wait_for(f"document.querySelector('#{held['id']} img.shot').naturalWidth > 0", 20,
+                             "the tab's screenshot")
+            text = await v.eval(f"document.getElementById('{held['id']}').innerText")
+            await v.screenshot(ARTIFACTS / "approvals-pending.png")
+            await v.click_selector(f"#{held['id']} button[value=approve]")
+            await v.wait_for("document.getElementById('no-pending') !== null", 20, "the page after approving")
+            await v.screenshot(ARTIFACTS / "approvals-decided.png")
+            after = await v.eval("document.body.innerText")
+            return {"overview": overview, "text": text, "after": after}
+
+    seen = asyncio.run(person())
+    assert "1 held write" in seen["overview"]
+    assert f"POST site-a.test:{port}/login" in seen["text"] or "POST site-a.test/login" in seen["text"], seen["text"]
+    assert "operator" in seen["text"] and "********" in seen["text"]
+    assert "correct-horse" not in seen["text"]
+    assert "approved" in seen["after"] and "console:" in seen["after"]
+    deadline = time.monotonic() + 20
+    while submits(port) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert submits(port) == before + 1                      # exactly once
+    status, one = d.call("GET", f"/v1/approvals/{held['id']}")
+    assert one["state"] == "approved" and one["decided_by"].startswith("console:") and one["screenshot"] is False
+    audit = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "audit", "show", "--run", "ap-1",
+                            "--home", str(d.home)], cwd=ROOT, env=d.env, capture_output=True, text=True,
+                           timeout=60)
+    assert "write_approved" in audit.stdout and "console:" in audit.stdout, audit.stdout + audit.stderr
