@@ -22,6 +22,14 @@ median [min-max]. (Until issue 14's last change a round loaded `--loads` times i
 then in the next.)
 Target (issue 14): <= 1.15x.
 
+Write gates (issue 32): `guard-gated` is a second guarded browser through the same run proxy
+whose write gate holds writes to all three origins (`WriteInterceptor`, mode gate: every request
+to them pauses in the browser's Fetch and is judged; the page only reads, so each continues at
+once). guard-gated / guard is what the gate costs a page that only reads. Target: <= 1.05x.
+After the page loads, the gated browser's page POSTs `--releases` times; each write is held in
+the approvals store (supervisor/writes/approvals.py) and approved by the benchmark; the time
+from the approval to the origin receiving the request is printed (p50 target: <= 100 ms).
+
 Two pages, both measured in every run: plain HTTP (each request goes through the guard's
 plain-HTTP relay, proxy_addons/plain_http.py: decided, logged, forwarded) and HTTPS
 (self-signed origins; every browser ignores certificate errors through
@@ -68,11 +76,15 @@ from sfguard.supervisor.browsers import tools  # noqa: E402
 from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost  # noqa: E402
 from sfguard.supervisor.daemon.run_proxy import RunProxy  # noqa: E402
 from sfguard.supervisor.gate.cdp_pipe import FETCH_ENABLE  # noqa: E402
+from sfguard.supervisor.writes.approvals import Approvals  # noqa: E402
+from sfguard.supervisor.writes.intercept import WriteContext, WriteInterceptor  # noqa: E402
 
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")
 LOAD_TIMEOUT = 30.0
 SQUID_AUTH_HELPER = Path("/usr/lib/squid/basic_fake_auth")
 SCHEMES = ("http", "https")
+#: when the origins received each POST (time.monotonic): the released writes
+POSTS: list[float] = []
 
 
 def serve(page_fn, tls: ssl.SSLContext | None, split_writes: bool) -> tuple[ThreadingHTTPServer, int]:
@@ -95,6 +107,16 @@ def serve(page_fn, tls: ssl.SSLContext | None, split_writes: bool) -> tuple[Thre
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def do_POST(self):
+            got = time.monotonic()
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            POSTS.append(got)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
 
         def log_message(self, *args):
             pass
@@ -269,10 +291,13 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
                      {f"site-{i + 1}.test": "127.0.0.1" for i in range(3)})
     anchors = {}
     tabs: dict[str, Tab] = {}
+    approvals = Approvals()
     try:
         await proxy.start()
         client = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
-        browsers = [("direct", None), ("direct-fetch", None), ("guard", proxy.url_for(client))]
+        gated = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
+        browsers = [("direct", None), ("direct-fetch", None), ("guard", proxy.url_for(client)),
+                    ("guard-gated", proxy.url_for(gated))]
         if squid_port is not None:
             browsers.append(("squid", f"http://bench:squid@127.0.0.1:{squid_port}"))
         names = tuple(name for name, _ in browsers)
@@ -288,12 +313,17 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
                 # What the pipe turned on for a proxied anchor before it switched Fetch off once
                 # answered, without a proxy: the cost of the Fetch domain left on.
                 await anchor.pipe.call("Fetch.enable", FETCH_ENABLE)
+            if name == "guard-gated":
+                modes = {f"site-{i + 1}.test": "gate" for i in range(3)}
+                anchor.pipe.writes = WriteInterceptor(anchor.pipe, WriteContext("bench-run", "", "s1", 1, modes),
+                                                      approver=approvals, timeout=60)
+                anchor.pipe.apply_write_patterns()
             tabs[name] = await Tab(anchor).open()
         times: dict[str, dict[str, list[list[float]]]] = {}
         seq = 0
         for scheme in SCHEMES:
             key = {"direct": (scheme, "direct"), "direct-fetch": (scheme, "direct"),
-                   "guard": (scheme, "named"), "squid": (scheme, "named")}
+                   "guard": (scheme, "named"), "guard-gated": (scheme, "named"), "squid": (scheme, "named")}
             times[scheme] = {name: [] for name in names}
             for name in names:  # warm-up: caches, connections, the proxy's credential
                 origin_state["page"] = origins[key[name]]
@@ -310,6 +340,8 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
                         got[name].append(await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}"))
                 for name in names:
                     times[scheme][name].append(got[name])
+        times["release"] = {"ms": [await release_latencies(tabs["guard-gated"], approvals,
+                                                           origins[("http", "named")][0], args.releases)]}
         return times, {name: anchors[name].pipe.fetch_on for name in ("guard", "squid") if name in anchors}
     finally:
         for tab in tabs.values():
@@ -322,11 +354,34 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         await proxy.stop()
 
 
+async def release_latencies(tab: Tab, approvals: Approvals, origin: str, n: int) -> list[float]:
+    """ms from each approval to the origin receiving the held POST."""
+    out = []
+    await tab.load(f"{origin}/?release=1")
+    for i in range(n):
+        before = len(POSTS)
+        await tab._eval(f"fetch('{origin}/w{i}', {{method: 'POST', body: 'x={i}'}}); 1")
+        deadline = time.monotonic() + 10
+        while not (pending := approvals.listing(state="pending")):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the write was not held")
+            await asyncio.sleep(0.005)
+        t0 = time.monotonic()
+        approvals.answer(pending[0]["id"], True, "bench")
+        while len(POSTS) == before:
+            if time.monotonic() > deadline + 10:
+                raise RuntimeError("the approved write did not arrive")
+            await asyncio.sleep(0.001)
+        out.append((POSTS[before] - t0) * 1000)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # the defaults are the command the page-load figures of issue 14's last sitting used
     ap.add_argument("--loads", type=int, default=8, help="loads per browser per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--releases", type=int, default=20, help="held writes approved for the release latency")
     ap.add_argument("--split-writes", action="store_true",
                     help="origins write head and body separately (the first fixture; see above)")
     args = ap.parse_args()
@@ -374,6 +429,7 @@ def main() -> int:
     print(f"\npage with 30 subresources from 3 loopback origins ({writes}); "
           f"{args.rounds} round(s) of {args.loads} loads per browser (loadEventEnd, ms; "
           "guard's own launch path)")
+    release = sorted(times.pop("release")["ms"][0])
     for scheme in SCHEMES:
         every = {name: [x for r in rounds for x in r] for name, rounds in times[scheme].items()}
         print(f"\n{scheme}:")
@@ -390,6 +446,16 @@ def main() -> int:
             print(f"{scheme} {name} / direct, median per round: {med:.2f}x "
                   f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]{target}; rounds: "
                   + ", ".join(f"{r:.2f}" for r in ratios))
+        ratios = sorted(statistics.median(g) / statistics.median(d)
+                        for d, g in zip(times[scheme]["guard"], times[scheme]["guard-gated"], strict=True))
+        med = statistics.median(ratios)
+        print(f"{scheme} guard-gated / guard (write gate on, reads only), median per round: {med:.2f}x "
+              f"[{ratios[0]:.2f}-{ratios[-1]:.2f}] (target <= 1.05: {'met' if med <= 1.05 else 'NOT met'}); "
+              "rounds: " + ", ".join(f"{r:.2f}" for r in ratios))
+    p50 = statistics.median(release)
+    print(f"\nheld write released to the origin after its approval: p50 {p50:.1f} ms, p90 {p90(release):.1f} ms, "
+          f"max {release[-1]:.1f} ms over {len(release)} (target p50 <= 100 ms: "
+          f"{'met' if p50 <= 100 else 'NOT met'})")
     print("\ndirect-fetch = no proxy, with the Fetch interception left on all the time (what a "
           "guarded anchor had before it switched Fetch off once its challenge was answered)")
     if squid is None:
