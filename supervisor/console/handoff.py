@@ -57,6 +57,7 @@ class LiveHandoff:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task | None = None
     finishing: bool = False
+    created: float = field(default_factory=time.monotonic)
 
     @property
     def scope(self) -> str:
@@ -225,13 +226,20 @@ def viewed(guard, h: LiveHandoff, session_id: str) -> None:
                            by=session_id)
 
 
+def newest(guard, run_id: str) -> LiveHandoff | None:
+    """The run's newest live handoff, if it had one."""
+    console = getattr(guard, "console", None)
+    mine = [h for h in (console.handoffs.values() if console else []) if h.run_id == run_id]
+    return mine[-1] if mine else None
+
+
 async def state(guard, run_id: str, wait: float = 0.0) -> dict:
     """The run's latest live handoff; with `wait`, held until it is no longer open."""
     guard.run_of(run_id)
     console = getattr(guard, "console", None)
     mine = [h for h in (console.handoffs.values() if console else []) if h.run_id == run_id]
     if not mine:
-        raise NotFound("handoff_not_found", f"run {run_id!r} has no live_view handoff", "run_id")
+        raise NotFound("handoff_not_found", f"run {run_id!r} has no handoff", "run_id")
     h = mine[-1]
     if h.state == "open" and wait > 0:
         h.changed.clear()

@@ -213,13 +213,15 @@ ROUTES: tuple[Route, ...] = (
           "one-time link to a live view of the login tab in the guard's console; follow it with "
           "GET .../handoff."),
     Route("GET", "/v1/runs/{run_id}/handoff", "api_handoff_state",
-          "The state of the run's live_view handoff (long-poll with ?wait=)", None,
+          "The state of the run's newest handoff (long-poll with ?wait=)", None,
           ((200, m.HandoffState),), _RUN + ((404, ("handoff_not_found",)),),
           "open until the person presses Done (then `done` with the guard's own login check: "
           "logged_in and url) or Cancel (`cancelled`; the handoff's stage failed), or the link "
           f"timed out (`expired`) or its stage or run ended (`ended`). With ?wait=SECONDS (0-{MAX_WAIT:.0f}) "
-          "an open handoff's answer is held until it changes or the time is up.",
-          query=("wait",)),
+          "an open handoff's answer is held until it changes or the time is up. A local_window "
+          "handoff is open until its time is up (`expired`) or its stage or run ends (`ended`); "
+          "then its window closes (the anchor goes back to headless).",
+          query=("wait",), service="logins"),
     Route("POST", "/v1/console/link", "api_console_link",
           "A one-time login link to the operator console (`sfguard console`)",
           m.ConsoleLinkRequest, ((200, m.ConsoleLink),), ((409, ("console_off",)),),

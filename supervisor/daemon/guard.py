@@ -245,6 +245,7 @@ class Guard:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await live.close_all(self)
+        await self.logins.windows.close_all()
         for run in list(self.runs.values()):
             if run.state == RunState.ACTIVE:
                 await self.teardown.end_run(run, RunOutcome.ABANDONED)
@@ -489,9 +490,6 @@ class Guard:
 
     async def handoff(self, run_id: str, body: models.HandoffRequest) -> dict[str, Any]:
         return await self.logins.handoff(run_id, body)
-
-    async def handoff_state(self, run_id: str, wait: float = 0.0) -> dict[str, Any]:
-        return await live.state(self, run_id, wait)
 
     async def console_link(self, body: models.ConsoleLinkRequest) -> dict[str, Any]:
         if self.console is None:

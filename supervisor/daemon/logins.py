@@ -12,8 +12,9 @@ from sfguard.supervisor.browsers.login import LoginCheckError, check_login
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
-from sfguard.supervisor.daemon.runs import Run
+from sfguard.supervisor.daemon.runs import Browser, Run
 from sfguard.supervisor.daemon.stages import BROWSER_ERRORS
+from sfguard.supervisor.daemon.window_handoff import WindowHandoffs
 from sfguard.supervisor.protocols import ProfileError
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ async def open_in_titled_window(pipe: Any, url: str) -> None:
 class Logins:
     def __init__(self, guard: Guard):
         self.g = guard
+        self.windows = WindowHandoffs(guard)   # local_window handoffs (window_handoff.py)
 
     async def check(self, run_id: str, body: models.LoginCheckRequest) -> dict[str, Any]:
         g = self.g
@@ -123,19 +125,11 @@ class Logins:
         if not browser.headed or browser.site != body.site:
             # reopen the anchor headed, same profile, same proxy client, its window titled
             # with the site and the profile
-            async with browser.lock:
-                await g.host.close_anchor(browser.anchor)
-                before, profile_dir = (browser.headed, browser.site), browser.anchor.profile_dir
-                browser.headed, browser.site = True, body.site
-                try:
-                    browser.anchor = await g.stages.launch(run, browser, profile_dir)
-                except BROWSER_ERRORS as exc:   # e.g. the browser user cannot open the display
-                    browser.headed, browser.site = before
-                    browser.anchor = await g.stages.launch(run, browser, profile_dir)
-                    await g.watchdog.reattach(run, browser)
-                    raise Conflict("handoff_impossible", "a visible login window is not "
-                                   f"possible: {exc}", None) from None
-                await g.watchdog.reattach(run, browser)
+            try:
+                await self.relaunch(run, browser, headed=True, site=body.site)
+            except BROWSER_ERRORS as exc:   # e.g. the browser user cannot open the display
+                raise Conflict("handoff_impossible", "a visible login window is not "
+                               f"possible: {exc}", None) from None
         if body.url:
             host = urlsplit(body.url).hostname or ""
             await run.proxy.set_allow(browser.client, g.browser_allow(run, browser) + [host])
@@ -146,4 +140,39 @@ class Logins:
                                   f"({type(exc).__name__})", None) from None
         await g.store_call(g.audit.record, "handoff_opened", scope=g.scope,
                            profile=browser.key, run=run.run_id, host=body.site)
+        self.windows.open(run, browser, body.profile, body.site, body.stage_id, body.timeout_s)
         return handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()
+
+    async def relaunch(self, run: Run, browser: Browser, *, headed: bool, site: str | None) -> None:
+        """Reopen the anchor headed (its window titled with site and profile) or headless, on
+        the same profile folder and proxy client; its stages get new gate tokens. When the new
+        launch fails, the old form comes back and the error is raised."""
+        g = self.g
+        assert browser.anchor is not None
+        async with browser.lock:
+            await g.host.close_anchor(browser.anchor)
+            before, profile_dir = (browser.headed, browser.site), browser.anchor.profile_dir
+            browser.headed, browser.site = headed, site
+            try:
+                browser.anchor = await g.stages.launch(run, browser, profile_dir)
+            except BROWSER_ERRORS:
+                browser.headed, browser.site = before
+                browser.anchor = await g.stages.launch(run, browser, profile_dir)
+                await g.watchdog.reattach(run, browser)
+                raise
+            await g.watchdog.reattach(run, browser)
+
+    async def handoff_state(self, run_id: str, wait: float = 0.0) -> dict[str, Any]:
+        """The run's newest handoff, a live view's or a window's; with `wait`, held until it is
+        no longer open."""
+        g = self.g
+        g.run_of(run_id)
+        window = self.windows.items.get(run_id)
+        newest_live = live.newest(g, run_id)
+        if window is None or (newest_live is not None and newest_live.created > window.created):
+            return await live.state(g, run_id, wait)
+        if window.state == "open" and wait > 0:
+            window.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(window.changed.wait(), wait)
+        return window.public()

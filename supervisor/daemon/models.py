@@ -380,7 +380,7 @@ class HandoffAnswer(Answer):
 
 class HandoffState(Answer):
     state: Literal["open", "done", "cancelled", "expired", "ended"]
-    kind: Literal["live_view"]
+    kind: Literal["live_view", "local_window"]
     site: str
     profile: str
     logged_in: bool | None = Field(None, description="done: the guard's login check after Done")
@@ -435,13 +435,14 @@ class HandoffRequest(Strict):
         "auto", description="auto: a local window where the guard has a screen, else a live view "
         "in the guard's console")
     stage_id: Annotated[str, StringConstraints(pattern=STAGE_ID)] | None = Field(
-        None, description="live_view: the login stage; Cancel in the live view fails it")
+        None, description="the login stage: the handoff ends when it ends; Cancel in a live view "
+        "fails it")
     login_check: LoginCheck | None = Field(
         None, description="live_view: the check the guard runs when the person presses Done "
         "(default: the stage's login_check)")
     timeout_s: Annotated[int, Field(ge=10, le=3600)] | None = Field(
-        None, description="live_view: the link and the handoff end after this many seconds "
-        "(default 900)")
+        None, description="the handoff ends after this many seconds (default 900): a live view's "
+        "link stops working; a local window closes (the anchor goes back to headless)")
 
     @field_validator("profile")
     @classmethod

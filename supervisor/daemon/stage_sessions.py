@@ -57,6 +57,7 @@ class StartedSession:
     url: str = field(repr=False)                    # the gate URL with the token
     env_full: dict[str, str] = field(repr=False)    # the session's env (closing needs the same)
     processes: list[ProcRecord] = field(default_factory=list)
+    tab: str | None = None                          # the stage's pinned tab
 
     @property
     def session(self) -> str:
@@ -109,12 +110,12 @@ class StageSessions:
             # browser's start-up tab, else one the gate creates now. Left to itself,
             # agent-browser attaches to a page (creating one when the stage has none) and then
             # creates its pinned tab: two tab creations, the slowest Chromium work of a session.
-            tab = own_tab or await self.gate.create_stage_tab(gate_key)
+            tab = own_tab or await self.gate.create_stage_tab(gate_key, visible=anchor.headed)
             opened = await self.host.open_stage_session(env, nice=nice, target_id=tab)
         except BaseException:
             await self.gate.revoke(gate_key, close_tabs=True)   # tabs of no stage
             raise
-        return StartedSession(gate_key, url, env, list(opened.processes))
+        return StartedSession(gate_key, url, env, list(opened.processes), tab)
 
     # -- spares -------------------------------------------------------------------------------
     def prestart(self, run_id: str, anchor: Anchor, *, artifacts_dir: Path | None,

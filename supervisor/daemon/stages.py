@@ -181,6 +181,9 @@ class Stages:
             # it instead of creating a first tab of its own (docs/agent-browser-notes.md)
             started = await g.sessions.start(gate_key, anchor, artifacts_dir=artifacts,
                                               tab_quota=quota, own_tab=anchor.take_blank_tab())
+        if anchor.headed and started.tab:   # a person at the screen sees the stage's tab
+            with contextlib.suppress(Exception):
+                await anchor.pipe.call("Target.activateTarget", {"targetId": started.tab}, timeout=5)
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
         try:
             await g.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains,

@@ -198,12 +198,17 @@ class CdpGate:
                 await asyncio.sleep(0.05)
         return closed
 
-    async def create_stage_tab(self, stage_key: str, url: str = "about:blank") -> str:
-        """Pre-create a tab for the stage over the browser's pipe; it becomes the stage's."""
+    async def create_stage_tab(self, stage_key: str, url: str = "about:blank", *,
+                               visible: bool = False) -> str:
+        """Pre-create a tab for the stage over the browser's pipe; it becomes the stage's. Each
+        in a window of its own (a background tab is throttled); `visible` (a headed browser): a
+        tab of the browser's window titled with profile and site, where the person at the
+        screen looks (the guard brings it to the front when the stage gets it)."""
         stage = self._stage(stage_key)
         if not policy.url_allowed(url):
             raise GateError("only http(s) and about:blank URLs")
-        (res,) = await self._raw_calls(stage.pipe, [("Target.createTarget", {"url": url, "newWindow": True})])
+        (res,) = await self._raw_calls(stage.pipe, [("Target.createTarget",
+                                                     {"url": url, "newWindow": not visible})])
         tid = res.get("result", {}).get("targetId")
         if not tid:
             raise GateError("the browser did not create the tab")

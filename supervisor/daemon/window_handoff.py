@@ -1,0 +1,109 @@
+"""A `local_window` handoff's life: open while the person logs in through the visible window,
+then ended, and the window with it.
+
+A window handoff ends when its time is up (`expired`: `timeout_s`, default 15 minutes), when
+its login stage ends or fails, or when its run ends (`ended`). At its end the anchor goes back
+to headless (relaunched on the same profile folder: the login the person made stays), unless a
+stage of the run that still uses the browser asked for `headed: true`. `GET
+/v1/runs/{id}/handoff` answers its state like a live view's; `handoff_closed` goes to the audit
+chain with the outcome."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sfguard.supervisor.daemon.runs import Browser, Run, StageState
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.daemon.guard import Guard
+
+log = logging.getLogger("sfguard.handoff")
+
+#: a window handoff nobody ends is over after this many seconds (the live view's default too)
+WINDOW_TIMEOUT = 900.0
+WATCH_STEP = 0.25
+
+
+@dataclass
+class WindowHandoff:
+    run_id: str
+    profile: str
+    browser_key: str
+    stage_id: str | None
+    site: str
+    deadline: float
+    created: float = field(default_factory=time.monotonic)
+    state: str = "open"
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Task | None = None
+
+    def public(self) -> dict[str, Any]:
+        return {"state": self.state, "kind": "local_window", "site": self.site, "profile": self.profile}
+
+
+class WindowHandoffs:
+    """The open and recent window handoffs, one per run (the newest)."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.g = guard
+        self.items: dict[str, WindowHandoff] = {}
+
+    def open(self, run: Run, browser: Browser, profile: str, site: str, stage_id: str | None,
+             timeout_s: float | None) -> WindowHandoff:
+        old = self.items.get(run.run_id)
+        if old is not None and old.watcher is not None:
+            old.watcher.cancel()          # replaced by this one; its window is this one's
+        h = WindowHandoff(run.run_id, profile, browser.key, stage_id, site,
+                          time.monotonic() + float(timeout_s or WINDOW_TIMEOUT))
+        self.items[run.run_id] = h
+        h.watcher = asyncio.get_running_loop().create_task(self._watch(h))
+        return h
+
+    async def _watch(self, h: WindowHandoff) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            while h.state == "open":
+                await asyncio.sleep(WATCH_STEP)
+                run = self.g.runs.get(h.run_id)
+                stage = run.stages.get(h.stage_id) if (run is not None and h.stage_id) else None
+                if run is None or run.state != "active":
+                    await self.finish(h, "ended")
+                elif stage is not None and stage.state in (StageState.ENDED, StageState.FAILED):
+                    await self.finish(h, "ended")
+                elif time.monotonic() >= h.deadline:
+                    await self.finish(h, "expired")
+
+    async def finish(self, h: WindowHandoff, outcome: str) -> None:
+        if h.state != "open":
+            return
+        h.state = outcome
+        g = self.g
+        run = g.runs.get(h.run_id)
+        fields = dict(scope=g.scope, profile=h.profile, run=h.run_id, by="guard", mode="local_window")
+        if h.stage_id:
+            fields["stage"] = h.stage_id
+        try:
+            await g.store_call(g.audit.record, "handoff_closed", outcome=outcome, **fields)
+        except Exception as exc:   # the chain's own failure is in its log; the window still goes
+            log.warning("handoff_closed of run %s not audited: %s", h.run_id, type(exc).__name__)
+        if run is not None and run.state == "active":
+            browser = run.browsers.get(h.browser_key)
+            wanted = browser is not None and any(
+                run.stages[s].headed for s in browser.stages
+                if s in run.stages and run.stages[s].state not in (StageState.ENDED, StageState.FAILED))
+            if browser is not None and browser.headed and not wanted:
+                try:
+                    await g.logins.relaunch(run, browser, headed=False, site=None)
+                except Exception as exc:   # the browser stays as it is; the watchdog keeps it
+                    log.warning("the login window of run %s did not go back to headless: %s",
+                                h.run_id, type(exc).__name__)
+        log.info("login window of run %s ended: %s", h.run_id, outcome)
+        h.changed.set()
+
+    async def close_all(self) -> None:
+        for h in list(self.items.values()):
+            if h.watcher is not None:
+                h.watcher.cancel()
