@@ -16,6 +16,8 @@ supervisor/browsers/browser_user.py, with the sandbox on).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -82,6 +84,61 @@ def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_p
         argv.append("--no-sandbox")
     argv.append("about:blank")
     return argv
+
+
+#: Preferences the guard sets in every profile before its browser starts: the password manager
+#: off, so a password a person types into a guarded window is never saved in the profile, and
+#: never filled into a login form a stage later reads (an autofilled value reaches the page's
+#: script after any click, and a stage's agent clicks).
+GUARD_PREFS = {"credentials_enable_service": False, "profile": {"password_manager_enabled": False}}
+
+
+def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> None:
+    """Merge GUARD_PREFS into `profile_dir/Default/Preferences` (atomic: temp, fsync, rename,
+    no symlink followed). `owner`: uid and gid for what is written (the browser user's)."""
+    pdir = os.open(profile_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            os.mkdir("Default", 0o700, dir_fd=pdir)
+            if owner is not None:
+                os.chown("Default", *owner, dir_fd=pdir, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        ddir = os.open("Default", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=pdir)
+    finally:
+        os.close(pdir)
+    try:
+        data: dict = {}
+        try:
+            fd = os.open("Preferences", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=ddir)
+            with os.fdopen(fd, "rb") as fh:
+                loaded = json.loads(fh.read(16 * 1024 * 1024) or b"{}")
+            data = loaded if isinstance(loaded, dict) else {}
+        except FileNotFoundError:
+            pass
+        except ValueError:
+            data = {}     # Chromium would discard an unreadable file too
+        profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
+        if data.get("credentials_enable_service") is False and profile.get("password_manager_enabled") is False:
+            return
+        data["credentials_enable_service"] = False
+        data["profile"] = {**profile, "password_manager_enabled": False}
+        tmp = f".Preferences.sfguard-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=ddir)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(json.dumps(data, separators=(",", ":")).encode())
+                fh.flush()
+                os.fsync(fh.fileno())
+            if owner is not None:
+                os.chown(tmp, *owner, dir_fd=ddir, follow_symlinks=False)
+            os.rename(tmp, "Preferences", src_dir_fd=ddir, dst_dir_fd=ddir)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=ddir)
+            raise
+    finally:
+        os.close(ddir)
 
 
 def browser_env(base: dict[str, str] | None = None, *,

@@ -264,13 +264,16 @@ agent-browser sessions attached to the CDP gate."""
                 bu.open_path(work)   # the browser user crosses to its HOME and temp profile
             if spec.profile_dir is None:
                 profile_dir = bu.owned_dir(work, f"tp-{spec.session[:20]}-", user)
+                chromium.set_guard_prefs(profile_dir, (user.uid, user.gid) if user else None)
             else:
                 profile_dir = Path(spec.profile_dir)
                 if user is not None:
                     bu.open_path(profile_dir.parent)
+                    chromium.set_guard_prefs(profile_dir)       # before it is handed over
                     bu.hand_over(profile_dir, user)
                 else:
                     private_dir(profile_dir)
+                    chromium.set_guard_prefs(profile_dir)
             # a HOME of its own: the browser user's, or one holding the --ca-file authorities
             home_dir = bu.owned_dir(work, bu.HOME_PREFIX, user) if user is not None or self.ca else None
             if self.ca and home_dir is not None:

@@ -40,6 +40,7 @@ class WindowHandoff:
     state: str = "open"
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task | None = None
+    finishing: bool = False
 
     def public(self) -> dict[str, Any]:
         return {"state": self.state, "kind": "local_window", "site": self.site, "profile": self.profile}
@@ -77,9 +78,11 @@ class WindowHandoffs:
                     await self.finish(h, "expired")
 
     async def finish(self, h: WindowHandoff, outcome: str) -> None:
-        if h.state != "open":
+        """Audit the end, put the anchor back to headless, then answer the new state (a runner
+        that long-polls it finds the window gone)."""
+        if h.state != "open" or h.finishing:
             return
-        h.state = outcome
+        h.finishing = True
         g = self.g
         run = g.runs.get(h.run_id)
         fields = dict(scope=g.scope, profile=h.profile, run=h.run_id, by="guard", mode="local_window")
@@ -100,6 +103,7 @@ class WindowHandoffs:
                 except Exception as exc:   # the browser stays as it is; the watchdog keeps it
                     log.warning("the login window of run %s did not go back to headless: %s",
                                 h.run_id, type(exc).__name__)
+        h.state = outcome
         log.info("login window of run %s ended: %s", h.run_id, outcome)
         h.changed.set()
 
