@@ -100,3 +100,46 @@ def test_gate_holds_until_a_person_decides_and_deny_refuses(real_daemon, site):
     audit = cli(d, "audit", "show", "--run", "w1")
     assert "write_held" in audit.stdout and "write_approved" in audit.stdout and "write_denied" in audit.stdout
     assert "correct-horse" not in (d.home / "logs" / "decisions.log").read_text() + audit.stdout + d.log.read_text()
+
+
+def test_a_retry_of_a_replay_unsafe_stage_is_held_with_what_the_first_attempt_sent(real_daemon, site):
+    d = real_daemon
+
+    def attempt(run: str, n: int, replay_safe: bool) -> dict:
+        body = {"stage_id": "submit", "attempt": n, "replay_safe": replay_safe,
+                "browser": {"profile": "acct", "headed": False, "allow_domains": ["site-a.test"]}}
+        status, answer = d.call("POST", f"/v1/runs/{run}/stages", body)
+        assert status == 200, answer
+        return answer["env"]
+
+    def until_submits(n: int) -> int:
+        deadline = time.monotonic() + 20
+        while len(submits(site)) < n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        return len(submits(site))
+
+    before = len(submits(site))
+    assert d.call("POST", "/v1/runs", {"run_id": "rp1"})[0] == 201
+    # attempt 1 sends the form (writes: allow): it reaches the site
+    send_login_form(attempt("rp1", 1, False), site)
+    assert until_submits(before + 1) == before + 1
+    assert d.call("POST", "/v1/runs/rp1/stages/submit/end", {"outcome": "failed"})[0] == 200
+    # attempt 2 of the same stage: the same form is held, showing what attempt 1 sent
+    send_login_form(attempt("rp1", 2, False), site)
+    held = pending(d)
+    assert len(held) == 1 and held[0]["why"] == "replay_unsafe_retry" and held[0]["attempt"] == 2, held
+    assert [(e["method"], e["url"].split("?")[0]) for e in held[0]["earlier"]] == [
+        ("POST", f"http://site-a.test:{site}/login")]
+    time.sleep(1.0)
+    assert len(submits(site)) == before + 1                 # nothing sent twice
+    assert d.call("POST", f"/v1/approvals/{held[0]['id']}", {"decision": "deny"})[0] == 200
+    assert d.call("POST", "/v1/runs/rp1/end", {"outcome": "failed"})[0] == 200
+    # a replay-safe retry is not held
+    assert d.call("POST", "/v1/runs", {"run_id": "rp2"})[0] == 201
+    send_login_form(attempt("rp2", 1, True), site)
+    assert until_submits(before + 2) == before + 2
+    assert d.call("POST", "/v1/runs/rp2/stages/submit/end", {"outcome": "failed"})[0] == 200
+    send_login_form(attempt("rp2", 2, True), site)
+    assert until_submits(before + 3) == before + 3 and pending(d, 1) == []
+    assert d.call("POST", "/v1/runs/rp2/end", {"outcome": "succeeded"})[0] == 200
