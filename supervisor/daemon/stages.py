@@ -141,6 +141,14 @@ class Stages:
         """The live site policy's writes section (read at each request: hot reload)."""
         return self.g.site_policy.writes
 
+    def write_owner(self, browser: Browser):
+        """frame id -> the stage id whose tab it is, on this browser (the gate knows)."""
+        def owner(frame_id: object) -> str | None:
+            key = self.g.gate.stage_of_target(browser.anchor.pipe, frame_id) if browser.anchor else None
+            parts = key.split("/") if key else []
+            return parts[1] if len(parts) == 3 and not parts[1].startswith("~") else None
+        return owner
+
     def policy_changed(self) -> None:
         """A reloaded site policy: write floors and exceptions in force for every live browser."""
         g = self.g
@@ -156,7 +164,7 @@ class Stages:
         stage.write_modes = stage_write_modes(g.site_policy, stage.browser_req.writes,
                                               list(stage.browser_req.allow_domains))
         guard_writes(run, browser, stage, g.write_approver, g.write_gate_timeout, g.write_record,
-                     self.write_rules)
+                     self.write_rules, self.write_owner(browser))
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
         anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", g.site_policy.tab_quota
         # The stage's session (a gate token, an agent-browser session through it with the

@@ -231,6 +231,14 @@ class CdpGate:
             await relay.close()
         log.info("stage %s revoked (token %s)", stage_key, stage.fp)
 
+    def stage_of_target(self, pipe: CdpPipe, target_id: object) -> str | None:
+        """The key of the stage whose tab `target_id` of this browser is (the guard gave it, the
+        stage opened it, or it is one of their popups); None when no stage's."""
+        for key, st in self._stages.items():
+            if st.pipe is pipe and target_id in st.targets:
+                return key
+        return None
+
     def _stage(self, stage_key: str) -> _Stage:
         try:
             return self._stages[stage_key]

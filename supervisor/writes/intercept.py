@@ -76,6 +76,32 @@ class WriteContext:
     replay_unsafe: bool = False
 
 
+@dataclass
+class StageWrites:
+    """One stage's part of a shared browser's write gate: its modes, its attempt, what its
+    earlier attempts sent. A request from a tab of that stage is judged by these alone."""
+    stage_id: str | None
+    attempt: int | None
+    modes: dict[str, str]
+    replay_unsafe: bool = False
+    earlier: tuple[dict[str, object], ...] = ()
+    released: list[dict[str, object]] = field(default_factory=list)
+    compiled: list[tuple[RuleSet, str]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.compiled = []
+        for pattern, mode in self.modes.items():
+            with contextlib.suppress(PatternError, ValueError):
+                self.compiled.append((compile_patterns([pattern], "writes"), mode))
+
+    def mode(self, host: str, is_ip: bool, port: int | None) -> str:
+        mode = "allow"
+        for rs, m in self.compiled:
+            if rs.match(host, is_ip, port) is not None:
+                mode = stricter(mode, m)
+        return mode
+
+
 def url_patterns(host_pattern: str) -> list[dict[str, str]]:
     """Fetch urlPatterns covering a host pattern (`example.com`, `*.example.com`, `h:8080`)."""
     host, _, port = host_pattern.rpartition(":") if host_pattern.count(":") == 1 else (host_pattern, "", "")
@@ -107,7 +133,11 @@ class WriteInterceptor:
         self.record = record
         self.released: list[dict[str, object]] = []   # writes sent (allowed or approved)
         self._tasks: set[asyncio.Task] = set()
-        self._compiled: list[tuple[RuleSet, str]] = []
+        #: each stage's own modes (a shared browser); `owner` tells whose tab sent a request
+        #: (frame id -> stage id). A request no stage owns (a worker, a frame of no known tab)
+        #: is judged by the strictest modes of them all (`ctx`): fail closed.
+        self.stages: dict[str, StageWrites] = {}
+        self.owner: Callable[[Any], str | None] | None = None
         self.set_modes(ctx.modes)
 
     @property
@@ -116,10 +146,22 @@ class WriteInterceptor:
 
     def set_modes(self, modes: dict[str, str]) -> None:
         self.ctx.modes = dict(modes)
-        self._compiled = []
-        for pattern, mode in modes.items():
-            with contextlib.suppress(PatternError, ValueError):
-                self._compiled.append((compile_patterns([pattern], "writes"), mode))
+        self._merged = StageWrites(None, None, dict(modes))
+
+    def who(self, frame_id: object) -> StageWrites:
+        """The stage whose tab sent the request, or everyone's strictest (`ctx`)."""
+        stage_id = None
+        if self.owner is not None:
+            with contextlib.suppress(Exception):
+                stage_id = self.owner(frame_id)
+        mine = self.stages.get(stage_id) if stage_id is not None else None
+        if mine is not None:
+            return mine
+        merged = self._merged
+        merged.stage_id, merged.attempt = self.ctx.stage_id, self.ctx.attempt
+        merged.replay_unsafe, merged.earlier, merged.released = (self.ctx.replay_unsafe, self.ctx.earlier,
+                                                                 self.released)
+        return merged
 
     def guarded(self) -> bool:
         return (bool(self.ctx.earlier) or self.ctx.replay_unsafe or bool(self.rules.guarded())
@@ -143,11 +185,7 @@ class WriteInterceptor:
         return list({p["urlPattern"]: p for p in out}.values())
 
     def stage_mode(self, host: str, is_ip: bool, port: int | None) -> str:
-        mode = "allow"
-        for rs, m in self._compiled:
-            if rs.match(host, is_ip, port) is not None:
-                mode = stricter(mode, m)
-        return mode
+        return self._merged.mode(host, is_ip, port)
 
     # -- one paused request ------------------------------------------------------------------
     def paused(self, params: dict) -> None:
@@ -161,39 +199,40 @@ class WriteInterceptor:
             host, is_ip = normalize_host_ex(parts.hostname or "")
             port = parts.port or (443 if parts.scheme in ("https", "wss") else 80)
         except (MalformedHost, ValueError):
-            self._refuse(rid, "malformed_url", method, "?", "", None)
+            self._refuse(rid, "malformed_url", method, "?", "", None, self.who(None))
             return
         websocket = parts.scheme in ("ws", "wss")
         preflight = method == "OPTIONS" and "access-control-request-method" in {
             k.lower() for k in (req.get("headers") or {})}
         site = self.rules.judge(host, method, parts.path or "/", websocket=websocket,
                                 preflight=preflight, port=port)
-        verdict = effective(self.stage_mode(host, is_ip, port), site)
+        who = self.who(params.get("frameId"))
+        verdict = effective(who.mode(host, is_ip, port), site)
         if not verdict.write:
             self.pipe._fire("Fetch.continueRequest", {"requestId": rid})
             return
-        if self.ctx.earlier:
+        if who.earlier:
             verdict = WriteVerdict(True, "gate", "replay_unsafe_retry",
                                    explanation="an earlier attempt of this replay-unsafe stage wrote")
         path = parts.path or "/"
         if verdict.mode == "allow":
             self.pipe._fire("Fetch.continueRequest", {"requestId": rid})
-            self._released(method, url)
-            self._log("allowed", method, host, path, verdict)
+            self._released(who, method, url)
+            self._log("allowed", method, host, path, verdict, who)
         elif verdict.mode == "deny":
-            self._refuse(rid, verdict.reason, method, host, path, verdict)
+            self._refuse(rid, verdict.reason, method, host, path, verdict, who)
         else:
             task = asyncio.get_running_loop().create_task(
-                self._hold(rid, params, method, url, host, path, verdict))
+                self._hold(rid, params, method, url, host, path, verdict, who))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _released(self, method: str, url: str) -> None:
+    def _released(self, who: StageWrites, method: str, url: str) -> None:
         import time  # noqa: PLC0415
-        self.released.append({"method": method, "url": url, "at": time.time()})
+        who.released.append({"method": method, "url": url, "at": time.time()})
 
     def _refuse(self, rid: Any, why: str, method: str, host: str, path: str,
-                verdict: WriteVerdict | None, decision: str = "refused") -> None:
+                verdict: WriteVerdict | None, who: StageWrites, decision: str = "refused") -> None:
         body = REFUSED_BODY.format(why=why).encode()
         self.pipe._fire("Fetch.fulfillRequest", {
             "requestId": rid, "responseCode": 403,
@@ -201,14 +240,14 @@ class WriteInterceptor:
                                 {"name": "X-Sfguard-Decision", "value": f"deny; reason={why}"},
                                 {"name": "Cache-Control", "value": "no-store"}],
             "body": base64.b64encode(body).decode()})
-        self._log(decision, method, host, path, verdict)
+        self._log(decision, method, host, path, verdict, who)
 
     async def _hold(self, rid: Any, params: dict, method: str, url: str, host: str, path: str,
-                    verdict: WriteVerdict) -> None:
+                    verdict: WriteVerdict, who: StageWrites) -> None:
         shot, tab_url = await self.capture(params.get("frameId"))
-        held = dataclasses.replace(self.held_write(params, method, url, host, path, verdict),
+        held = dataclasses.replace(self.held_write(params, method, url, host, path, verdict, who),
                                    screenshot=shot, tab_url=tab_url)
-        self._log("held", method, host, path, verdict)
+        self._log("held", method, host, path, verdict, who)
         try:
             outcome = await asyncio.wait_for(self.approver.decide(held, self.timeout), self.timeout + 5)
         except TimeoutError:
@@ -216,7 +255,7 @@ class WriteInterceptor:
         except asyncio.CancelledError:
             outcome = WriteOutcome(False, "guard", "the stage ended")
             with contextlib.suppress(Exception):
-                self._refuse(rid, "write_denied", method, host, path, verdict, "denied")
+                self._refuse(rid, "write_denied", method, host, path, verdict, who, "denied")
             raise
         except Exception:  # fail closed: an approver that breaks denies
             log.exception("the write approver failed; the write is denied")
@@ -224,11 +263,11 @@ class WriteInterceptor:
         with contextlib.suppress(Exception):
             if outcome.approved:
                 self.pipe._fire("Fetch.continueRequest", {"requestId": rid})
-                self._released(method, url)
-                self._log("approved", method, host, path, verdict, outcome)
+                self._released(who, method, url)
+                self._log("approved", method, host, path, verdict, who, outcome)
             else:
                 why = "write_timeout" if outcome.by == "timeout" else "write_denied"
-                self._refuse(rid, why, method, host, path, verdict,
+                self._refuse(rid, why, method, host, path, verdict, who,
                              "timeout" if outcome.by == "timeout" else "denied")
 
     async def capture(self, frame_id: object) -> tuple[bytes | None, str | None]:
@@ -265,7 +304,8 @@ class WriteInterceptor:
         return None, None
 
     def held_write(self, params: dict, method: str, url: str, host: str, path: str,
-                   verdict: WriteVerdict) -> HeldWrite:
+                   verdict: WriteVerdict, who: StageWrites | None = None) -> HeldWrite:
+        who = who or self.who(None)
         req = params.get("request") or {}
         body = _body(req)
         headers = {str(k).lower(): str(v) for k, v in (req.get("headers") or {}).items()}
@@ -277,17 +317,17 @@ class WriteInterceptor:
         elif kind == "multipart/form-data" and ctype is not None:
             form = _multipart(body, ctype)
         fp = hashlib.sha256(method.encode() + b"\0" + url.encode() + b"\0" + body).hexdigest()
-        return HeldWrite(self.ctx.run_id, self.ctx.stage_id, self.ctx.attempt, self.ctx.profile,
+        return HeldWrite(self.ctx.run_id, who.stage_id, who.attempt, self.ctx.profile,
                          method, url, host, path, form, len(body), ctype, None, fp,
                          why=verdict.reason if verdict.reason == "replay_unsafe_retry" else "gate",
-                         earlier=self.ctx.earlier)
+                         earlier=who.earlier)
 
     def _log(self, decision: str, method: str, host: str, path: str,
-             verdict: WriteVerdict | None, outcome: WriteOutcome | None = None) -> None:
+             verdict: WriteVerdict | None, who: StageWrites, outcome: WriteOutcome | None = None) -> None:
         if self.record is None:
             return
-        rec: dict[str, object] = {"run": self.ctx.run_id, "stage": self.ctx.stage_id,
-                                  "attempt": self.ctx.attempt, "method": method, "host": host,
+        rec: dict[str, object] = {"run": self.ctx.run_id, "stage": who.stage_id,
+                                  "attempt": who.attempt, "method": method, "host": host,
                                   "path": path, "decision": f"write_{decision}",
                                   "reason": verdict.reason if verdict else "malformed_url"}
         if outcome is not None:

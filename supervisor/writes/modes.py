@@ -55,11 +55,12 @@ def decision_recorder(path: Any) -> Callable[[str, dict[str, object]], None]:
 
 def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: float,
                  record: Callable[[str, dict[str, object]], None] | None = None,
-                 rules: Callable[[], WriteRules] | None = None) -> None:
+                 rules: Callable[[], WriteRules] | None = None,
+                 owner: Callable[[Any], str | None] | None = None) -> None:
     """Install (or widen) the write gate on the browser's pipe: per host, the strictest mode of
     the stages that use this browser (a request is not always known to belong to one stage:
     workers, service workers; fail closed). Nothing is installed while every mode is allow."""
-    from sfguard.supervisor.writes.intercept import WriteContext, WriteInterceptor  # noqa: PLC0415
+    from sfguard.supervisor.writes.intercept import StageWrites, WriteContext, WriteInterceptor  # noqa: PLC0415
 
     pipe = browser.anchor.pipe
     current = pipe.writes
@@ -82,7 +83,21 @@ def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: flo
     else:
         current.ctx.stage_id, current.ctx.attempt = stage.stage_id, stage.attempt
         current.set_modes(modes)
-    current.ctx.replay_unsafe, current.ctx.earlier = replay_unsafe, earlier
+    # each stage's own part (a request from its tab is judged by it alone); stages that left
+    # the browser are dropped; what no stage owns is judged by the strictest of them all
+    current.stages = {sid: sw for sid, sw in current.stages.items() if sid in browser.stages}
+    current.stages[stage.stage_id] = StageWrites(stage.stage_id, stage.attempt, dict(stage.write_modes),
+                                                 replay_unsafe, earlier, history)
+    for sid in browser.stages:      # stages attached while nothing needed a gate: all allow
+        other = run.stages.get(sid)
+        if sid not in current.stages and other is not None:
+            current.stages[sid] = StageWrites(sid, other.attempt, dict(other.write_modes),
+                                              not getattr(other, "replay_safe", True), (),
+                                              run.released_writes.setdefault(sid, []))
+    if owner is not None:
+        current.owner = owner
+    current.ctx.replay_unsafe = any(sw.replay_unsafe for sw in current.stages.values())
+    current.ctx.earlier = next((sw.earlier for sw in current.stages.values() if sw.earlier), ())
     current.released = history          # what this attempt sends is the next attempt's `earlier`
     pipe.apply_write_patterns()
 

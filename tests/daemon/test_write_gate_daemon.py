@@ -143,3 +143,31 @@ def test_a_retry_of_a_replay_unsafe_stage_is_held_with_what_the_first_attempt_se
     send_login_form(attempt("rp2", 2, True), site)
     assert until_submits(before + 3) == before + 3 and pending(d, 1) == []
     assert d.call("POST", "/v1/runs/rp2/end", {"outcome": "succeeded"})[0] == 200
+
+
+def test_stages_sharing_a_browser_are_each_judged_by_their_own_mode(real_daemon, site):
+    d = real_daemon
+    assert d.call("POST", "/v1/runs", {"run_id": "sh1"})[0] == 201
+    env_allow = stage(d, "sh1", "poster", "allow")      # both on profile acct: one browser
+    env_gate = stage(d, "sh1", "reader", "gate")
+    before = len(submits(site))
+    # the gate stage's form is held, labelled with that stage
+    send_login_form(env_gate, site)
+    held = pending(d)
+    assert [(x["stage_id"], x["path"]) for x in held] == [("reader", "/login")], held
+    # the allow stage's form goes through at once, though another stage of its browser gates
+    send_login_form(env_allow, site)
+    deadline = time.monotonic() + 20
+    while len(submits(site)) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert len(submits(site)) == before + 1 and len(pending(d, 1)) == 1
+    assert d.call("POST", "/v1/runs/sh1/stages/reader/end", {"outcome": "succeeded"})[0] == 200
+    assert pending(d, 1) == []                            # its end denied what it held
+    time.sleep(1.0)
+    assert len(submits(site)) == before + 1
+    lines = [json.loads(x) for x in (d.home / "logs" / "decisions.log").read_text().splitlines() if x.strip()]
+    writes = {(x["client"], x["decision"]) for x in lines if x.get("run") == "sh1"
+              and str(x.get("decision", "")).startswith("write_")}
+    assert ("writes:reader", "write_held") in writes and ("writes:poster", "write_allowed") in writes, writes
+    assert d.call("POST", "/v1/runs/sh1/end", {"outcome": "succeeded"})[0] == 200
