@@ -91,6 +91,16 @@ STATUS_TEXT = {400: "bad input", 401: "no or a wrong bearer token (TCP listener 
                503: "the browser could not be started, the shared store is unreachable, or the guard's "
                     "disk is full"}
 
+#: What a code means at one status, where the guard answers that code with more than one status
+#: (supervisor/daemon/stages.py browser_failed): each route that lists the pair says so.
+ERROR_CAUSES: dict[tuple[int, str], str] = {
+    (409, "browser_failed"): "the profile's store refused to open the profile for the browser (its "
+                             "sealed copy is damaged, its key is missing, or it is open elsewhere); the "
+                             "message names the profile. Asking again does not help: tell the operator",
+    (503, "browser_failed"): "the browser or the run's proxy did not start, or a page could not be "
+                             "opened in it; retry later (a stage as a new attempt)",
+}
+
 
 @dataclass(frozen=True)
 class Route:
@@ -150,7 +160,8 @@ ROUTES: tuple[Route, ...] = (
           _RUN + ((400, ("no_pipeline", "no_display")), (403, ("reviewer_only_address",)),
                   (409, ("run_ended", "stage_active", "attempt_used", "browser_failed")),
                   (503, ("browser_failed", "disk_full"))),
-          "200 `ready` with the env to start the stage with; 202 `waiting` when another run "
+          "200 `ready` with the env to start the stage with (and `exec_prefix`, to run it "
+          "confined); 202 `waiting` when another run "
           "holds the profile (poll the stage, or long-poll with ?wait=). The same request again "
           "(same stage_id, attempt and browser) is a resume and answers the same env."),
     Route("GET", "/v1/runs/{run_id}/stages/{stage_id}", "api_get_stage",
@@ -206,17 +217,22 @@ ROUTES: tuple[Route, ...] = (
           _RUN + ((400, ("no_pipeline",)), (404, ("stage_not_found",)),
                   (409, ("run_ended", "handoff_impossible", "profile_leased", "browser_failed")),
                   (503, ("browser_failed", "store_unreachable", "disk_full"))),
-          "For a login stage's gate: reopens the run's browser on the profile headed (needs a "
-          "display where the guard runs; 409 handoff_impossible names the cause) and answers the "
-          "payload to show the person. End the login stage when the person confirms. With "
-          "`kind: live_view` (or `auto` on a guard without a screen) the payload's url is a "
-          "one-time link to a live view of the login tab in the guard's console; follow it with "
-          "GET .../handoff."),
+          "For a login stage's gate; answers the payload to show the person. `kind` defaults to "
+          "`auto`: a live view where the guard has no usable display and its console is on (and "
+          "`url` is given), else a local window. `live_view` (or `auto` so decided): the login tab "
+          "opens in the run's browser, headless is fine, and the payload's url is a one-time link "
+          "to a live view of it in the guard's console; follow the handoff with GET .../handoff, "
+          "whose `done` carries the guard's own login check. `local_window` (or `auto` with a "
+          "display): the run's browser is reopened headed on the profile (409 handoff_impossible "
+          "names why not: no display, a container, the console off); end the login stage when the "
+          "person confirms, then run the login check."),
     Route("GET", "/v1/runs/{run_id}/handoff", "api_handoff_state",
           "The state of the run's newest handoff (long-poll with ?wait=)", None,
           ((200, m.HandoffState),), _RUN + ((404, ("handoff_not_found",)),),
           "open until the person presses Done (then `done` with the guard's own login check: "
-          "logged_in and url) or Cancel (`cancelled`; the handoff's stage failed), or the link "
+          "logged_in and url, kept for login-check/verify as a POST .../login-check would be, so "
+          "the runner need not check again; without a login_check in the handoff or its stage, "
+          "`done` carries neither) or Cancel (`cancelled`; the handoff's stage failed), or the link "
           f"timed out (`expired`) or its stage or run ended (`ended`). With ?wait=SECONDS (0-{MAX_WAIT:.0f}) "
           "an open handoff's answer is held until it changes or the time is up. A local_window "
           "handoff is open until its time is up (`expired`) or its stage or run ends (`ended`); "
@@ -299,10 +315,15 @@ def openapi_document() -> dict[str, Any]:
             responses[str(status)] = {"description": "waiting" if status == 202 else "ok",
                                       "content": {"application/json": {"schema": answer_schema(model)}}}
         for status, codes in r.error_codes().items():
+            causes = {code: ERROR_CAUSES[(status, code)] for code in codes if (status, code) in ERROR_CAUSES}
+            text = f"{STATUS_TEXT.get(status, 'error')}; error.code is one of: {', '.join(codes)}"
+            text += "".join(f". {code} here: {cause}" for code, cause in causes.items())
             responses[str(status)] = {
-                "description": f"{STATUS_TEXT.get(status, 'error')}; error.code is one of: {', '.join(codes)}",
+                "description": text,
                 "content": {"application/json": {"schema": err}},
                 "x-error-codes": list(codes)}
+            if causes:
+                responses[str(status)]["x-error-causes"] = causes
         op["responses"] = responses
         paths.setdefault(r.path, {})[r.method.lower()] = op
     paths["/v1/openapi.json"] = {"get": {

@@ -87,13 +87,21 @@ def check_profile_name(v: str | None) -> str | None:
     return v
 
 
+def _no_default(schema: dict) -> None:
+    """The field's documented default is its description's: the model's own depends on the guard."""
+    schema.pop("default", None)
+
+
 class BrowserField(StrictTypes):
     """A stage's `browser` field, as in the spec: profile, headed, allow_domains, login_check."""
 
     profile: str | None = Field(default=None, description=(
         "profile name (^[a-z0-9][a-z0-9_-]{0,63}$) or '@pipeline' for the run's "
         "pipeline-derived identity; omitted: a throw-away browser"))
-    headed: bool = True
+    headed: bool = Field(default=True, description=(
+        "true: a visible window, refused with 400 no_display where the guard has no display. "
+        "Omitted: a visible window where the guard has a display (DISPLAY or WAYLAND_DISPLAY set), "
+        "else headless, without an error"), json_schema_extra=_no_default)
     allow_domains: list[AllowPattern] = Field(default_factory=list, max_length=256)
     login_check: LoginCheck | None = None
     writes: Literal["allow", "gate", "deny"] = Field(default="allow", description=(
@@ -175,9 +183,12 @@ class StageReady(Answer):
         "the stage's environment: AGENT_BROWSER_CDP (the CDP gate with this stage's token), "
         "AGENT_BROWSER_SESSION, AGENT_BROWSER_SOCKET_DIR, AGENT_BROWSER_PIN_TAB, "
         "AGENT_BROWSER_CONFIG, AGENT_BROWSER_IDLE_TIMEOUT_MS; identical on every poll and resume"))
-    exec_prefix: list[str] | None = Field(default=None, description=(
-        "the argv prefix a runner puts in front of the stage's command to run it confined "
-        "(`sfguard stage-exec --home HOME --run RUN --stage STAGE --`)"))
+    exec_prefix: list[str] = Field(description=(
+        "the argv prefix a runner puts in front of the stage's command to run it confined: "
+        "`PYTHON -I -S SFGUARD/cli/stage_exec_entry.py --home HOME --run RUN --stage STAGE --`, "
+        "the guard's own Python (isolated, without site-packages) running the fast entry of "
+        "`sfguard stage-exec` by absolute path; the same command as `sfguard stage-exec --home HOME "
+        "--run RUN --stage STAGE --`, independent of the runner's PATH"))
     writes: dict[str, Literal["allow", "gate", "deny"]] = Field(default_factory=dict, description=(
         "the effective write mode per allowed host pattern (the stricter of browser.writes and "
         "the site policy), for the runner to tell the agent"))
@@ -254,6 +265,14 @@ class RunEndAnswer(EndAnswer):
     outcome: str | None = None
 
 
+class RunStageEvent(Answer):
+    ts: str = Field(description="UTC time (ISO 8601)")
+    event: str = Field(description=(
+        "browser_restarted: the stage's browser stopped and the guard restarted it (its tabs are "
+        "gone, its gate URL changed: GET the stage for the new env)"))
+    message: str
+
+
 class RunStageInfo(Answer):
     stage_id: str
     attempt: int
@@ -261,6 +280,17 @@ class RunStageInfo(Answer):
     profile: str | None
     outcome: str | None
     holder_run: str | None
+    events: list[RunStageEvent] = Field(default_factory=list, description=(
+        "what happened to the stage, oldest first (empty for most stages)"))
+
+
+class RunPendingApproval(Answer):
+    """A write of the run held for a person (GET /v1/approvals/{id} has the whole approval)."""
+    id: str
+    stage_id: str | None
+    method: str
+    host: str
+    path: str
 
 
 class RunBrowserInfo(Answer):
@@ -291,6 +321,8 @@ class RunInfo(Answer):
     browsers: list[RunBrowserInfo]
     proxy: RunProxyInfo | None
     problems: list[str]
+    approvals: list[RunPendingApproval] = Field(default_factory=list, description=(
+        "GET /v1/runs/{run_id} of a run in the guard's memory: its writes held for a person"))
 
 
 class GuardInfo(Answer):

@@ -55,7 +55,8 @@ ELSEWHERE = {
     ("POST", "/v1/runs/{run_id}/login-check", 400, "no_pipeline"):
         "only when the site policy's allow_always lets the check host through for '@pipeline' "
         "(otherwise 403 comes first); the same check as the stage request's no_pipeline, shown here",
-    ("POST", "/v1/runs/{run_id}/handoff", 200, None): "needs a display where the guard runs (none in CI)",
+    ("POST", "/v1/runs/{run_id}/handoff", 200, None):
+        "tests/console and tests/daemon/test_runner_guide_live.py (a live_view handoff, real browsers)",
     ("POST", "/v1/runs/{run_id}/handoff", 400, "no_pipeline"): "needs a display (handoff_impossible first)",
     ("POST", "/v1/runs/{run_id}/handoff", 409, "profile_leased"): "needs a display (handoff_impossible first)",
     ("GET", "/v1/runs/{run_id}/stages/{stage_id}/exec", 409, "sandbox_unavailable"):
