@@ -266,6 +266,12 @@ ROUTES: tuple[Route, ...] = (
           ((200, am.ApprovalView),), ((404, ("approval_not_found",)),),
           "The approval: request, form fields, earlier writes of a retry, state, who decided.",
           (), "approvals_api"),
+    Route("GET", "/v1/approvals/{approval_id}/screenshot", "api_approval_screenshot",
+          "The tab of a held write, as it was when the write was held (PNG)", None,
+          ((200, am.Png),), ((404, ("approval_not_found", "screenshot_not_found")),),
+          "A PNG picture of the tab that sent the write, taken when it was held; kept while the "
+          "approval is pending. 404 screenshot_not_found when the tab could not be captured or the "
+          "approval was decided.", (), "approvals_api"),
     Route("POST", "/v1/approvals/{approval_id}", "api_decide_approval", "Approve or deny a held write",
           am.ApprovalDecision, ((200, am.ApprovalView),),
           ((404, ("approval_not_found",)), (409, ("approval_decided",))),
@@ -312,6 +318,10 @@ def openapi_document() -> dict[str, Any]:
                                  "content": {"application/json": {"schema": ref(r.body)}}}
         responses: dict[str, Any] = {}
         for status, model in r.answers:
+            if model is am.Png:
+                responses[str(status)] = {"description": "ok", "content": {
+                    am.Png.media_type: {"schema": {"type": "string", "format": "binary"}}}}
+                continue
             responses[str(status)] = {"description": "waiting" if status == 202 else "ok",
                                       "content": {"application/json": {"schema": answer_schema(model)}}}
         for status, codes in r.error_codes().items():
@@ -437,6 +447,9 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                     raise validation_error(exc, route.body) from None
             owner = getattr(target, route.service) if route.service else target
             answer = await getattr(owner, route.operation)(**kwargs)
+            if isinstance(answer, bytes):    # a picture (am.Png): never cached, never sniffed
+                return web.Response(body=answer, content_type="image/png",
+                                    headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
             return web.json_response(answer, status=route.success_status(answer))
         return handle
 

@@ -14,6 +14,11 @@ APPROVAL_ID_RE = re.compile(APPROVAL_ID)
 ApprovalState = Literal["pending", "approved", "denied", "timed_out", "cancelled"]
 
 
+class Png:
+    """An answer that is a PNG picture (`image/png`), not JSON: the route table's marker."""
+    media_type = "image/png"
+
+
 class ApprovalView(Answer):
     id: str = Field(pattern=APPROVAL_ID)
     state: ApprovalState

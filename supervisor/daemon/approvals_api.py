@@ -40,6 +40,15 @@ class ApprovalsApi:
     async def get_approval(self, approval_id: str) -> dict[str, Any]:
         return self._get(approval_id).public()
 
+    async def approval_screenshot(self, approval_id: str) -> bytes:
+        """The tab of a pending write as it was when the write was held (PNG)."""
+        png = self._get(approval_id).held.screenshot
+        if png is None:
+            raise NotFound("screenshot_not_found", f"approval {approval_id} has no screenshot (the tab "
+                           "could not be captured, or the approval was decided: pictures are kept "
+                           "while pending only)", "approval_id")
+        return png
+
     async def decide_approval(self, approval_id: str, body: ApprovalDecision) -> dict[str, Any]:
         self._get(approval_id)
         try:

@@ -154,7 +154,7 @@ ERROR_CODES = (
     "login_check_not_allowed", "login_check_failed", "invalid_pattern", "no_login_check",
     "envelope_mismatch", "handoff_impossible", "handoff_not_found", "console_off",
     # write approvals
-    "approval_not_found", "approval_decided",
+    "approval_not_found", "approval_decided", "screenshot_not_found",
     # stage-exec
     "stage_ended", "stage_failed", "stage_not_ready", "sandbox_unavailable",
 )

@@ -26,6 +26,18 @@ def submits(port: int) -> int:
         return len(json.load(r)["submits"])
 
 
+def api_get(d, path: str) -> tuple[int, str, bytes]:
+    """A raw GET on the guard's unix socket (the answer may be a picture, not JSON)."""
+    from sfguard.supervisor.client.guard_client import _UnixConnection, socket_path
+    conn = _UnixConnection(str(socket_path(d.home)), 30)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", "").split(";")[0], resp.read()
+    finally:
+        conn.close()
+
+
 def test_a_person_approves_a_held_write_from_the_console(guard):
     d, port = guard, guard.site
     assert d.call("POST", "/v1/runs", {"run_id": "ap-1"})[0] == 201
@@ -41,6 +53,9 @@ def test_a_person_approves_a_held_write_from_the_console(guard):
     assert status == 200 and len(body["approvals"]) == 1, body
     held = body["approvals"][0]
     assert held["screenshot"] is True and held["tab_url"] == f"http://site-a.test:{port}/login", held
+    # the control API serves the same picture
+    status, ctype, png = api_get(d, f"/v1/approvals/{held['id']}/screenshot")
+    assert (status, ctype) == (200, "image/png") and png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
     before = submits(port)
 
     async def person() -> dict:
@@ -72,6 +87,10 @@ def test_a_person_approves_a_held_write_from_the_console(guard):
         time.sleep(0.2)
     time.sleep(1.0)
     assert submits(port) == before + 1                      # exactly once
+    status, _, gone = api_get(d, f"/v1/approvals/{held['id']}/screenshot")
+    assert status == 404 and json.loads(gone)["error"]["code"] == "screenshot_not_found"
+    status, _, gone = api_get(d, "/v1/approvals/ap_" + "0" * 20 + "/screenshot")
+    assert status == 404 and json.loads(gone)["error"]["code"] == "approval_not_found"
     status, one = d.call("GET", f"/v1/approvals/{held['id']}")
     assert one["state"] == "approved" and one["decided_by"].startswith("console:") and one["screenshot"] is False
     audit = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "audit", "show", "--run", "ap-1",
