@@ -111,7 +111,7 @@ def load_clients_text(text: str, source: str, default_allow: Iterable[str] = ())
     """
     default_allow = tuple(default_allow)
     stripped = text.strip()
-    specs: list[tuple[str, str, tuple[str, ...], str | None]] = []
+    specs: list[tuple[str, str, tuple[str, ...], str | None, str | None]] = []
     if stripped.startswith("["):
         try:
             data = json.loads(stripped)

@@ -118,7 +118,8 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
             pass
         except ValueError:
             data = {}     # Chromium would discard an unreadable file too
-        profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
+        raw = data.get("profile")
+        profile: dict = raw if isinstance(raw, dict) else {}
         if data.get("credentials_enable_service") is False and profile.get("password_manager_enabled") is False:
             return
         data["credentials_enable_service"] = False

@@ -53,7 +53,13 @@ async def open_in_titled_window(pipe: Any, url: str) -> None:
 class Logins:
     def __init__(self, guard: Guard):
         self.g = guard
-        self.windows = WindowHandoffs(guard)   # local_window handoffs (window_handoff.py)
+        # local_window handoffs (window_handoff.py)
+        self.windows = WindowHandoffs(guard.runs, self._window_closed,
+                                      lambda run, browser: self.relaunch(run, browser, headed=False, site=None))
+
+    async def _window_closed(self, outcome: str, fields: dict[str, Any]) -> None:
+        g = self.g
+        await g.store_call(g.audit.record, "handoff_closed", outcome=outcome, scope=g.scope, **fields)
 
     async def check(self, run_id: str, body: models.LoginCheckRequest) -> dict[str, Any]:
         g = self.g

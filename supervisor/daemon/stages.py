@@ -17,6 +17,7 @@ from sfguard.supervisor.daemon.errors import BadRequest, BrowserStartError, Conf
 from sfguard.supervisor.daemon.run_proxy import RunProxy, short_id
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, Stage, StageState
 from sfguard.supervisor.gate.cdp_gate import GateError
+from sfguard.supervisor.gate.cdp_pipe import CdpCallError, PipeClosed
 from sfguard.supervisor.home import private_dir
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.local_store import pipeline_profile_name
@@ -190,7 +191,7 @@ class Stages:
             started = await g.sessions.start(gate_key, anchor, artifacts_dir=artifacts,
                                               tab_quota=quota, own_tab=anchor.take_blank_tab())
         if anchor.headed and started.tab:   # a person at the screen sees the stage's tab
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(PipeClosed, CdpCallError, TimeoutError):
                 await anchor.pipe.call("Target.activateTarget", {"targetId": started.tab}, timeout=5)
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
         try:

@@ -13,13 +13,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sfguard.supervisor.daemon.runs import Browser, Run, StageState
-
-if TYPE_CHECKING:
-    from sfguard.supervisor.daemon.guard import Guard
 
 log = logging.getLogger("sfguard.handoff")
 
@@ -47,10 +45,13 @@ class WindowHandoff:
 
 
 class WindowHandoffs:
-    """The open and recent window handoffs, one per run (the newest)."""
+    """The open and recent window handoffs, one per run (the newest). Given what it uses: the
+    guard's runs, how to audit an end (`audit(outcome, fields)`), and how to put a browser back
+    to headless (`headless(run, browser)`)."""
 
-    def __init__(self, guard: Guard) -> None:
-        self.g = guard
+    def __init__(self, runs: Mapping[str, Run], audit: Callable[[str, dict[str, Any]], Awaitable[None]],
+                 headless: Callable[[Run, Browser], Awaitable[None]]) -> None:
+        self.runs, self.audit, self.headless = runs, audit, headless
         self.items: dict[str, WindowHandoff] = {}
 
     def open(self, run: Run, browser: Browser, profile: str, site: str, stage_id: str | None,
@@ -68,7 +69,7 @@ class WindowHandoffs:
         with contextlib.suppress(asyncio.CancelledError):
             while h.state == "open":
                 await asyncio.sleep(WATCH_STEP)
-                run = self.g.runs.get(h.run_id)
+                run = self.runs.get(h.run_id)
                 stage = run.stages.get(h.stage_id) if (run is not None and h.stage_id) else None
                 if run is None or run.state != "active":
                     await self.finish(h, "ended")
@@ -83,13 +84,12 @@ class WindowHandoffs:
         if h.state != "open" or h.finishing:
             return
         h.finishing = True
-        g = self.g
-        run = g.runs.get(h.run_id)
-        fields = dict(scope=g.scope, profile=h.profile, run=h.run_id, by="guard", mode="local_window")
+        run = self.runs.get(h.run_id)
+        fields: dict[str, Any] = dict(profile=h.profile, run=h.run_id, by="guard", mode="local_window")
         if h.stage_id:
             fields["stage"] = h.stage_id
         try:
-            await g.store_call(g.audit.record, "handoff_closed", outcome=outcome, **fields)
+            await self.audit(outcome, fields)
         except Exception as exc:   # the chain's own failure is in its log; the window still goes
             log.warning("handoff_closed of run %s not audited: %s", h.run_id, type(exc).__name__)
         if run is not None and run.state == "active":
@@ -99,7 +99,7 @@ class WindowHandoffs:
                 if s in run.stages and run.stages[s].state not in (StageState.ENDED, StageState.FAILED))
             if browser is not None and browser.headed and not wanted:
                 try:
-                    await g.logins.relaunch(run, browser, headed=False, site=None)
+                    await self.headless(run, browser)
                 except Exception as exc:   # the browser stays as it is; the watchdog keeps it
                     log.warning("the login window of run %s did not go back to headless: %s",
                                 h.run_id, type(exc).__name__)

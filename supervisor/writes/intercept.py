@@ -40,6 +40,7 @@ from sfguard.policy.hosts import normalize_host_ex
 from sfguard.policy.index import RuleSet, compile_patterns
 from sfguard.policy.patterns import PatternError
 from sfguard.policy.writes import WriteRules, WriteVerdict, effective, stricter
+from sfguard.supervisor.gate.cdp_pipe import CdpCallError, PipeClosed
 from sfguard.supervisor.writes.held import HeldWrite, WriteApprover, WriteOutcome
 
 log = logging.getLogger("sfguard.writes")
@@ -150,10 +151,7 @@ class WriteInterceptor:
 
     def who(self, frame_id: object) -> StageWrites:
         """The stage whose tab sent the request, or everyone's strictest (`ctx`)."""
-        stage_id = None
-        if self.owner is not None:
-            with contextlib.suppress(Exception):
-                stage_id = self.owner(frame_id)
+        stage_id = self.owner(frame_id) if self.owner is not None else None
         mine = self.stages.get(stage_id) if stage_id is not None else None
         if mine is not None:
             return mine
@@ -293,13 +291,13 @@ class WriteInterceptor:
                         shot = await cdp.call("Page.captureScreenshot", {"format": "png"}, session=sid)
                         return base64.b64decode(shot.get("data") or ""), str(info.get("url") or "") or None
                     finally:
-                        with contextlib.suppress(Exception):
+                        with contextlib.suppress(PipeClosed, CdpCallError, TimeoutError):
                             await cdp.call("Target.detachFromTarget", {"sessionId": sid}, timeout=2)
         except Exception as exc:  # noqa: BLE001 - a held write never fails for want of a picture
             log.info("no screenshot of the tab of a held write: %s", type(exc).__name__)
         finally:
             if cdp is not None:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(PipeClosed, OSError):
                     await cdp.close()
         return None, None
 
@@ -354,7 +352,8 @@ def _multipart(body: bytes, ctype: str) -> tuple[tuple[str, str], ...] | None:
         name = part.get_param("name", header="content-disposition")
         if not isinstance(name, str):
             continue
-        data = part.get_payload(decode=True) or b""
+        payload = part.get_payload(decode=True)
+        data = payload if isinstance(payload, bytes) else b""
         filename = part.get_filename()
         if filename is not None:
             out.append((name, f"(file {filename}, {len(data)} bytes)"))
