@@ -1,0 +1,141 @@
+"""The `local_window` handoff through a guard run by an ordinary desktop user (issue 36): the
+guard (`sfguard start`) runs as an unprivileged user in that user's X session (its own DISPLAY
+and X cookie), so its browsers run as that user with Chromium's sandbox on. The person types
+into the window with xdotool (keys and clicks only); the guard's login check says logged in;
+the window goes with the run; the next run finds the login in the profile.
+
+This machine's Python lives under /root (mode 0700), out of an ordinary user's reach: the guard
+is started through bubblewrap with an empty /root holding only that interpreter, read-only,
+then `setpriv` to the user. Nothing else of root's is visible to it."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sfguard.supervisor.browsers import xdisplay
+from sfguard.supervisor.stage.sandbox import ensure_system_user
+from tests.daemon.conftest import ROOT, Daemon
+from tests.handoff.test_window import (  # noqa: F401  (xserver is a fixture)
+    find_window,
+    grab,
+    person_logs_in,
+    save_png,
+    xserver,
+)
+
+pytestmark = pytest.mark.browser
+DESKTOP_USER = "sfg-desktop"
+
+
+class DesktopDaemon(Daemon):
+    """`sfguard start` as the desktop user (bubblewrap for the interpreter, then setpriv)."""
+
+    def __init__(self, home: Path, env: dict[str, str], log: Path, uid: int, gid: int):
+        super().__init__(home, env, log)
+        self.uid, self.gid = uid, gid
+
+    def start(self, *extra: str, expect_ready: bool = True) -> None:
+        self.last_args = extra
+        prefix = ["bwrap", "--dev-bind", "/", "/", "--tmpfs", "/root"]
+        python_home = Path(os.path.realpath(sys.executable)).parents[3]     # /root/.pyenv
+        if str(python_home).startswith("/root/"):
+            prefix += ["--ro-bind", str(python_home), str(python_home)]
+        prefix += ["--", "setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(self.home), *extra],
+            cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=open(self.log, "ab"))
+        if not expect_ready:
+            return
+        deadline = time.monotonic() + 60
+        lines = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.decode())
+            if line.strip() == b"sfguard: ready":
+                self.banner = "".join(lines)
+                return
+        raise AssertionError(f"daemon did not get ready: {''.join(lines)}\n{self.log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def desktop(site, xserver):  # noqa: F811
+    if os.geteuid() != 0 or shutil.which("bwrap") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, bubblewrap and setpriv to start a guard as another user")
+    user = ensure_system_user(DESKTOP_USER, "desktop")
+    base = Path(tempfile.mkdtemp(prefix="sfg-desk-", dir="/tmp"))
+    os.chown(base, user.uid, user.gid)
+    os.chmod(base, 0o700)
+    xauth = base / "session.xauth"                  # the desktop user's own X cookie
+    shutil.copy(xserver.auth, xauth)
+    os.chown(xauth, user.uid, user.gid)
+    pol = base / "sites.yaml"
+    pol.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {site}]\nblock: []\n"
+                   "private_networks:\n  allow: [127.0.0.1/32]\n")
+    os.chown(pol, user.uid, user.gid)
+    env = {"PATH": os.environ["PATH"], "HOME": str(base), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT),
+           "DISPLAY": xserver.display, "XAUTHORITY": str(xauth)}
+    d = DesktopDaemon(base / "home", env, base / "daemon.log", user.uid, user.gid)
+    d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1", "--no-console")
+    yield d, user
+    d.finish()
+    subprocess.run(["chown", "-R", "root:root", str(base)], check=False)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _check(d, run, a):
+    check = {"url": f"{a}/account", "logged_in": f"{a}/account", "logged_out": [f"{a}/login*"]}
+    status, res = d.call("POST", f"/v1/runs/{run}/login-check", {"profile": "acct", "login_check": check})
+    assert status == 200, res
+    return res["logged_in"]
+
+
+def _stage(d, run):
+    body = {"stage_id": "login", "attempt": 1,
+            "browser": {"profile": "acct", "headed": False, "allow_domains": ["site-a.test"]}}
+    status, answer = d.call("POST", f"/v1/runs/{run}/stages", body)
+    assert status == 200, answer
+
+
+def test_a_desktop_users_guard_shows_the_login_window_as_that_user(desktop, site, xserver):  # noqa: F811
+    d, user = desktop
+    a = f"http://site-a.test:{site}"
+    env = {"PATH": os.environ["PATH"], "DISPLAY": xserver.display, "XAUTHORITY": str(xserver.auth)}
+    assert d.call("POST", "/v1/runs", {"run_id": "desk1"})[0] == 201
+    _stage(d, "desk1")
+    assert not _check(d, "desk1", a)
+    status, payload = d.call("POST", "/v1/runs/desk1/handoff",
+                             {"profile": "acct", "site": "site-a.test", "reason": "log in, please",
+                              "url": f"{a}/login?next=/account", "kind": "local_window"})
+    assert status == 200 and payload["kind"] == "local_window", payload
+    title = xdisplay.window_title("acct", "site-a.test")
+    wid = find_window(title, env)
+    # the browser runs as the desktop user, with Chromium's sandbox on
+    browsers = [p for p in psutil.process_iter(["uids", "cmdline"])
+                if p.info["cmdline"] and "--window-name=" + title in p.info["cmdline"]]
+    assert browsers, "the window's browser process was not found"
+    for p in browsers:
+        assert p.info["uids"].real == user.uid and "--no-sandbox" not in p.info["cmdline"]
+    person_logs_in(wid, env, "operator", "correct-horse", "desktop-user")
+    deadline = time.monotonic() + 30
+    while not _check(d, "desk1", a):
+        assert time.monotonic() < deadline, "the guard's login check never said logged in"
+        time.sleep(0.5)
+    time.sleep(1.0)
+    w, h, rows = grab(wid, env)
+    save_png("desktop-user-logged-in", w, h, rows)
+    assert d.call("POST", "/v1/runs/desk1/end", {"outcome": "succeeded"})[0] == 200
+    assert find_window(title, env, present=False) is None
+    assert d.call("POST", "/v1/runs", {"run_id": "desk2"})[0] == 201
+    _stage(d, "desk2")
+    assert _check(d, "desk2", a), "the login did not stay in the profile"
+    d.call("POST", "/v1/runs/desk2/end", {"outcome": "succeeded"})
