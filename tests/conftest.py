@@ -146,13 +146,15 @@ SLOW_FILES = {
     "browser_host/test_write_gates.py": 140, "proxy/test_proxy_cli.py": 111, "proxy/test_hardening.py": 110,
     "stage_exec/test_stage_exec.py": 79, "daemon/test_runs.py": 72, "daemon/test_shared_anchor.py": 72,
     "daemon/test_login_abort.py": 67, "daemon/test_api_contract.py": 65, "console/test_live_view_browser.py": 65,
-    "daemon/test_api_edges.py": 58, "handoff/test_window_route.py": 55, "demo/test_demo_browser.py": 49,
+    "daemon/test_api_edges.py": 58, "demo/test_demo_browser.py": 49,
     "demo/test_profiles_guard.py": 41, "pg/test_guards.py": 39, "pg/test_outage.py": 36,
     "stage_exec/test_hostile_stage.py": 33, "daemon/test_real_browser.py": 30, "daemon/test_ca_file.py": 30,
     "stage_exec/test_bridge_cleanup.py": 29, "browser_host/test_fetch_switch_off.py": 28,
     "cli/test_cli_table.py": 28, "cdp_gate/test_cdp_gate_browser.py": 26, "service/test_service_unit.py": 26,
     "console/test_console_scope.py": 26, "sso/test_sso.py": 25, "daemon/test_django_admin.py": 25,
-    "proxy/test_proxy_entry.py": 24,
+    "proxy/test_proxy_entry.py": 24, "handoff/test_window_route.py": 80, "stage_exec/test_write_floor_shell.py": 72,
+    "daemon/test_write_gate_daemon.py": 60, "daemon/test_runner_guide_live.py": 50,
+    "handoff/test_window_desktop_user.py": 30, "console/test_approvals_page.py": 20,
 }
 
 
