@@ -1,6 +1,7 @@
 """Fixtures shared by every test folder. Folder-specific fixtures live in that folder's conftest."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -41,19 +42,28 @@ def browser_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def site():
+@contextlib.contextmanager
+def login_site():
     """The fixture login site (fixtures/login_server) on a free port of 127.0.0.1: yields the
     port; its /hits.json counts what reached it."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sfguard.fixtures.login_server", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode()
-    assert line.startswith("ready "), line
-    yield port
-    proc.terminate()
-    proc.wait(10)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert line.startswith("ready "), line
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def site():
+    """The fixture login site for one test (login_site)."""
+    with login_site() as port:
+        yield port
 
 
 #: A cold first start of Chromium on a fresh machine builds its font and shader caches (seconds,

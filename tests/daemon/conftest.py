@@ -72,15 +72,19 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
         self.client = GuardClient(home, timeout=60)
         self.out = b""
+        #: what runs `sfguard start` (e.g. bubblewrap and setpriv for another user)
+        self.argv_prefix: list[str] = []
+        self.ready_timeout = 30.0
 
     def start(self, *extra: str, expect_ready: bool = True) -> None:
         self.last_args = extra
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(self.home), *extra],
+            [*self.argv_prefix, sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(self.home),
+             *extra],
             cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=open(self.log, "ab"))
         if not expect_ready:
             return
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.ready_timeout
         lines = []
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()

@@ -38,8 +38,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +47,7 @@ import pytest
 
 from sfguard.supervisor.console.viewer import scripted_login
 from sfguard.supervisor.daemon.api import ROUTES
-from tests.conftest import free_port
+from tests.conftest import login_site
 from tests.daemon.conftest import ROOT, Daemon, start_real_guard
 
 pytestmark = pytest.mark.browser
@@ -211,15 +209,8 @@ class Served:
 @pytest.fixture(scope="module")
 def fixture_site():
     """The fixture login site on a free port, for this module's guard."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sfguard.fixtures.login_server", "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode()
-    assert line.startswith("ready "), line
-    yield port
-    proc.terminate()
-    proc.wait(10)
+    with login_site() as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

@@ -35,36 +35,14 @@ pytestmark = pytest.mark.browser
 DESKTOP_USER = "sfg-desktop"
 
 
-class DesktopDaemon(Daemon):
-    """`sfguard start` as the desktop user (bubblewrap for the interpreter, then setpriv)."""
-
-    def __init__(self, home: Path, env: dict[str, str], log: Path, uid: int, gid: int):
-        super().__init__(home, env, log)
-        self.uid, self.gid = uid, gid
-
-    def start(self, *extra: str, expect_ready: bool = True) -> None:
-        self.last_args = extra
-        prefix = ["bwrap", "--dev-bind", "/", "/", "--tmpfs", "/root"]
-        python_home = Path(os.path.realpath(sys.executable)).parents[3]     # /root/.pyenv
-        if str(python_home).startswith("/root/"):
-            prefix += ["--ro-bind", str(python_home), str(python_home)]
-        prefix += ["--", "setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(self.home), *extra],
-            cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=open(self.log, "ab"))
-        if not expect_ready:
-            return
-        deadline = time.monotonic() + 60
-        lines = []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line.decode())
-            if line.strip() == b"sfguard: ready":
-                self.banner = "".join(lines)
-                return
-        raise AssertionError(f"daemon did not get ready: {''.join(lines)}\n{self.log.read_text()[-3000:]}")
+def as_user(uid: int, gid: int) -> list[str]:
+    """The argv prefix that starts the guard as the desktop user: bubblewrap with an empty /root
+    holding only this interpreter (read-only), then setpriv."""
+    prefix = ["bwrap", "--dev-bind", "/", "/", "--tmpfs", "/root"]
+    python_home = Path(os.path.realpath(sys.executable)).parents[3]     # /root/.pyenv
+    if str(python_home).startswith("/root/"):
+        prefix += ["--ro-bind", str(python_home), str(python_home)]
+    return [*prefix, "--", "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
 
 
 @pytest.fixture
@@ -84,7 +62,8 @@ def desktop(site, xserver):  # noqa: F811
     os.chown(pol, user.uid, user.gid)
     env = {"PATH": os.environ["PATH"], "HOME": str(base), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT),
            "DISPLAY": xserver.display, "XAUTHORITY": str(xauth)}
-    d = DesktopDaemon(base / "home", env, base / "daemon.log", user.uid, user.gid)
+    d = Daemon(base / "home", env, base / "daemon.log")
+    d.argv_prefix, d.ready_timeout = as_user(user.uid, user.gid), 60.0
     d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1", "--no-console")
     yield d, user
     d.finish()
