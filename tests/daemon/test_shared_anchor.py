@@ -109,7 +109,9 @@ def test_a_dead_browser_is_restarted_and_its_stages_are_told(real_daemon, site):
     deadline = time.monotonic() + 60
     while True:
         run = d.call("GET", "/v1/runs/r1")[1]
-        if run["browsers"][0]["restarts"] == 1 and d.call("GET", "/v1/runs/r1/stages/a")[0] == 200:
+        # both stages re-attached (they are re-attached one after the other, a then b)
+        if run["browsers"][0]["restarts"] == 1 and all(
+                d.call("GET", f"/v1/runs/r1/stages/{sid}")[0] == 200 for sid in ("a", "b")):
             break
         assert time.monotonic() < deadline, run
         time.sleep(0.2)
