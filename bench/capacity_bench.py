@@ -1,6 +1,7 @@
 """Capacity benchmark: how many runs one host holds, and what each run costs.
 
     ./dev bench capacity_bench [--levels 1,5,10,20] [--idle 10]
+    SFGUARD_PROXY_ZYGOTE=0 ./dev bench capacity_bench ...   (each run's proxy its own process: the old way)
 
 One guard (`sfguard start`, real Chromium and agent-browser, every browser as the browser user
 with its sandbox on when run as root) and the fixture login site on 127.0.0.1. At each level N
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from sfguard.supervisor.browsers import tools  # noqa: E402
 from sfguard.supervisor.client.guard_client import GuardClient  # noqa: E402
 from sfguard.supervisor.daemon.metrics import process_kind  # noqa: E402
+from sfguard.supervisor.daemon.proxy_zygote import ENV_SWITCH as ZYGOTE_SWITCH  # noqa: E402
 from sfguard.supervisor.home import runtime_path  # noqa: E402
 
 KINDS = ("browser", "proxy", "agent_browser", "guard")
@@ -145,7 +147,8 @@ def main() -> int:
     daemon = subprocess.Popen([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(home),
                                "--policy", str(pol), "--resolve", "site.test=127.0.0.1", "--no-console"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              env={"PATH": os.environ["PATH"], "HOME": str(work), "LANG": "C.UTF-8"})
+                              env={"PATH": os.environ["PATH"], "HOME": str(work), "LANG": "C.UTF-8",
+                                   ZYGOTE_SWITCH: os.environ.get(ZYGOTE_SWITCH, "1")})
     assert daemon.stdout is not None
     results = []
     try:
@@ -190,8 +193,10 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     base = results[0][1]
     mb = 2 ** 20
+    forked = os.environ.get(ZYGOTE_SWITCH, "1") != "0"
     print(f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}; memory is PSS in MB per run "
-          "(total / runs); first stage: median ms and ratio to the first level")
+          "(total / runs); first stage: median ms and ratio to the first level; run proxies "
+          + ("forked from the zygote" if forked else f"started as processes of their own ({ZYGOTE_SWITCH}=0)"))
     print(f"{'runs':>5} {'first ms':>9} {'ratio':>6} {'browser':>8} {'proxy':>7} {'agent-br':>9} "
           f"{'guard':>7} {'ours/run':>9} {'idle CPU %':>11}")
     for n, f, sizes, idle in results:

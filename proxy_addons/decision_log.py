@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -130,7 +131,8 @@ class DecisionLog:
         if self._path is None:
             return
         fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.fchmod(fd, 0o600)
+        if stat.S_ISREG(os.fstat(fd).st_mode):   # never a device's mode (`/dev/null` is everyone's)
+            os.fchmod(fd, 0o600)
         old = self._stream
         self._stream = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
         self._fd = fd  # lines go straight to the descriptor (one write each)

@@ -22,6 +22,7 @@ import subprocess
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import psutil
 
@@ -205,20 +206,45 @@ def _signal_child(pid: int, sig: int, group: bool) -> None:
             pass
 
 
-async def end_child(proc: asyncio.subprocess.Process, timeout: float = 5.0, *,
+class HeldChild(Protocol):
+    """A child the guard holds a handle on: an asyncio child, or a proxy forked by the zygote
+    (supervisor/daemon/proxy_zygote.py), which is signalled through its pidfd."""
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
+def _signal_held(proc: HeldChild, sig: int, group: bool) -> None:
+    """Signal a child through its own handle (an asyncio child, or a proxy the zygote forked,
+    signalled through its pidfd), and with `group` its process group too."""
+    if group:
+        _signal_child(proc.pid, sig, True)
+        return
+    try:
+        proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def end_child(proc: HeldChild, timeout: float = 5.0, *,
                     group: bool = False, kill_wait: float = 5.0) -> bool:
     """End an asyncio child: SIGTERM, wait up to `timeout`, then SIGKILL and wait up to
     `kill_wait`. `timeout` 0 sends SIGKILL at once. True when the child has exited."""
     if proc.returncode is not None:
         return True
     if timeout > 0:
-        _signal_child(proc.pid, signal.SIGTERM, group)
+        _signal_held(proc, signal.SIGTERM, group)
         try:
             await asyncio.wait_for(proc.wait(), timeout)
             return True
         except TimeoutError:
             pass
-    _signal_child(proc.pid, signal.SIGKILL, group)
+    _signal_held(proc, signal.SIGKILL, group)
     try:
         await asyncio.wait_for(proc.wait(), kill_wait)
     except TimeoutError:

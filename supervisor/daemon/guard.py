@@ -148,8 +148,8 @@ class Guard:
         self.sessions = StageSessions(self.gate, self.host, self.socket_dir, self.config_path,
                                       STAGE_ENV_KEYS)
         self.records = RunRecords(self.runs_dir, self.scope, self.sessions)
-        self.proxies = ProxyPool(lambda: RunProxy(None, self.policy_path, self.logs_dir / "decisions.log",
-                                                  self.resolve))
+        # the runs' proxies, forked from one pre-loaded parent (supervisor/daemon/proxy_zygote.py)
+        self.proxies = ProxyPool.forked(self.policy_path, self.logs_dir / "decisions.log", self.resolve)
         # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
         self.metrics = GuardMetrics(self.logs_dir / "decisions.log")
         # the decision log rotates by size and age (supervisor/daemon/log_rotation.py)

@@ -186,7 +186,7 @@ def process_kind(proc: psutil.Process) -> str:
         cmd = " ".join(proc.cmdline()[:4])
     except psutil.Error:
         return "other"
-    if "proxy_child" in cmd:
+    if "proxy_child" in cmd or "proxy_zygote" in cmd:
         return "proxy"
     if "agent-browser" in name or "agent-browser" in cmd:
         return "agent_browser"

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from sfguard.supervisor import redaction
 from sfguard.supervisor.daemon.errors import BrowserStartError
+from sfguard.supervisor.daemon.proxy_zygote import ForkedProxy, Zygote, ZygoteError
+from sfguard.supervisor.daemon.proxy_zygote import enabled as zygote_enabled
 from sfguard.supervisor.procs import ProcRecord, end_child, niced, renice_all_threads
 
 log = logging.getLogger("sfguard.guard")
@@ -53,8 +55,15 @@ def child_argv(port: int, policy_path: Path, decision_log: Path, resolve: dict[s
     every field of every HTTP message it builds, an event-type assertion around every layer
     handler) do not run per connection; measured with proxy_bench, CPU per tunnel 0.69x -> 0.49x
     of bare mitmdump. Nothing of ours checks anything with `assert`."""
-    argv = [sys.executable, "-O", "-m", "sfguard.supervisor.daemon.proxy_child", "--listen-port", str(port),
-            "--policy", str(policy_path), "--decision-log", str(decision_log)]
+    return [sys.executable, "-O", "-m", "sfguard.supervisor.daemon.proxy_child",
+            *proxy_args(port, policy_path, decision_log, resolve, run)]
+
+
+def proxy_args(port: int, policy_path: Path, decision_log: Path, resolve: dict[str, str],
+               run: str | None = None) -> list[str]:
+    """The arguments of `proxy_child.main`, whether it is started as its own process or forked
+    from the zygote."""
+    argv = ["--listen-port", str(port), "--policy", str(policy_path), "--decision-log", str(decision_log)]
     if run is not None:
         argv += ["--run", run]
     for host, ip in resolve.items():
@@ -73,13 +82,14 @@ class RunProxy:
     ACK_TIMEOUT = 10.0
 
     def __init__(self, run_id: str | None, policy_path: Path, decision_log: Path,
-                 resolve: dict[str, str] | None = None):
+                 resolve: dict[str, str] | None = None, zygote: Zygote | None = None):
         self.run_id = run_id
+        self.zygote = zygote   # forks the process when given (supervisor/daemon/proxy_zygote.py)
         self.policy_path = policy_path
         self.decision_log = decision_log
         self.resolve = dict(resolve or {})
         self.port = 0
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: asyncio.subprocess.Process | ForkedProxy | None = None
         self.record: ProcRecord | None = None
         self.clients: dict[str, tuple[str, list[str]]] = {}  # name -> (token, allow patterns)
         self.client_writes: dict[str, str] = {}   # a stage shell's client -> the stage's browser.writes
@@ -144,13 +154,21 @@ class RunProxy:
     async def start(self, nice: int = 0) -> None:
         """Start the child (at niceness `nice`, through coreutils' `nice`, which execs it in the
         same process) and wait for its "ready" line."""
-        argv = niced(child_argv(self.port, self.policy_path, self.decision_log, self.resolve), nice)
-        env = {k: v for k, v in os.environ.items()
-               if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH",
-                        redaction.LOG_FORMAT_ENV)}
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=None, env=env, start_new_session=True)
+        self.proc = None
+        if self.zygote is not None and zygote_enabled():
+            try:
+                self.proc = await self.zygote.spawn(
+                    proxy_args(self.port, self.policy_path, self.decision_log, self.resolve), nice)
+            except ZygoteError as exc:
+                log.warning("%s; starting the run's proxy as a process of its own", exc)
+        if self.proc is None:
+            argv = niced(child_argv(self.port, self.policy_path, self.decision_log, self.resolve), nice)
+            env = {k: v for k, v in os.environ.items()
+                   if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH",
+                            redaction.LOG_FORMAT_ENV)}
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=None, env=env, start_new_session=True)
         if nice and self._urgent:   # taken while it was being spawned
             self.to_guard_priority()
         self.record = ProcRecord.of(self.proc.pid, "proxy")
@@ -168,7 +186,7 @@ class RunProxy:
         if self.clients:
             await self._push()
 
-    async def _read_acks(self, proc: asyncio.subprocess.Process) -> None:
+    async def _read_acks(self, proc: asyncio.subprocess.Process | ForkedProxy) -> None:
         assert proc.stdout is not None
         with contextlib.suppress(Exception):
             while line := await proc.stdout.readline():
@@ -195,6 +213,8 @@ class RunProxy:
         if proc is None:
             return
         await end_child(proc, 5)
+        if isinstance(proc, ForkedProxy):
+            proc.close()
 
 
 class ProxyPool:
@@ -212,6 +232,15 @@ class ProxyPool:
         if spare_nice is None:
             spare_nice = SPARE_PROXY_NICE if can_renice(SPARE_PROXY_NICE) else 0
         self.spare_nice = spare_nice
+        self.zygote: Zygote | None = None     # stopped with the pool (see `forked`)
+
+    @classmethod
+    def forked(cls, policy_path: Path, decision_log: Path, resolve: dict[str, str]) -> ProxyPool:
+        """The guard's pool: every run's proxy forked from one zygote, which ends with the pool."""
+        zygote = Zygote(policy_path, decision_log)
+        pool = cls(lambda: RunProxy(None, policy_path, decision_log, resolve, zygote))
+        pool.zygote = zygote
+        return pool
 
     async def take(self, run_id: str) -> RunProxy:
         if self._spare is None and self._task is not None and not self._task.done():
@@ -260,3 +289,5 @@ class ProxyPool:
         if self._spare is not None:
             await self._spare.stop()
             self._spare = None
+        if self.zygote is not None:
+            await self.zygote.stop()

@@ -1,6 +1,7 @@
 """The run-proxy pool: the spare starts at a low CPU priority and gets the guard's back when a
 run takes it; a run that finds the spare still starting waits for it instead of starting a
-second proxy. Real proxy children (`python -m sfguard.supervisor.daemon.proxy_child`)."""
+second proxy. Real proxy children, forked from the zygote as the guard does and started as
+processes of their own (`python -m sfguard.supervisor.daemon.proxy_child`)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sfguard.supervisor.daemon.proxy_zygote import Zygote
 from sfguard.supervisor.daemon.run_proxy import SPARE_PROXY_NICE, ProxyPool, RunProxy, can_renice
 
 pytestmark = pytest.mark.asyncio
@@ -25,17 +27,18 @@ def thread_nice(pid: int) -> set[int]:
     return out
 
 
-@pytest.fixture
-async def made(tmp_path: Path):
+@pytest.fixture(params=["zygote", "own-process"])
+async def made(tmp_path: Path, request):
     """(pool(spare_nice=None), proxies): pools on real proxy children; every pool and proxy
     made is stopped at the end."""
     policy = tmp_path / "sites.yaml"
     policy.write_text("version: 1\nmode: enforce\nports: [80, 443]\nallow_always: []\nblock: []\n")
     proxies: list[RunProxy] = []
     pools: list[ProxyPool] = []
+    zygote = Zygote(policy, tmp_path / "decisions.log") if request.param == "zygote" else None
 
     def make() -> RunProxy:
-        p = RunProxy(None, policy, tmp_path / "decisions.log")
+        p = RunProxy(None, policy, tmp_path / "decisions.log", zygote=zygote)
         proxies.append(p)
         return p
 
@@ -47,6 +50,8 @@ async def made(tmp_path: Path):
         await pl.stop()
     for p in proxies:
         await p.stop()
+    if zygote is not None:
+        await zygote.stop()
 
 
 async def wait_spare(pool: ProxyPool, timeout: float = 30.0) -> None:

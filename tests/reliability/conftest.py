@@ -42,7 +42,7 @@ def guard_processes(home: Path, exclude: Set[int] = frozenset()) -> list[psutil.
                 continue
             cmd = " ".join(p.info["cmdline"] or [])
             hit = any(m in cmd for m in marks)
-            if not hit and any(w in cmd for w in ("chrom", "agent-browser", "proxy_child", "mitm")):
+            if not hit and any(w in cmd for w in ("chrom", "agent-browser", "proxy_child", "proxy_zygote", "mitm")):
                 try:
                     hit = any(m in v for v in p.environ().values() for m in marks)
                 except psutil.Error:
