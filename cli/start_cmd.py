@@ -119,7 +119,8 @@ def run(args) -> int:
     handler.setFormatter(redaction.formatter(args.log_format))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     redaction.install()
-    from sfguard.supervisor.daemon.guard import KEEP_ENDED_RUNS, KEEP_ENDED_SECONDS
+    from sfguard.supervisor.daemon.log_rotation import Retention
+    from sfguard.supervisor.daemon.settings import KEEP_ENDED_RUNS, KEEP_ENDED_SECONDS, GuardSettings
     from sfguard.supervisor.profiles.stores import StoreError
     keep_runs = KEEP_ENDED_RUNS if args.keep_ended_runs is None else args.keep_ended_runs
     keep_hours = KEEP_ENDED_SECONDS / 3600 if args.keep_ended_hours is None else args.keep_ended_hours
@@ -131,10 +132,35 @@ def run(args) -> int:
         raise CliError("--keep-ended-runs: a number of runs from 0 to 1000000", 2)
     if not 0 < keep_hours <= 24 * 366:    # also refuses nan and inf
         raise CliError("--keep-ended-hours: hours above 0, at most a year (8784)", 2)
+    if not 1 <= args.write_gate_timeout <= 86400:   # also refuses nan
+        raise CliError("--write-gate-timeout: seconds from 1 to 86400", 2)
+    retention = Retention(int(args.log_max_mb * 1024 * 1024), args.log_max_age * 3600, args.log_keep)
+    try:
+        retention.check()
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from None
+    if args.token_file and args.tcp is None:
+        raise CliError("--token-file needs --tcp PORT (the unix socket needs no token)", 2)
+    token_file = _token_path(args.token_file) if args.token_file else None
+    api_gid = None
+    if args.api_group:
+        from sfguard.supervisor.stage.sandbox import SandboxError, group_id
+        try:
+            api_gid = group_id(args.api_group)
+        except SandboxError as exc:
+            raise CliError(f"--api-group: {exc}", 2) from None
+        if os.geteuid() != 0 and api_gid not in (os.getgid(), *os.getgroups()):
+            raise CliError(f"--api-group: this user is not in group {args.api_group!r}, so it "
+                           "cannot give the control socket to it", 2)
+    defaults = GuardSettings()
+    settings = GuardSettings(
+        keep_ended_runs=keep_runs, keep_ended_seconds=keep_hours * 3600,
+        write_gate_timeout=args.write_gate_timeout, log_retention=retention, api_gid=api_gid,
+        stage_user_name=args.stage_user or defaults.stage_user_name,
+        browser_user_name=args.browser_user or defaults.browser_user_name)
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
-                      store=args.store, keep_ended_runs=keep_runs,
-                      keep_ended_seconds=keep_hours * 3600, browser_host=_browser_host(args.ca_file))
+                      store=args.store, browser_host=_browser_host(args.ca_file), settings=settings)
     except StoreError as exc:
         raise CliError(str(exc), 2) from None
     except ProfileError as exc:  # shared store: unreachable, schema too new, key missing or wrong
@@ -143,31 +169,6 @@ def run(args) -> int:
         raise CliError(f"the site policy is invalid:\n{exc}", 2) from None
     except HomeError as exc:
         raise CliError(str(exc), 2) from None
-    if not 1 <= args.write_gate_timeout <= 86400:   # also refuses nan
-        raise CliError("--write-gate-timeout: seconds from 1 to 86400", 2)
-    guard.write_gate_timeout = args.write_gate_timeout
-    from sfguard.supervisor.daemon.log_rotation import Retention
-    guard.log_retention = Retention(int(args.log_max_mb * 1024 * 1024), args.log_max_age * 3600, args.log_keep)
-    try:
-        guard.log_retention.check()
-    except ValueError as exc:
-        raise CliError(str(exc), 2) from None
-    if args.token_file and args.tcp is None:
-        raise CliError("--token-file needs --tcp PORT (the unix socket needs no token)", 2)
-    token_file = _token_path(args.token_file) if args.token_file else None
-    if args.api_group:
-        from sfguard.supervisor.stage.sandbox import SandboxError, group_id
-        try:
-            guard.api_gid = group_id(args.api_group)
-        except SandboxError as exc:
-            raise CliError(f"--api-group: {exc}", 2) from None
-        if os.geteuid() != 0 and guard.api_gid not in (os.getgid(), *os.getgroups()):
-            raise CliError(f"--api-group: this user is not in group {args.api_group!r}, so it "
-                           "cannot give the control socket to it", 2)
-    if args.stage_user:
-        guard.stage_user_name = args.stage_user
-    if args.browser_user:
-        guard.browser_user_name = args.browser_user
     console_at = None
     if not args.no_console:
         from sfguard.supervisor.console.server import ConsoleError, parse_listen
@@ -281,7 +282,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
         server = site._server
         sockets = getattr(server, "sockets", None) or ()
         port = sockets[0].getsockname()[1] if sockets else tcp_port
-        guard.api_tcp_port = port
+        guard.listening(api_tcp_port=port)
         lines.append(f"sfguard: API on http://127.0.0.1:{port} (bearer token in {token_path})"
                      if token_path else f"sfguard: API on http://127.0.0.1:{port} (bearer token: {token})")
     if console_at is not None:
@@ -294,7 +295,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                 await console.stop()
             raise CliError(f"the console could not listen on {console_at[0]}:{console_at[1]}: "
                            f"{exc.strerror or exc}", 2) from None
-        guard.console = console
+        guard.listening(console=console)
         lines.append(f"sfguard: console on {console.base_url} (sign in: `sfguard console`)")
     ab, br = guard.host_tool_report()
     lines += [f"sfguard: home {guard.home} (runtime {guard.runtime})",

@@ -27,9 +27,13 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sfguard.supervisor.home import HomeError, grant_traverse, open_for_traverse, private_dir, traverse_root
 from sfguard.supervisor.stage import sandbox
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.browsers.host import BrowserHost
 
 DEFAULT_BROWSER_USER = "sfguard-browser"
 #: Per-launch folders under the run folder (the prefixes name them for the sweep and for tests).
@@ -149,19 +153,18 @@ def owned_subdir(path: Path, user: BrowserUser | None) -> Path:
     return path
 
 
-def setup(guard) -> BrowserUser | None:
-    """At guard start (before the sweep): under root, the browser user (created when missing)
-    and the runtime folder opened for it to cross; the browsers then run as it with their
-    sandbox on. BrowserUserError when it cannot be used: the guard does not start."""
-    stage = sandbox.lookup_user(guard.stage_user_name) if os.geteuid() == 0 else None
-    user = resolve(guard.browser_user_name, stage_user=stage)
-    guard.browser_user = user
+def setup(runtime: Path, host: BrowserHost, name: str, stage_user_name: str) -> BrowserUser | None:
+    """At guard start (before the sweep): under root, the browser user `name` (created when
+    missing) and the `runtime` folder opened for it to cross; `host` then runs the browsers as
+    it with their sandbox on. BrowserUserError when it cannot be used: the guard does not start."""
+    stage = sandbox.lookup_user(stage_user_name) if os.geteuid() == 0 else None
+    user = resolve(name, stage_user=stage)
     if user is not None:
         try:
-            prepare(guard.runtime, user)
+            prepare(runtime, user)
         except (HomeError, OSError) as exc:
             raise BrowserUserError(f"the runtime folder cannot be opened to the browser user: {exc}") from None
-        guard.host.use_user(user)
+        host.use_user(user)
     return user
 
 

@@ -112,7 +112,7 @@ async def open_live(guard, run, body: models.HandoffRequest) -> dict:
     for old in _registry(guard).values():   # one open live view per run and profile
         if old.run_id == run.run_id and old.profile == body.profile and old.state == "open":
             await finish(guard, old, "ended", by="guard")
-    browser = await guard.leased_browser(run, body.profile, headed=False)
+    browser = await guard.stages.leased_browser(run, body.profile, headed=False)
     host = urlsplit(body.url).hostname or ""
     allow = sorted(set(guard.browser_allow(run, browser)) | {page_pattern})
     patterns = policy.compile_patterns(allow)

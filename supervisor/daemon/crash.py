@@ -153,7 +153,7 @@ def sweep(guard: Guard) -> dict:
         path.unlink()
     # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)
     # ... of the guard's user and of its browser user (`sfguard sweep` looks that one up)
-    user = guard.browser_user or (sandbox.lookup_user(guard.browser_user_name)
+    user = guard.browser_user or (sandbox.lookup_user(guard.settings.browser_user_name)
                                   if os.geteuid() == 0 else None)
     orphans = scan_orphans([str(guard.runtime)], (user.uid,) if user is not None else ())
     report["orphans"] = len(terminate_recorded(orphans, timeout=5))

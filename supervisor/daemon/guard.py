@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sfguard import policy
 from sfguard.supervisor import home_format
@@ -44,13 +44,12 @@ from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, NotFound
 from sfguard.supervisor.daemon.inventory import Inventory
-from sfguard.supervisor.daemon.log_rotation import Retention, keep_rotated
+from sfguard.supervisor.daemon.log_rotation import keep_rotated
 from sfguard.supervisor.daemon.logins import Logins
 from sfguard.supervisor.daemon.metrics import GuardMetrics
 from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunProxy
 from sfguard.supervisor.daemon.runs import (
     WAITING_STATES,
-    Browser,
     Run,
     RunOutcome,
     RunState,
@@ -59,6 +58,7 @@ from sfguard.supervisor.daemon.runs import (
     StageState,
     now_iso,
 )
+from sfguard.supervisor.daemon.settings import GuardSettings
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
 from sfguard.supervisor.daemon.teardown import Teardown
@@ -78,20 +78,17 @@ from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileError, ProfileKey, 
 from sfguard.supervisor.stage import stage_exec
 from sfguard.supervisor.stage.stage_bridge import BridgeHost
 from sfguard.supervisor.writes.approvals import Approvals
-from sfguard.supervisor.writes.intercept import DEFAULT_TIMEOUT as WRITE_GATE_TIMEOUT
 from sfguard.supervisor.writes.modes import decision_recorder
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.console.server import ConsoleServer
+    from sfguard.supervisor.stage.sandbox import StageUser
 
 log = logging.getLogger("sfguard.guard")
 
 #: a stage answer that may still change; long-poll re-checks it every LONG_POLL_STEP seconds
 LONG_POLL_STEP = 0.1
-#: ended runs stay in memory (status, the console, GET) for the newest KEEP_ENDED_RUNS and at
-#: most KEEP_ENDED_SECONDS (`sfguard start --keep-ended-runs/--keep-ended-hours`); then only
-#: their record on disk (runs/ended/<id>.json) and the audit log keep them
-KEEP_ENDED_RUNS = 200
-KEEP_ENDED_SECONDS = 24 * 3600.0
-
-__all__ = ["Guard", "GuardAlreadyRunning", "RunProxy", "release_runtime", "sweep"]
+__all__ = ["Guard", "GuardAlreadyRunning", "GuardSettings", "RunProxy", "release_runtime", "sweep"]
 
 
 class GuardAlreadyRunning(Exception):
@@ -111,8 +108,8 @@ class Guard:
                  store: str | None = None, stores: Stores | None = None,
                  browser_host: BrowserHost | None = None,
                  handoff: Callable[[], Handoff] = LocalWindowHandoff,
-                 keep_ended_runs: int = KEEP_ENDED_RUNS,
-                 keep_ended_seconds: float = KEEP_ENDED_SECONDS):
+                 settings: GuardSettings | None = None):
+        self.settings = settings = settings if settings is not None else GuardSettings()
         self.home = ensure_home(home)
         home_format.upgrade(self.home)   # an older home is migrated, a newer one refused
         # named here, created by start (a guard that is refused before it starts, or only
@@ -138,7 +135,7 @@ class Guard:
         self.runs: dict[str, Run] = {}
         # ended runs still in memory, oldest end first (run id -> end time); `retire` drops them
         self.ended: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self.keep_ended_runs, self.keep_ended_seconds = keep_ended_runs, keep_ended_seconds
+        self.keep_ended_runs, self.keep_ended_seconds = settings.keep_ended_runs, settings.keep_ended_seconds
         self.retired = 0
         self.runs_dir = private_dir(self.home / "runs")
         self.logs_dir = private_dir(self.home / "logs")
@@ -153,7 +150,7 @@ class Guard:
         # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
         self.metrics = GuardMetrics(self.logs_dir / "decisions.log")
         # the decision log rotates by size and age (supervisor/daemon/log_rotation.py)
-        self.log_retention = Retention()
+        self.log_retention = settings.log_retention
         self._rotate: asyncio.Task[None] | None = None
         # reseals and lease releases a full disk put off (supervisor/daemon/deferred.py)
         self.deferred = Deferred(self.stores, self.calls)
@@ -166,7 +163,7 @@ class Guard:
         # write gates: held writes wait for a person here (supervisor/writes/approvals.py)
         self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields))
         self.approvals_api, self.write_approver = ApprovalsApi(self.approvals), self.approvals
-        self.write_gate_timeout = WRITE_GATE_TIMEOUT
+        self.write_gate_timeout = settings.write_gate_timeout
         self.write_record = decision_recorder(self.logs_dir / "decisions.log")
         self._lock_fd: int | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -174,17 +171,23 @@ class Guard:
         self.started = time.time()
         # stage-exec (layer 3): per-stage bridges, the stage user and the sandbox check
         self.bridges = BridgeHost(self.runtime)
-        self.stage_user_name = "sfguard-stage"
-        self.stage_user = None
-        self.api_gid: int | None = None
+        self.stage_user: StageUser | None = None
+        self.agent_browser_path: str | None = None
+        self.api_gid = settings.api_gid
         self.sandbox_ok, self.sandbox_detail = False, "not checked yet"
         # layer 2: under root, browsers run as this unprivileged user (supervisor/browsers/browser_user.py)
-        self.browser_user_name = browser_user.DEFAULT_BROWSER_USER
         self.browser_user: browser_user.BrowserUser | None = None
         # the loopback TCP port of the control API (`sfguard start --tcp`), once it listens
         self.api_tcp_port: int | None = None
-        # the operator console (supervisor/console), set by `sfguard start` unless --no-console
-        self.console: Any = None
+        # the operator console (supervisor/console), attached by `sfguard start` unless --no-console
+        self.console: ConsoleServer | None = None
+
+    def listening(self, *, api_tcp_port: int | None = None, console: ConsoleServer | None = None) -> None:
+        """What `sfguard start` opened beside the control socket: the API's TCP port, the console."""
+        if api_tcp_port is not None:
+            self.api_tcp_port = api_tcp_port
+        if console is not None:
+            self.console = console
 
     # -- lifecycle -------------------------------------------------------------------------
     def acquire_instance_lock(self) -> None:
@@ -213,7 +216,9 @@ class Guard:
     async def _start(self) -> dict[str, Any]:
         runtime_dir(self.home)
         private_dir(self.socket_dir)
-        browser_user.setup(self)   # before the sweep: it ends that user's orphans too
+        # before the sweep: it ends that user's orphans too
+        self.browser_user = browser_user.setup(self.runtime, self.host, self.settings.browser_user_name,
+                                               self.settings.stage_user_name)
         report = sweep(self)
         # damaged state is reported, never silently reset
         audit = self.audit.verify()
@@ -229,7 +234,9 @@ class Guard:
                           "that ask for it get an error", info.key.name, exc)
                 report.setdefault("damaged_profiles", []).append(info.key.name)
         agent_browser.write_pinned_config(self.config_path)
-        report["sandbox"] = stage_exec.prepare(self)
+        sandbox, report["sandbox"] = stage_exec.prepare(self.settings.stage_user_name, self.bridges, self.api_gid)
+        self.stage_user, self.agent_browser_path = sandbox.user, sandbox.agent_browser_path
+        self.sandbox_ok, self.sandbox_detail = sandbox.ok, sandbox.detail
         await self.gate.start()
         self._watch = asyncio.get_running_loop().create_task(self.watchdog.loop())
         self._rotate = asyncio.get_running_loop().create_task(
@@ -338,12 +345,6 @@ class Guard:
 
     def profile_key(self, run: Run, name: str) -> ProfileKey:
         return self.stages.profile_key(run, name)
-
-    def browser_allow(self, run: Run, browser: Browser) -> list[str]:
-        return self.stages.browser_allow(run, browser)
-
-    async def leased_browser(self, run: Run, profile: str, headed: bool) -> Browser:
-        return await self.stages.leased_browser(run, profile, headed)
 
     async def store_call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """A seam call off the event loop; the database away is an error the caller can retry."""

@@ -71,11 +71,11 @@ class Logins:
         if not decision.allowed:
             raise Forbidden("login_check_not_allowed", f"the check address's host is refused "
                             f"for this run: {decision.explanation}", "login_check.url")
-        browser = await g.leased_browser(run, body.profile, headed=False)
+        browser = await g.stages.leased_browser(run, body.profile, headed=False)
         assert run.proxy is not None and browser.anchor is not None
         check_pattern = policy.allow_pattern_for_url(body.login_check.url)
         try:
-            await run.proxy.set_allow(browser.client, g.browser_allow(run, browser) + [check_pattern])
+            await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser) + [check_pattern])
             # its own tab and window, its own bound; a failed check leaves the anchor as it was
             result = await check_login(browser.anchor.pipe, body.login_check,
                                        timeout=LOGIN_CHECK_TIMEOUT)
@@ -86,7 +86,7 @@ class Logins:
             raise BadRequest("invalid_pattern", str(exc), "login_check") from None
         finally:
             if browser.client in run.proxy.clients:
-                await run.proxy.set_allow(browser.client, g.browser_allow(run, browser))
+                await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser))
         run.login_results[body.profile] = result
         g.metrics.login_checked("logged_in" if result.logged_in else "logged_out")
 
@@ -126,7 +126,7 @@ class Logins:
             await asyncio.to_thread(handoff.check_possible, profile=body.profile, url=body.url)
         except HandoffImpossible as exc:
             raise Conflict("handoff_impossible", str(exc), None) from None
-        browser = await g.leased_browser(run, body.profile, headed=True)
+        browser = await g.stages.leased_browser(run, body.profile, headed=True)
         assert run.proxy is not None and browser.anchor is not None
         if not browser.headed or browser.site != body.site:
             # reopen the anchor headed, same profile, same proxy client, its window titled
@@ -138,7 +138,7 @@ class Logins:
                                f"possible: {exc}", None) from None
         if body.url:
             host = urlsplit(body.url).hostname or ""
-            await run.proxy.set_allow(browser.client, g.browser_allow(run, browser) + [host])
+            await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser) + [host])
             try:
                 await open_in_titled_window(browser.anchor.pipe, body.url)
             except Exception as exc:

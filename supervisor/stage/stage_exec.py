@@ -11,39 +11,50 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from sfguard.supervisor.browsers import agent_browser, tools
 from sfguard.supervisor.daemon.errors import Conflict
 from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.stage import sandbox
+from sfguard.supervisor.stage.stage_bridge import BridgeHost
 
 log = logging.getLogger("sfguard.stage_exec")
 
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 
 
-def prepare(guard) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Sandbox:
+    """What the start-up check found: the stage user (root only), whether bubblewrap builds the
+    sandbox here and why not, and the agent-browser a stage runs."""
+    user: sandbox.StageUser | None
+    ok: bool
+    detail: str
+    agent_browser_path: str | None
+
+
+def prepare(stage_user_name: str, bridges: BridgeHost, api_gid: int | None) -> tuple[Sandbox, dict[str, Any]]:
     """Stage user (root only), bubblewrap check, bridge sweep. Never fatal: where the sandbox
-    cannot be built, stage-exec is refused with the reason and everything else works."""
+    cannot be built, stage-exec is refused with the reason and everything else works. Returns
+    the state and the start report's `sandbox` part."""
     user = None
     detail = ""
     try:
         if os.geteuid() == 0:
-            user = sandbox.ensure_stage_user(guard.stage_user_name)
+            user = sandbox.ensure_stage_user(stage_user_name)
         ok, detail = sandbox.probe(user)
     except sandbox.SandboxError as exc:
         ok, detail = False, str(exc)
-    guard.stage_user = user
-    guard.agent_browser_path = tools.find_agent_browser().path
-    guard.sandbox_ok, guard.sandbox_detail = ok, detail
-    guard.bridges.stage_uid = user.uid if user is not None else None
-    guard.bridges.api_gid = guard.api_gid
-    swept = guard.bridges.sweep()
+    bridges.stage_uid = user.uid if user is not None else None
+    bridges.api_gid = api_gid
+    swept = bridges.sweep()
     if not ok:    # `sfguard start` prints the state in its banner; only a problem is logged
         log.warning("stage sandbox: %s", detail)
-    return {"ok": ok, "detail": detail, "bridges_swept": swept,
-            "stage_user": user.name if user else None}
+    state = Sandbox(user, ok, detail, tools.find_agent_browser().path)
+    return state, {"ok": ok, "detail": detail, "bridges_swept": swept,
+                   "stage_user": user.name if user else None}
 
 
 #: stage-exec's fast entry: the same command as `sfguard stage-exec`, started by this guard's
@@ -107,5 +118,5 @@ def exec_answer(guard, run, stage) -> dict[str, Any]:
         "bridges": bridges.describe(),
         "hide": [str(guard.home), str(guard.runtime), str(guard.bridges.root)],
         "run_as": guard.stage_user.to_json() if guard.stage_user is not None else None,
-        "agent_browser": getattr(guard, "agent_browser_path", None),
+        "agent_browser": guard.agent_browser_path,
     }

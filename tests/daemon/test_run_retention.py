@@ -17,6 +17,7 @@ import pytest
 
 from sfguard.supervisor.daemon.api import build_app
 from sfguard.supervisor.daemon.guard import Guard
+from sfguard.supervisor.daemon.settings import GuardSettings
 from sfguard.supervisor.profiles.stores import Stores
 from sfguard.supervisor.protocols import LOCAL_SCOPE
 from sfguard.supervisor.testing import FakeAuditSink, FakeKeyProvider, FakeProfileLease, FakeProfileStore
@@ -48,7 +49,7 @@ async def make_api(tmp_path, aiohttp_client, monkeypatch):
         stores = Stores("fake", "in-memory (test fakes)", keys,
                         FakeProfileStore(scopes=(LOCAL_SCOPE,), keys=keys), FakeProfileLease(),
                         FakeAuditSink())
-        guard = Guard(tmp_path / "home", stores=stores, **keep)
+        guard = Guard(tmp_path / "home", stores=stores, settings=GuardSettings(**keep))
         guards.append(guard)
         return Api(await aiohttp_client(build_app(guard)), guard)
     yield make

@@ -1,0 +1,32 @@
+"""What `sfguard start` decides once, from its flags: one typed, frozen object the Guard is built
+with. Nothing changes it afterwards; what the guard learns while it runs (the browser user it
+resolved, the sandbox check, the API's TCP port, the console) is its own state, set in daemon/."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
+from sfguard.supervisor.daemon.log_rotation import Retention
+from sfguard.supervisor.stage.sandbox import DEFAULT_STAGE_USER
+from sfguard.supervisor.writes.intercept import DEFAULT_TIMEOUT as WRITE_GATE_TIMEOUT
+
+#: ended runs stay in memory (status, the console, GET) for the newest KEEP_ENDED_RUNS and at
+#: most KEEP_ENDED_SECONDS (`sfguard start --keep-ended-runs/--keep-ended-hours`); then only
+#: their record on disk is left
+KEEP_ENDED_RUNS = 200
+KEEP_ENDED_SECONDS = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    keep_ended_runs: int = KEEP_ENDED_RUNS
+    keep_ended_seconds: float = KEEP_ENDED_SECONDS
+    #: how long a held write waits for a person before it is refused (--write-gate-timeout)
+    write_gate_timeout: float = WRITE_GATE_TIMEOUT
+    #: the decision log's rotation (--log-max-mb, --log-max-age, --log-keep)
+    log_retention: Retention = field(default_factory=Retention)
+    #: the group given the control socket and the home (--api-group), as a gid
+    api_gid: int | None = None
+    #: under root: the user stages run as (--stage-user) and browsers run as (--browser-user)
+    stage_user_name: str = DEFAULT_STAGE_USER
+    browser_user_name: str = DEFAULT_BROWSER_USER
