@@ -24,7 +24,6 @@ import collections
 import contextlib
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import time
@@ -44,7 +43,7 @@ from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
 from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, NotFound
 from sfguard.supervisor.daemon.inventory import Inventory
-from sfguard.supervisor.daemon.log_rotation import keep_rotated
+from sfguard.supervisor.daemon.log_rotation import keep_rotated, write_decision
 from sfguard.supervisor.daemon.logins import Logins
 from sfguard.supervisor.daemon.metrics import GuardMetrics
 from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunProxy
@@ -56,7 +55,6 @@ from sfguard.supervisor.daemon.runs import (
     Stage,
     StageOutcome,
     StageState,
-    now_iso,
 )
 from sfguard.supervisor.daemon.settings import GuardSettings
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
@@ -93,13 +91,6 @@ __all__ = ["Guard", "GuardAlreadyRunning", "GuardSettings", "RunProxy", "release
 
 class GuardAlreadyRunning(Exception):
     pass
-
-
-def write_decision(path: Path, **fields: Any) -> None:
-    """One line of the decision log that the guard writes itself (the CDP gate's refusals);
-    the run proxies write theirs to the same file (proxy_addons/decision_log.py)."""
-    with open(path, "a", opener=lambda p, f: os.open(p, f, 0o600)) as fh:
-        fh.write(json.dumps({"ts": now_iso(), **fields}) + "\n")
 
 
 class Guard:
@@ -157,7 +148,9 @@ class Guard:
         # the services
         self.stages = Stages(self)
         self.teardown = Teardown(self)
-        self.watchdog = Watchdog(self)
+        self.watchdog = Watchdog(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
+                                 sessions=self.sessions, gate=self.gate, deferred=self.deferred,
+                                 check_policy=self.check_policy)
         self.logins = Logins(self)
         self.inventory = Inventory(self)
         # write gates: held writes wait for a person here (supervisor/writes/approvals.py)

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sfguard.supervisor.daemon.runs import now_iso
+
 log = logging.getLogger("sfguard.guard")
 
 
@@ -96,3 +98,10 @@ async def keep_rotated(paths: list[Path], retention: Retention, interval: float 
             except OSError as exc:     # a full disk or a removed folder: said, tried again later
                 log.warning("could not rotate %s: %s", path.name, exc.strerror or exc)
         await asyncio.sleep(interval)
+
+
+def write_decision(path: Path, **fields: object) -> None:
+    """One line of the decision log that the guard writes itself (the CDP gate's refusals);
+    the run proxies write theirs to the same file (proxy_addons/decision_log.py)."""
+    with open(path, "a", opener=lambda p, f: os.open(p, f, 0o600)) as fh:
+        fh.write(json.dumps({"ts": now_iso(), **fields}) + "\n")

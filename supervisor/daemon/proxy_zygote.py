@@ -273,8 +273,12 @@ def _child(ctl: socket.socket, fds: list[int], args: list[str]) -> None:
     """In the forked child: become a run's proxy process. Never returns."""
     code = 70
     try:
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        # as Python sets them at start: SIGPIPE ignored (a write to a connection the browser
+        # closed raises BrokenPipeError; SIG_DFL would end the whole proxy), SIGINT raising
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         ctl.close()
         os.setsid()
         os.dup2(fds[0], 0)

@@ -6,13 +6,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, StageState, now_iso
 from sfguard.supervisor.procs import terminate_recorded
 
 if TYPE_CHECKING:
-    from sfguard.supervisor.daemon.guard import Guard
+    from sfguard.supervisor.browsers.host import BrowserHost
+    from sfguard.supervisor.daemon.crash import RunRecords
+    from sfguard.supervisor.daemon.deferred import Deferred
+    from sfguard.supervisor.daemon.stage_sessions import StageSessions
+    from sfguard.supervisor.daemon.stages import Stages
+    from sfguard.supervisor.gate.cdp_gate import CdpGate
 
 log = logging.getLogger("sfguard.guard")
 
@@ -20,8 +26,15 @@ WATCH_INTERVAL = 0.25
 
 
 class Watchdog:
-    def __init__(self, guard: Guard):
-        self.g = guard
+    """Given exactly what it watches and what it uses to repair: the guard's runs, the stage
+    service (advance, launch, attach), run records, the browser host, stage sessions, the
+    gate, the work a full disk put off, and the policy check."""
+
+    def __init__(self, *, runs: dict[str, Run], stages: Stages, records: RunRecords,
+                 host: BrowserHost, sessions: StageSessions, gate: CdpGate, deferred: Deferred,
+                 check_policy: Callable[[], object]):
+        self.runs, self.stages, self.records, self.host = runs, stages, records, host
+        self.sessions, self.gate, self.deferred, self.check_policy = sessions, gate, deferred, check_policy
 
     async def loop(self) -> None:
         while True:
@@ -32,39 +45,37 @@ class Watchdog:
                 log.exception("watchdog pass failed")
 
     async def once(self) -> None:
-        g = self.g
-        g.check_policy()
-        if await g.deferred.retry():        # a release landed: hand the profiles on
-            for run in list(g.runs.values()):
+        self.check_policy()
+        if await self.deferred.retry():        # a release landed: hand the profiles on
+            for run in list(self.runs.values()):
                 if run.state == RunState.ACTIVE:
                     for stage in run.waiting_stages():
-                        await g.stages.advance(run, stage)
-        for run in list(g.runs.values()):
+                        await self.stages.advance(run, stage)
+        for run in list(self.runs.values()):
             if run.state != RunState.ACTIVE:
                 continue
             for stage in run.waiting_stages():
-                await g.stages.advance(run, stage)
+                await self.stages.advance(run, stage)
             if run.proxy is not None and run.proxy.proc is not None and not run.proxy.alive():
                 log.warning("run %s: guard proxy died; restarting it on the same port", run.run_id)
                 run.proxy.restarts += 1
                 with contextlib.suppress(Exception):
                     await run.proxy.stop()
                 await run.proxy.start()
-                g.records.save(run)
+                self.records.save(run)
             for browser in list(run.browsers.values()):
                 if (browser.anchor is not None and not browser.closing and not browser.lock.locked()
-                        and not g.host.alive(browser.anchor)):
+                        and not self.host.alive(browser.anchor)):
                     await self.restart_browser(run, browser)
 
     async def restart_browser(self, run: Run, browser: Browser) -> None:
-        g = self.g
         async with browser.lock:
             if browser.closing or run.state != RunState.ACTIVE:
                 return
             log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key)
             dead = browser.anchor
             assert dead is not None
-            await g.sessions.drop(dead)
+            await self.sessions.drop(dead)
             await asyncio.to_thread(terminate_recorded, dead.processes, 3)
             await dead.pipe.close()
             browser.restarts += 1
@@ -76,25 +87,24 @@ class Watchdog:
                                   "new env"})
                 if st.state == StageState.READY:
                     st.move(StageState.RELAUNCHING)
-            browser.anchor = await g.stages.launch(run, browser,
+            browser.anchor = await self.stages.launch(run, browser,
                                                    dead.profile_dir if browser.profile else None)
             await self.reattach(run, browser)
 
     async def reattach(self, run: Run, browser: Browser) -> None:
         """After the browser was replaced: new gate tokens for its stages; the next GET of a
         stage returns the refreshed env."""
-        g = self.g
         for sid in sorted(browser.stages):
             stage = run.stages[sid]
             if stage.state in (StageState.READY, StageState.RELAUNCHING) and stage.gate_key:
-                await g.gate.revoke(stage.gate_key)
+                await self.gate.revoke(stage.gate_key)
                 # the old session's daemon served the dead browser: end it with its files (a
                 # new session is started below), so no agent-browser outlives the guard
                 if stage.env_full:
                     with contextlib.suppress(Exception):
-                        await g.host.close_stage_session(stage.env_full, graceful=False)
+                        await self.host.close_stage_session(stage.env_full, graceful=False)
                 await asyncio.to_thread(terminate_recorded, stage.processes, 3)
                 stage.move(StageState.PENDING)
                 async with run.lock:
-                    await g.stages.attach(run, browser, stage)
-        g.records.save(run)
+                    await self.stages.attach(run, browser, stage)
+        self.records.save(run)

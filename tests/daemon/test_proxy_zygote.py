@@ -168,3 +168,17 @@ async def test_the_switch_starts_proxies_as_processes_of_their_own(rig, site, mo
     a = await proxy("run-a")
     assert not isinstance(a.proc, ForkedProxy) and zygote.proc is None
     assert "sfguard.supervisor.daemon.proxy_child" in psutil.Process(a.proc.pid).cmdline()
+
+
+async def test_a_forked_proxy_survives_a_broken_pipe_as_a_started_one_does(rig, site):
+    """A write to a connection the browser already closed raises SIGPIPE: a proxy must ignore
+    it (as Python sets it up at start) or every closed tab could end the whole run's proxy.
+    Found when forked proxies died with signal 13 under a real guard."""
+    zygote, proxy, _ = rig
+    a = await proxy("run-a")
+    ca = await a.add_client([f"site.test:{site}"])
+    status = dict(line.split(":", 1) for line in open(f"/proc/{a.proc.pid}/status").read().splitlines())
+    assert int(status["SigIgn"], 16) & (1 << (signal.SIGPIPE - 1)), "SIGPIPE is not ignored"
+    os.kill(a.proc.pid, signal.SIGPIPE)
+    await asyncio.sleep(0.3)
+    assert a.alive() and await afetch(a.url_for(ca), f"http://site.test:{site}/after") == 200
