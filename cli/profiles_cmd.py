@@ -15,7 +15,7 @@ import time
 
 from sfguard.cli.main import CliError
 from sfguard.cli.options import add_home
-from sfguard.supervisor.home import ensure_home, existing_home
+from sfguard.supervisor.home import ensure_home, existing_home, upgrade_format
 from sfguard.supervisor.profiles.audit import LocalAuditSink
 from sfguard.supervisor.profiles.keys import default_key_provider
 from sfguard.supervisor.profiles.lease import LocalProfileLease
@@ -99,8 +99,7 @@ class _Ctx:
         self.read_only = read_only
         self.home = existing_home(args.home) if read_only else ensure_home(args.home)
         if not read_only:     # a command that writes brings an older home up to this format
-            from sfguard.supervisor import home_format
-            home_format.upgrade(self.home)
+            upgrade_format(self.home)
         self.keys = default_key_provider(self.home)
         self.store = LocalProfileStore(self.home, self.keys)
         self.lease = LocalProfileLease(self.home)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -122,17 +123,15 @@ def existing_home(flag: str | os.PathLike | None = None) -> Path:
                         "or `sfguard profiles create` makes one)")
     if not home.is_dir():
         raise HomeError(f"{home} is a file, not a guard home folder")
-    from sfguard.supervisor import home_format  # noqa: PLC0415 (it imports this module)
-    home_format.check(home)        # a newer sfguard's home is refused, even for reading
+    check_format(home)        # a newer sfguard's home is refused, even for reading
     return home
 
 
 def ensure_home(flag: str | os.PathLike | None = None) -> Path:
     """Resolve and create the guard home with mode 0700; a home of a newer format is refused
-    (supervisor/home_format.py; the guard and the commands that write migrate an older one)."""
+    (check_format below; the guard and the commands that write migrate an older one)."""
     home = private_dir(resolve_home(flag))
-    from sfguard.supervisor import home_format  # noqa: PLC0415 (it imports this module)
-    home_format.check(home)
+    check_format(home)
     return home
 
 
@@ -243,3 +242,73 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------- the home's format
+# The guard home's format version (`<home>/home.json`) and its migrations.
+#
+# Every file the guard keeps in its home (sealed profiles, keys, leases, run records, the audit
+# chain and its segments) is laid out as the home's format says. `sfguard start` and every
+# command that writes the home bring an older home up to FORMAT with the migrations below, in
+# order, and record it; a read-only command reads an older home as it is. A home written by a
+# newer sfguard (a higher format) is refused by every command with one clear message, so an
+# older release never half-understands a newer layout (as the PostgreSQL schema is refused).
+#
+# Formats:
+#   0  every home before home.json existed (through commit 18d718e).
+#   1  home.json; the audit log may be closed into segments (audit.d/, audit.anchor). Nothing
+#      of format 0 changes: the migration only records the format.
+
+FORMAT_FILE = "home.json"
+FORMAT = 1
+
+
+class HomeFormatError(HomeError):
+    """The home's format cannot be used by this sfguard (newer, or the file is damaged)."""
+
+
+def _to_1(home: Path) -> None:
+    """0 -> 1: nothing to rewrite (segments appear only when the log is closed)."""
+
+
+#: migration from format N to N + 1
+MIGRATIONS: dict[int, Callable[[Path], None]] = {0: _to_1}
+
+
+def read_format(home: Path) -> int:
+    """The home's format: 0 without home.json; HomeFormatError for a damaged file."""
+    try:
+        raw = (Path(home) / FORMAT_FILE).read_bytes()
+    except FileNotFoundError:
+        return 0
+    try:
+        data = json.loads(raw)
+        fmt = data["format"]
+        if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        raise HomeFormatError(f"{Path(home) / FORMAT_FILE} is damaged (it must say {{\"format\": N}}); "
+                              "it was left as it is") from None
+    return fmt
+
+
+def check_format(home: Path) -> int:
+    """Refuse a home this sfguard cannot read; its format otherwise."""
+    fmt = read_format(home)
+    if fmt > FORMAT:
+        raise HomeFormatError(f"the guard home {home} was written by a newer sfguard (home format "
+                              f"{fmt}; this one reads formats up to {FORMAT}): upgrade sfguard, "
+                              "or use another home")
+    return fmt
+
+
+def upgrade_format(home: Path) -> int:
+    """Bring the home up to FORMAT (each migration in order) and record it; its format before."""
+    before = check_format(home)
+    fmt = before
+    while fmt < FORMAT:
+        MIGRATIONS[fmt](home)
+        fmt += 1
+    if before != FORMAT or not os.path.exists(Path(home) / FORMAT_FILE):
+        atomic_write(Path(home) / FORMAT_FILE, json.dumps({"format": FORMAT}).encode() + b"\n", 0o600)
+    return before

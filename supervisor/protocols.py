@@ -8,7 +8,8 @@ Everything the daemon does with a profile goes through these four interfaces:
 - `AuditSink`: the append-only, hash-chained record of who did what.
 
 Local implementations live in `profiles.py`, `lease.py`, `keys.py` and `audit.py`; in-memory
-fakes (two scopes) in `supervisor/testing/`. Later issues add `BrowserHost` and `Handoff` below.
+fakes (two scopes) in `supervisor/testing/`. The `BrowserHost` and `Handoff` Protocols live next
+to their value types, in browsers/host.py and browsers/handoff.py (this module imports no room).
 
 A profile is addressed by a `ProfileKey` (scope + name). The scope is always set by the guard
 (locally the fixed value `LOCAL_SCOPE`), never by a request body or YAML; names are validated
@@ -20,10 +21,7 @@ import builtins
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    from sfguard.supervisor.profiles.audit import VerifyResult
+from typing import Any, Protocol, runtime_checkable
 
 # --------------------------------------------------------------------------- names and keys
 
@@ -164,6 +162,26 @@ def validate_run_id(value: object) -> str:
     return value
 
 
+# --------------------------------------------------------------------------- audit values
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What `AuditSink.verify` found: intact, or the first bad record and why."""
+    ok: bool
+    records: int
+    line: int | None = None        # 1-based line of the first bad record (in `segment`)
+    reason: str | None = None
+    segment: str | None = None     # the file of that line when it is not audit.log itself
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"audit log intact: {self.records} record(s)"
+        where = f"line {self.line}" if self.line else "log"
+        if self.segment:
+            where = f"{self.segment} {where}" if self.line else self.segment
+        return f"audit log broken at {where}: {self.reason}"
+
+
 # --------------------------------------------------------------------------- Protocols
 
 @runtime_checkable
@@ -224,17 +242,6 @@ __all__ = [
     "NAME_PATTERN", "LOCAL_SCOPE", "ProfileError", "ProfileNameError", "ProfileNotFound",
     "ProfileExists", "ProfileBusy", "StoreUnavailable", "validate_name", "ProfileKey", "ProfileInfo",
     "ProcessIdentity", "LeaseHolder", "QueueEntry", "Granted", "Waiting", "validate_run_id",
-    "ProfileStore", "ProfileLease", "KeyProvider", "AuditSink",
+    "VerifyResult", "ProfileStore", "ProfileLease", "KeyProvider", "AuditSink",
 ]
 
-
-# --------------------------------------------------------------------------- BrowserHost
-# The BrowserHost Protocol is defined next to its value types (AnchorSpec, Anchor,
-# StageSession, CloseReport) in supervisor/browsers/host.py; it is re-exported here lazily so
-# that this module stays free of process/psutil imports.
-
-def __getattr__(name: str):
-    if name == "BrowserHost":
-        from sfguard.supervisor.browsers.host import BrowserHost
-        return BrowserHost
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -83,3 +83,66 @@ def test_no_production_module_over_500_lines(part):
     long = {str(p.relative_to(ROOT)): n for q, p in modules() if q == part
             and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def supervisor_rooms() -> list[str]:
+    """supervisor's rooms, bottom to top, as docs/design.md section 3 writes them (the one place
+    the order is written down)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("<!-- supervisor rooms, bottom to top", 1)[1].split("<!-- /supervisor rooms -->", 1)[0]
+    lines = block.splitlines()[1:]     # after the marker's own line
+    return [line.split()[0] for line in lines if line.strip() and not line.startswith("```")]
+
+
+def rooms_on_disk() -> set[str]:
+    sup = ROOT / "supervisor"
+    return ({p.stem for p in sup.glob("*.py") if p.name != "__init__.py"}
+            | {p.parent.name for p in sup.glob("*/__init__.py")})
+
+
+def supervisor_targets(path: Path) -> list[tuple[int, str]]:
+    """(line, room) of every import of a supervisor room in `path`: at the top, inside a
+    function, or under `if TYPE_CHECKING:` alike."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == "sfguard.supervisor":
+            out.extend((node.lineno, a.name) for a in node.names)    # from sfguard.supervisor import home
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            bits = node.module.split(".")
+            if bits[:2] == ["sfguard", "supervisor"] and len(bits) > 2:
+                out.append((node.lineno, bits[2]))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                bits = a.name.split(".")
+                if bits[:2] == ["sfguard", "supervisor"] and len(bits) > 2:
+                    out.append((node.lineno, bits[2]))
+    return out
+
+
+def test_supervisor_rooms_are_all_in_the_written_order():
+    order = supervisor_rooms()
+    assert len(order) == len(set(order)), f"a room twice in docs/design.md: {order}"
+    on_disk = rooms_on_disk()
+    assert set(order) == on_disk, {"rooms missing from docs/design.md": sorted(on_disk - set(order)),
+                                   "listed but absent": sorted(set(order) - on_disk)}
+
+
+def test_supervisor_rooms_import_only_rooms_below_them():
+    """Each room of supervisor/ imports only rooms below it in docs/design.md's order, so the
+    rooms never import each other in a loop. A lazy import inside a function and a
+    `TYPE_CHECKING` import count as much as one at the top: the first is still a dependency when
+    it runs, the second still means one room cannot be read without the other, and both are how
+    a loop comes back unnoticed."""
+    rank = {room: i for i, room in enumerate(supervisor_rooms())}
+    wrong = []
+    for path in sorted((ROOT / "supervisor").rglob("*.py")):
+        rel = path.relative_to(ROOT / "supervisor")
+        if "__pycache__" in rel.parts or rel.parts == ("__init__.py",):
+            continue
+        mine = rel.parts[0].removesuffix(".py")
+        for line, target in supervisor_targets(path):
+            if target == mine:
+                continue
+            if target not in rank or mine not in rank or rank[target] > rank[mine]:
+                wrong.append(f"supervisor/{rel}:{line}: {mine} imports {target}")
+    assert not wrong, "imports against the room order of docs/design.md section 3:\n" + "\n".join(wrong)

@@ -1,6 +1,6 @@
 """The login check: is this browser profile logged in to the site? Computed by the guard.
 
-A stage's `browser.login_check` (see `sfguard.supervisor.daemon.models.LoginCheck`) names a page, a pattern
+A stage's `browser.login_check` (see `sfguard.supervisor.models.LoginCheck`) names a page, a pattern
 for the address a logged-in visitor ends on, patterns for the addresses a logged-out visitor
 ends on, and optionally a CSS selector that only a logged-in page shows:
 
@@ -50,8 +50,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sfguard.supervisor.daemon.models import LoginCheck
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
+from sfguard.supervisor.models import LoginCheck
 
 _CdpError = CdpCallError
 

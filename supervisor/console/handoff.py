@@ -26,11 +26,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sfguard import policy
+from sfguard.supervisor import models
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.handoff import display_refusal
 from sfguard.supervisor.console.liveview import LiveView
-from sfguard.supervisor.daemon import models
-from sfguard.supervisor.daemon.errors import BadRequest, Conflict, GuardError, NotFound, Unavailable
+from sfguard.supervisor.errors import BadRequest, Conflict, GuardError, NotFound, Unavailable
 
 log = logging.getLogger("sfguard.console.handoff")
 

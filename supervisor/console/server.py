@@ -44,7 +44,6 @@ from sfguard.supervisor.console import approvals_page, pages
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.console.auth import LINK_TTL, SESSION_TTL, ConsoleAuth, Session
 from sfguard.supervisor.console.listen import ConsoleError, parse_listen  # noqa: F401 (start_cmd imports them here)
-from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("sfguard.console")
 
@@ -320,7 +319,7 @@ class ConsoleServer:
             return web.Response(status=401, text="sign in with a link from `sfguard console`\n")
         g = self.guard
         body = await asyncio.to_thread(g.metrics.render, g.metrics.snapshot(g))
-        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+        return web.Response(body=body, headers={"Content-Type": g.metrics.content_type})
 
     async def page_context(self, page: str, query: dict[str, str]) -> dict[str, Any]:
         """What a page shows (supervisor/console/pages.py)."""

@@ -19,9 +19,10 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from sfguard.supervisor import models as m
 from sfguard.supervisor.daemon import approval_models as am
-from sfguard.supervisor.daemon import models as m
-from sfguard.supervisor.daemon.errors import (
+from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from sfguard.supervisor.errors import (
     BadRequest,
     Conflict,
     Forbidden,
@@ -30,7 +31,6 @@ from sfguard.supervisor.daemon.errors import (
     Unavailable,
     Unprocessable,
 )
-from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("sfguard.api")
 #: path parameters are validated like body fields (the same patterns as the models)
@@ -39,7 +39,7 @@ PATH_PARAMS = {"run_id": re.compile(m.RUN_ID), "stage_id": re.compile(m.STAGE_ID
 MAX_BODY = 256 * 1024
 
 
-#: The one mapping of the guard's domain errors (supervisor/daemon/errors.py) to HTTP.
+#: The one mapping of the guard's domain errors (supervisor/errors.py) to HTTP.
 ERROR_STATUS: dict[type[GuardError], int] = {
     BadRequest: 400, Forbidden: 403, NotFound: 404, Conflict: 409, Unprocessable: 422,
     Unavailable: 503,
@@ -62,7 +62,7 @@ def _loc(loc: tuple) -> str:
 
 def validation_error(exc: ValidationError, model: type[BaseModel]) -> BadRequest:
     """Every error (at most 20), each worded as `sfguard validate` words it
-    (sfguard.supervisor.daemon.models.error_message) after its field, joined by "; "; `field`
+    (sfguard.supervisor.models.error_message) after its field, joined by "; "; `field`
     names the first."""
     errors = exc.errors()
     parts = []

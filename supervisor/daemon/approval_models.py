@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from sfguard.supervisor.daemon.models import Answer, Strict
+from sfguard.supervisor.models import Answer, Strict
 
 APPROVAL_ID = r"^ap_[0-9a-f]{20}$"
 APPROVAL_ID_RE = re.compile(APPROVAL_ID)

@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 from sfguard.supervisor.daemon.approval_models import ApprovalDecision
-from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound
-from sfguard.supervisor.daemon.models import RUN_ID
+from sfguard.supervisor.errors import BadRequest, Conflict, NotFound
+from sfguard.supervisor.models import RUN_ID
 from sfguard.supervisor.writes.approvals import TRANSITIONS, ApprovalDecided, ApprovalNotFound, Approvals
 
 RUN_ID_RE = re.compile(RUN_ID)

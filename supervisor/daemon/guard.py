@@ -11,7 +11,7 @@
 
 The Guard's service methods (one per control API route, named as api.py's ROUTES name them)
 take validated models and return plain answers; they raise domain errors
-(supervisor/daemon/errors.py), never HTTP: api.py alone decides statuses.
+(supervisor/errors.py), never HTTP: api.py alone decides statuses.
 
 The Guard is built with its collaborators: `stores` (keys, store, lease, audit: the local
 home or a shared store by default, supervisor/profiles/stores.py), `browser_host` (local
@@ -32,16 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sfguard import policy
-from sfguard.supervisor import home_format
+from sfguard.supervisor import models
 from sfguard.supervisor.browsers import agent_browser, browser_user, tools
 from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
 from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
 from sfguard.supervisor.console import handoff as live
-from sfguard.supervisor.daemon import models, retention
+from sfguard.supervisor.daemon import retention, stage_exec
 from sfguard.supervisor.daemon.approvals_api import ApprovalsApi
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
-from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, NotFound
 from sfguard.supervisor.daemon.inventory import Inventory
 from sfguard.supervisor.daemon.log_rotation import keep_rotated, write_decision
 from sfguard.supervisor.daemon.logins import Logins
@@ -61,6 +60,7 @@ from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
 from sfguard.supervisor.daemon.teardown import Teardown
 from sfguard.supervisor.daemon.watchdog import Watchdog
+from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, NotFound
 from sfguard.supervisor.gate.cdp_gate import CdpGate
 from sfguard.supervisor.home import (
     ensure_home,
@@ -69,11 +69,11 @@ from sfguard.supervisor.home import (
     revoke_traverse,
     runtime_dir,
     runtime_path,
+    upgrade_format,
 )
 from sfguard.supervisor.profiles.store_ops import StoreCalls
 from sfguard.supervisor.profiles.stores import Stores, open_stores
 from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileError, ProfileKey, StoreUnavailable
-from sfguard.supervisor.stage import stage_exec
 from sfguard.supervisor.stage.stage_bridge import BridgeHost
 from sfguard.supervisor.writes.approvals import Approvals
 from sfguard.supervisor.writes.modes import decision_recorder
@@ -102,7 +102,7 @@ class Guard:
                  settings: GuardSettings | None = None):
         self.settings = settings = settings if settings is not None else GuardSettings()
         self.home = ensure_home(home)
-        home_format.upgrade(self.home)   # an older home is migrated, a newer one refused
+        upgrade_format(self.home)   # an older home is migrated, a newer one refused
         # named here, created by start (a guard that is refused before it starts, or only
         # sweeps, leaves no empty folder in /dev/shm)
         self.runtime = runtime_path(self.home)

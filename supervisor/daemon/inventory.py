@@ -6,9 +6,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sfguard.supervisor.daemon.errors import BadRequest, Conflict, NotFound, Unavailable
 from sfguard.supervisor.daemon.metrics import DISK_LOW_BYTES, disk_free
 from sfguard.supervisor.daemon.runs import RunState, holder_where, now_iso
+from sfguard.supervisor.errors import BadRequest, Conflict, NotFound, Unavailable
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.store_ops import StoreSlow
 from sfguard.supervisor.protocols import ProfileError, ProfileKey, StoreUnavailable

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sfguard import policy
+from sfguard.supervisor import models
 from sfguard.supervisor.browsers.handoff import HandoffImpossible
 from sfguard.supervisor.browsers.login import LoginCheckError, check_login
 from sfguard.supervisor.console import handoff as live
-from sfguard.supervisor.daemon import models
-from sfguard.supervisor.daemon.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
 from sfguard.supervisor.daemon.runs import Browser, Run
 from sfguard.supervisor.daemon.stages import BROWSER_ERRORS
 from sfguard.supervisor.daemon.window_handoff import WindowHandoffs
+from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
 from sfguard.supervisor.protocols import ProfileError
 
 if TYPE_CHECKING:

@@ -209,6 +209,9 @@ class GuardMetrics:
     handoffs, policy), then `render(snapshot)` off it (decision-log tail, process table, disk,
     the audit chain when its last check is old)."""
 
+    #: the Content-Type of `render`'s text (the console serves it too, through the guard)
+    content_type = CONTENT_TYPE
+
     def __init__(self, decision_log: Path):
         self.registry = CollectorRegistry(auto_describe=True)
         self.stage_start = Histogram(

@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 from sfguard.supervisor import redaction
-from sfguard.supervisor.daemon.errors import BrowserStartError
+from sfguard.supervisor.errors import BrowserStartError
 from sfguard.supervisor.procs import ProcRecord, end_child
 
 log = logging.getLogger("sfguard.guard")

@@ -9,8 +9,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from sfguard.supervisor.daemon.errors import NotFound
 from sfguard.supervisor.daemon.runs import Run, RunState
+from sfguard.supervisor.errors import NotFound
 
 if TYPE_CHECKING:
     from sfguard.supervisor.daemon.guard import Guard

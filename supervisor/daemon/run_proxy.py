@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sfguard.supervisor import redaction
-from sfguard.supervisor.daemon.errors import BrowserStartError
 from sfguard.supervisor.daemon.proxy_zygote import ForkedProxy, Zygote, ZygoteError
 from sfguard.supervisor.daemon.proxy_zygote import enabled as zygote_enabled
+from sfguard.supervisor.errors import BrowserStartError
 from sfguard.supervisor.procs import ProcRecord, end_child, niced, renice_all_threads
 
 log = logging.getLogger("sfguard.guard")

@@ -7,7 +7,7 @@
 
 `StageState` is the single list of stage states and `STAGE_TRANSITIONS` the single list of
 the moves between them; `Stage.move` refuses any other. Records hold no HTTP: a failed
-stage keeps a domain error (supervisor/daemon/errors.py) that api.py maps.
+stage keeps a domain error (supervisor/errors.py) that api.py maps.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sfguard.supervisor import models
 from sfguard.supervisor.browsers.host import Anchor
 from sfguard.supervisor.browsers.login import LoginResult
-from sfguard.supervisor.daemon import models
-from sfguard.supervisor.daemon.errors import GuardError
+from sfguard.supervisor.errors import GuardError
 from sfguard.supervisor.procs import ProcRecord
 from sfguard.supervisor.protocols import ProfileKey, Waiting
 

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sfguard.policy.writes import WriteRules
+from sfguard.supervisor import models
 from sfguard.supervisor.browsers import browser_user, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
-from sfguard.supervisor.daemon import models
 from sfguard.supervisor.daemon.deferred import no_space
-from sfguard.supervisor.daemon.errors import BadRequest, BrowserStartError, Conflict, GuardError, Unavailable
 from sfguard.supervisor.daemon.run_proxy import RunProxy, short_id
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, Stage, StageState
+from sfguard.supervisor.errors import BadRequest, BrowserStartError, Conflict, GuardError, Unavailable
 from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, PipeClosed
 from sfguard.supervisor.home import private_dir

@@ -12,7 +12,6 @@ import shutil
 from typing import TYPE_CHECKING
 
 from sfguard.supervisor.daemon.deferred import no_space
-from sfguard.supervisor.daemon.errors import BrowserStartError
 from sfguard.supervisor.daemon.runs import (
     Browser,
     Run,
@@ -22,6 +21,7 @@ from sfguard.supervisor.daemon.runs import (
     StageOutcome,
     StageState,
 )
+from sfguard.supervisor.errors import BrowserStartError
 from sfguard.supervisor.procs import terminate_recorded
 from sfguard.supervisor.profiles import store_ops
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfguard.supervisor.daemon.models import BrowserField
+from sfguard.supervisor.models import BrowserField
 
 __all__ = ["Issue", "PipelineReport", "Route", "StageInfo"]
 

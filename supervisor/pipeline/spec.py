@@ -9,7 +9,7 @@ The pipeline shape read here is Stageflow-like::
         file: stages/check.yaml         # optional stage file (relative, inside the pipeline's
                                         # folder); keys of the entry override the file's keys
         prompt: ...                     # the stage's own fields are not judged here
-        browser:                        # the spec's browser field (sfguard.supervisor.daemon.models.BrowserField)
+        browser:                        # the spec's browser field (sfguard.supervisor.models.BrowserField)
           profile: fixture
           headed: true
           allow_domains: ["127.0.0.1:8080"]
@@ -26,7 +26,7 @@ What is reported (each as `FILE:LINE:COL: PATH: MESSAGE`, line and column 1-base
 YAML node marks; a stage file's problems name the stage file):
 
 * YAML syntax errors, duplicate keys, unknown keys (with a "did you mean"), wrong shapes;
-* every invalid `browser` field, validated by `sfguard.supervisor.daemon.models.BrowserField`, the same model
+* every invalid `browser` field, validated by `sfguard.supervisor.models.BrowserField`, the same model
   the control API uses, so a file and an API request are judged alike; every bad
   `allow_domains` entry, every login-check URL pattern that does not compile;
 * `allow_domains` patterns the site policy blocks anyway (`blocked_by_policy`), and a login

@@ -18,7 +18,7 @@ from sfguard import policy
 from sfguard.policy.yamlpos import mark_place, validate_at, yaml_error_mark
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.handoff import HandoffPayload
-from sfguard.supervisor.daemon.models import STAGE_ID, BrowserField, error_message
+from sfguard.supervisor.models import STAGE_ID, BrowserField, error_message
 from sfguard.supervisor.pipeline.report import Issue, PipelineReport, Route, StageInfo
 from sfguard.supervisor.pipeline.topology import check_login_topology
 from sfguard.supervisor.pipeline.yamldoc import YamlDoc, error_path, kind, locate_in, mark

@@ -57,7 +57,6 @@ from sfguard.supervisor.profiles.audit_chain import (
     GENESIS,
     AuditFieldError,
     ChainEnd,
-    VerifyResult,
     canonical,
     chain_record,
     check_head,
@@ -69,6 +68,7 @@ from sfguard.supervisor.profiles.audit_chain import (
     walk_chain,
 )
 from sfguard.supervisor.profiles.keys import KeyMissing
+from sfguard.supervisor.protocols import VerifyResult
 
 #: what other modules import from here (the chain's names live in audit_chain.py)
 __all__ = ["EVENTS", "FIELDS", "GENESIS", "AuditFieldError", "ChainEnd", "VerifyResult", "canonical",

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sfguard.supervisor.protocols import validate_name, validate_run_id
+from sfguard.supervisor.protocols import VerifyResult, validate_name, validate_run_id
 
 GENESIS = "0" * 64
 
@@ -147,23 +147,6 @@ def chain_record(key: bytes, last_seq: int, last_hash: str, event: str,
     rec["hash"] = record_hash(rec)
     rec["mac"] = record_mac(key, rec)
     return rec
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    ok: bool
-    records: int
-    line: int | None = None        # 1-based line of the first bad record (in `segment`)
-    reason: str | None = None
-    segment: str | None = None     # the file of that line when it is not audit.log itself
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"audit log intact: {self.records} record(s)"
-        where = f"line {self.line}" if self.line else "log"
-        if self.segment:
-            where = f"{self.segment} {where}" if self.line else self.segment
-        return f"audit log broken at {where}: {self.reason}"
 
 
 @dataclass(frozen=True)

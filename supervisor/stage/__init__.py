@@ -1,1 +1,2 @@
-"""Stage containment: the bubblewrap sandbox, its bridges and `sfguard stage-exec`."""
+"""Stage containment: the bubblewrap sandbox and its bridges (the guard's side of
+`sfguard stage-exec` is daemon/stage_exec.py)."""

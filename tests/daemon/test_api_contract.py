@@ -13,7 +13,7 @@ import re
 import stat
 import time
 
-from sfguard.supervisor.daemon import models as m
+from sfguard.supervisor import models as m
 from sfguard.supervisor.daemon.api import ERROR_STATUS, MAX_BODY, ROUTES, build_app, openapi_document
 from tests.conftest import free_port
 from tests.daemon.conftest import ROOT

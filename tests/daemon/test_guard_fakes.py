@@ -296,8 +296,8 @@ async def test_the_reviewer_consents_in_the_live_policy(api):
 async def test_a_bug_of_the_guard_is_an_internal_error_not_a_browser_failure(api, caplog, fault, status, code):
     """An IllegalTransition is a bug of the guard (daemon/runs.py): the runner gets a 500 and the
     guard's log the traceback, never `browser_failed` (which tells the runner to retry later)."""
-    from sfguard.supervisor.daemon.errors import BrowserStartError
     from sfguard.supervisor.daemon.runs import IllegalTransition, StageState
+    from sfguard.supervisor.errors import BrowserStartError
 
     async def broken(run, stage):
         raise {"illegal_transition": IllegalTransition(StageState.READY, StageState.WAITING),

@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from sfguard.supervisor.daemon import models
+from sfguard.supervisor import models
 from sfguard.supervisor.daemon.runs import (
     STAGE_TRANSITIONS,
     IllegalTransition,

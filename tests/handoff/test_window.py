@@ -38,8 +38,8 @@ from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers import tools, xdisplay
 from sfguard.supervisor.browsers.host import AnchorError, AnchorSpec, LocalBrowserHost
 from sfguard.supervisor.browsers.login import check_login
-from sfguard.supervisor.daemon.models import LoginCheck
 from sfguard.supervisor.home import revoke_traverse
+from sfguard.supervisor.models import LoginCheck
 from sfguard.supervisor.procs import scan_orphans, terminate_recorded
 from sfguard.supervisor.stage.sandbox import ensure_system_user
 

@@ -16,8 +16,8 @@ from sfguard.supervisor.browsers import agent_browser as ab
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost
 from sfguard.supervisor.browsers.login import LoginCheckError, check_login
-from sfguard.supervisor.daemon.models import LoginCheck
 from sfguard.supervisor.gate.cdp_gate import CdpGate
+from sfguard.supervisor.models import LoginCheck
 from sfguard.supervisor.procs import scan_orphans, terminate_recorded
 from tests.conftest import free_port
 

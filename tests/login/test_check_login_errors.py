@@ -7,8 +7,8 @@ import os
 import pytest
 
 from sfguard.supervisor.browsers.login import LoginCheckError, check_login
-from sfguard.supervisor.daemon.models import LoginCheck
 from sfguard.supervisor.gate.cdp_pipe import CdpPipe
+from sfguard.supervisor.models import LoginCheck
 
 
 async def test_a_browser_whose_pipe_is_closed_is_a_clear_error():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sfguard.supervisor import home_format
+from sfguard.supervisor.home import FORMAT, FORMAT_FILE, read_format
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "home-v0"
 
@@ -37,16 +37,16 @@ def sfguard(*args: str, home: Path) -> subprocess.CompletedProcess:
 
 def test_a_previous_release_home_opens_and_is_migrated(tmp_path):
     home = restored(tmp_path)
-    assert home_format.read_format(home) == 0
+    assert read_format(home) == 0
     listed = sfguard("profiles", "list", "--json", home=home)
     assert listed.returncode == 0, listed.stderr
     assert sorted(p["name"] for p in json.loads(listed.stdout)["profiles"]) == ["mail", "shop"]
     assert sfguard("audit", "verify", home=home).returncode == 0
-    assert not (home / home_format.FILE).exists()           # reading writes nothing
+    assert not (home / FORMAT_FILE).exists()           # reading writes nothing
     made = sfguard("profiles", "create", "news", home=home)  # the first write migrates
     assert made.returncode == 0, made.stderr
-    assert json.loads((home / home_format.FILE).read_text()) == {"format": home_format.FORMAT}
-    assert oct((home / home_format.FILE).stat().st_mode & 0o777) == "0o600"
+    assert json.loads((home / FORMAT_FILE).read_text()) == {"format": FORMAT}
+    assert oct((home / FORMAT_FILE).stat().st_mode & 0o777) == "0o600"
     check = sfguard("profiles", "show", "shop", "--json", home=home)   # the old seal opens
     assert check.returncode == 0, check.stderr
     verify = sfguard("audit", "verify", home=home)
@@ -58,16 +58,16 @@ def test_a_previous_release_home_opens_and_is_migrated(tmp_path):
                                      ("sweep",)])
 def test_a_newer_home_is_refused_by_every_command(tmp_path, command):
     home = restored(tmp_path)
-    (home / home_format.FILE).write_text(json.dumps({"format": home_format.FORMAT + 1}))
+    (home / FORMAT_FILE).write_text(json.dumps({"format": FORMAT + 1}))
     proc = sfguard(*command, home=home)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "written by a newer sfguard" in proc.stderr and "Traceback" not in proc.stderr
-    assert json.loads((home / home_format.FILE).read_text())["format"] == home_format.FORMAT + 1
+    assert json.loads((home / FORMAT_FILE).read_text())["format"] == FORMAT + 1
 
 
 def test_a_damaged_format_file_is_named_and_kept(tmp_path):
     home = restored(tmp_path)
-    (home / home_format.FILE).write_text("{not json")
+    (home / FORMAT_FILE).write_text("{not json")
     proc = sfguard("profiles", "list", home=home)
     assert proc.returncode == 2 and "home.json is damaged" in proc.stderr
-    assert (home / home_format.FILE).read_text() == "{not json"
+    assert (home / FORMAT_FILE).read_text() == "{not json"

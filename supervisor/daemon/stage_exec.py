@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfguard.supervisor.browsers import agent_browser, tools
-from sfguard.supervisor.daemon.errors import Conflict
+from sfguard.supervisor.errors import Conflict
 from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.stage import sandbox
 from sfguard.supervisor.stage.stage_bridge import BridgeHost
@@ -63,7 +63,7 @@ def prepare(stage_user_name: str, bridges: BridgeHost, api_gid: int | None) -> t
 #: absolute path, so it does not depend on the runner's PATH. A script of a few lines that
 #: imports cli/stage_exec_cmd.py: Python compiles the script it runs on every start, an
 #: imported module comes from its cached bytecode.
-#: supervisor/stage/ -> the folder holding cli/ (the checkout, or the installed sfguard package)
+#: supervisor/daemon/ -> the folder holding cli/ (the checkout, or the installed sfguard package)
 FAST_ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                           "cli", "stage_exec_entry.py")
 

@@ -162,7 +162,7 @@ ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
 
 
 class ErrorBody(Strict):
-    code: ErrorCode = Field(description="a stable code; see ERROR_CODES in supervisor/daemon/models.py")
+    code: ErrorCode = Field(description="a stable code; see ERROR_CODES in supervisor/models.py")
     message: str = Field(description="one sentence for a person; never a secret")
     field: str | None = Field(default=None, description=(
         "the dotted path of the offending input (browser.allow_domains.2), or null"))
@@ -482,5 +482,5 @@ class HandoffRequest(Strict):
         return check_profile_name(v)
 
 
-# one wording for a field error (supervisor/daemon/field_errors.py), kept importable from here
-from sfguard.supervisor.daemon.field_errors import error_message, field_path  # noqa: E402,F401
+# one wording for a field error (supervisor/field_errors.py), kept importable from here
+from sfguard.supervisor.field_errors import error_message, field_path  # noqa: E402,F401
