@@ -145,14 +145,6 @@ class Guard:
         self._rotate: asyncio.Task[None] | None = None
         # reseals and lease releases a full disk put off (supervisor/daemon/deferred.py)
         self.deferred = Deferred(self.stores, self.calls)
-        # the services
-        self.stages = Stages(self)
-        self.teardown = Teardown(self)
-        self.watchdog = Watchdog(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
-                                 sessions=self.sessions, gate=self.gate, deferred=self.deferred,
-                                 check_policy=self.check_policy)
-        self.logins = Logins(self)
-        self.inventory = Inventory(self)
         # write gates: held writes wait for a person here (supervisor/writes/approvals.py)
         self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields))
         self.approvals_api, self.write_approver = ApprovalsApi(self.approvals), self.approvals
@@ -164,6 +156,18 @@ class Guard:
         self.started = time.time()
         # stage-exec (layer 3): per-stage bridges, the stage user and the sandbox check
         self.bridges = BridgeHost(self.runtime)
+        # the services, each given what it uses (Stages, Logins and Inventory still the guard)
+        self.stages = Stages(self)
+        self.teardown = Teardown(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
+                                 sessions=self.sessions, gate=self.gate, bridges=self.bridges,
+                                 approvals=self.approvals, stores=self.stores, calls=self.calls,
+                                 deferred=self.deferred, run_ended=self.run_ended,
+                                 flush_refusals=self.flush_refusals)
+        self.watchdog = Watchdog(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
+                                 sessions=self.sessions, gate=self.gate, deferred=self.deferred,
+                                 check_policy=self.check_policy)
+        self.logins = Logins(self)
+        self.inventory = Inventory(self)
         self.stage_user: StageUser | None = None
         self.agent_browser_path: str | None = None
         self.api_gid = settings.api_gid

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sfguard.supervisor.daemon.deferred import no_space
@@ -26,40 +27,59 @@ from sfguard.supervisor.procs import terminate_recorded
 from sfguard.supervisor.profiles import store_ops
 
 if TYPE_CHECKING:
-    from sfguard.supervisor.daemon.guard import Guard
+    from sfguard.supervisor.browsers.host import BrowserHost
+    from sfguard.supervisor.daemon.crash import RunRecords
+    from sfguard.supervisor.daemon.deferred import Deferred
+    from sfguard.supervisor.daemon.stage_sessions import StageSessions
+    from sfguard.supervisor.daemon.stages import Stages
+    from sfguard.supervisor.gate.cdp_gate import CdpGate
+    from sfguard.supervisor.profiles.store_ops import StoreCalls
+    from sfguard.supervisor.profiles.stores import Stores
+    from sfguard.supervisor.stage.stage_bridge import BridgeHost
+    from sfguard.supervisor.writes.approvals import Approvals
 
 log = logging.getLogger("sfguard.guard")
 
 
 class Teardown:
-    def __init__(self, guard: Guard):
-        self.g = guard
+    """Given what it ends and what it reports to: the guard's runs, the stage service (its
+    allowlists, advancing waiting stages), records, the browser host, stage sessions, the gate,
+    the stage bridges, held writes, the profile stores and their calls, what a full disk put
+    off; `run_ended` (retention) and `flush_refusals` (the gate's aggregated denials)."""
+
+    def __init__(self, *, runs: dict[str, Run], stages: Stages, records: RunRecords,
+                 host: BrowserHost, sessions: StageSessions, gate: CdpGate, bridges: BridgeHost,
+                 approvals: Approvals, stores: Stores, calls: StoreCalls, deferred: Deferred,
+                 run_ended: Callable[[Run], None], flush_refusals: Callable[[], None]):
+        self.runs, self.stages, self.records, self.host = runs, stages, records, host
+        self.sessions, self.gate, self.bridges, self.approvals = sessions, gate, bridges, approvals
+        self.stores, self.calls, self.deferred = stores, calls, deferred
+        self.run_ended, self.flush_refusals = run_ended, flush_refusals
 
     async def end_stage(self, run: Run, stage: Stage, outcome: StageOutcome) -> list[str]:
         """Close the stage's tabs and session (with its own env), revoke its token, then drop
         its domains from its browser's allowlist; a throw-away browser is closed."""
-        g = self.g
         problems: list[str] = []
         if stage.state == StageState.ENDED:
             return problems
         was_ready = stage.state == StageState.READY
         stage.move(StageState.ENDED)
         stage.outcome = StageOutcome(outcome)
-        g.approvals.cancel(run.run_id, stage.stage_id)    # its held writes are denied, never sent
+        self.approvals.cancel(run.run_id, stage.stage_id)    # its held writes are denied, never sent
         if stage.gate_key:  # a stage-exec sandbox loses its gate and proxy at once
-            await g.bridges.close(stage.gate_key, run.proxy)
+            await self.bridges.close(stage.gate_key, run.proxy)
         if stage.gate_key and was_ready:
             # 1. the stage's session ends, through its still valid token
             if stage.env_full:
                 try:
-                    await g.host.close_stage_session(stage.env_full)
+                    await self.host.close_stage_session(stage.env_full)
                 except Exception as exc:
                     log.debug("stage session close: %s", exc)
             # 2. the stage's tabs, over the raw connection
             with contextlib.suppress(Exception):
-                await g.gate.close_stage_tabs(stage.gate_key)
+                await self.gate.close_stage_tabs(stage.gate_key)
             # 3. only then the token: revoking first would leave a session nobody can close
-            await g.gate.revoke(stage.gate_key)
+            await self.gate.revoke(stage.gate_key)
             # in a thread: the event loop also answers every browser's paused requests
             await asyncio.to_thread(terminate_recorded, stage.processes, 3)
         browser = run.browsers.get(stage.browser_key or "")
@@ -69,31 +89,30 @@ class Teardown:
                 problems += await self.close_browser(run, browser)
             elif run.proxy is not None and browser.client in run.proxy.clients:
                 try:
-                    await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser))
+                    await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser))
                 except BrowserStartError as exc:
                     problems.append(str(exc))
         with contextlib.suppress(Exception):
-            g.records.save(run)
+            self.records.save(run)
         return problems
 
     async def close_browser(self, run: Run, browser: Browser) -> list[str]:
-        g = self.g
         problems: list[str] = []
         browser.closing = True
         if browser.anchor is not None:
-            await g.sessions.drop(browser.anchor)   # a spare no stage took
+            await self.sessions.drop(browser.anchor)   # a spare no stage took
             try:
-                await g.host.close_anchor(browser.anchor)
+                await self.host.close_anchor(browser.anchor)
             except Exception as exc:
                 problems.append(f"closing the browser of {browser.key}: {exc}")
                 await asyncio.to_thread(terminate_recorded, browser.anchor.processes)
             browser.anchor = None
         if browser.profile is not None:
             try:
-                await g.calls.run(g.store.close, browser.profile, save=True)
+                await self.calls.run(self.stores.store.close, browser.profile, save=True)
             except Exception as exc:
                 if no_space(exc):      # keep the login: resealed when space returns
-                    g.deferred.reseal_later(browser.profile, run.run_id)
+                    self.deferred.reseal_later(browser.profile, run.run_id)
                     problems.append(f"resealing profile {browser.profile.name}: no space left "
                                     f"({exc}); its unsealed copy and this run's lease are kept, "
                                     "and the guard reseals it as soon as there is space")
@@ -101,7 +120,7 @@ class Teardown:
                     problems.append(f"resealing profile {browser.profile.name} failed: {exc}; "
                                     "the previous sealed copy is kept")
                     with contextlib.suppress(Exception):
-                        await g.calls.run(g.store.close, browser.profile, save=False)
+                        await self.calls.run(self.stores.store.close, browser.profile, save=False)
         if run.proxy is not None:
             try:
                 await run.proxy.remove_client(browser.client)
@@ -111,7 +130,6 @@ class Teardown:
         return problems
 
     async def end_run(self, run: Run, outcome: RunOutcome) -> None:
-        g = self.g
         outcome = RunOutcome(outcome)
         async with run.lock:
             if run.state != RunState.ACTIVE:
@@ -122,29 +140,29 @@ class Teardown:
         for stage in list(run.stages.values()):
             if stage.state != StageState.ENDED:
                 run.problems += await self.end_stage(run, stage, stage_outcome)
-        g.approvals.cancel(run.run_id, reason="the run ended")
+        self.approvals.cancel(run.run_id, reason="the run ended")
         for browser in list(run.browsers.values()):
             run.problems += await self.close_browser(run, browser)
         if run.proxy is not None:
             await run.proxy.stop()
-        if g.deferred.holds(run.run_id):   # a reseal waits for space: so does the release
-            g.deferred.release_later(run.run_id, outcome.value)
+        if self.deferred.holds(run.run_id):   # a reseal waits for space: so does the release
+            self.deferred.release_later(run.run_id, outcome.value)
         else:
-            _released, problems = await g.calls.run(store_ops.release_run, g.stores,
+            _released, problems = await self.calls.run(store_ops.release_run, self.stores,
                                                     run.run_id, outcome.value)
-            if problems and g.deferred.no_space_problem(problems):
-                g.deferred.release_later(run.run_id, outcome.value)
+            if problems and self.deferred.no_space_problem(problems):
+                self.deferred.release_later(run.run_id, outcome.value)
             run.problems += problems
         if run.workdir is not None:
             shutil.rmtree(run.workdir, ignore_errors=True)
         run.state = RunState.ENDED
-        g.records.drop(run.run_id)
-        g.run_ended(run)      # its record stays on disk; it leaves memory after the retention
+        self.records.drop(run.run_id)
+        self.run_ended(run)      # its record stays on disk; it leaves memory after the retention
         # hand the released profiles over at once, not at the next watchdog tick
-        for other in list(g.runs.values()):
+        for other in list(self.runs.values()):
             if other.state == RunState.ACTIVE:
                 for st in other.waiting_stages():
-                    asyncio.get_running_loop().create_task(g.stages.advance(other, st))
-        g.flush_refusals()
+                    asyncio.get_running_loop().create_task(self.stages.advance(other, st))
+        self.flush_refusals()
         log.info("run %s ended: %s%s", run.run_id, outcome,
                  f" ({len(run.problems)} problem(s))" if run.problems else "")
