@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from sfguard import policy
+from sfguard.errors import SfguardError
 from sfguard.supervisor import models
 from sfguard.supervisor.browsers import agent_browser, browser_user, tools
 from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
@@ -94,7 +95,7 @@ KEEP_ENDED_SECONDS = 24 * 3600.0
 __all__ = ["Guard", "GuardAlreadyRunning", "RunProxy", "release_runtime", "sweep"]
 
 
-class GuardAlreadyRunning(Exception):
+class GuardAlreadyRunning(SfguardError):
     pass
 
 
