@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from sfguard.cli.main import CliError
+from sfguard.cli.errors import CliError
 from sfguard.cli.options import add_home
 
 

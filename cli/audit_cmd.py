@@ -5,11 +5,11 @@ import argparse
 import json
 import time
 
-from sfguard.cli.main import CliError
+from sfguard.cli.errors import CliError
 from sfguard.cli.options import add_home
 from sfguard.supervisor.home import existing_home
 from sfguard.supervisor.profiles.audit import LocalAuditSink
-from sfguard.supervisor.protocols import validate_name, validate_run_id
+from sfguard.supervisor.protocols import ProfileNameError, validate_name, validate_run_id
 
 
 def register(sub) -> None:
@@ -96,7 +96,7 @@ def cmd_show(args) -> int:
             validate_name(args.profile)
         if args.run is not None:
             validate_run_id(args.run)
-    except ValueError as exc:
+    except (ProfileNameError, ValueError) as exc:     # a bad profile name, a bad run id
         raise CliError(str(exc)) from None
     recs = _sink(args).records(profile=args.profile, run=args.run)
     if not recs and not args.json:

@@ -46,7 +46,7 @@ def _store_checks(args) -> list[tuple[str, str, str]]:
                              read_only=True)
     except NoSchema as exc:
         return [("info", "store", f"{shown}: {exc}")]
-    except (ProfileError, ValueError) as exc:
+    except (ProfileError, StoreError, ValueError) as exc:
         return [("missing", "store", f"{shown}: {exc}")]
     try:
         return [("ok", "store", f"{stores.shown} (schema version {stores.backend.schema_version})"),

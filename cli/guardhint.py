@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import shlex
 
-from sfguard.cli.main import EXIT_NO_GUARD, CliError
+from sfguard.cli.errors import CliError
+from sfguard.cli.main import EXIT_NO_GUARD
 
 
 def with_home(command: str, home_flag: str | None) -> str:

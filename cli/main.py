@@ -2,7 +2,7 @@
 
 Each command lives in its own module with a `register(subparsers)` function that adds its
 parser and sets `func(args) -> int`. Errors that a user can act on are raised as `CliError`
-and printed as one line; nothing else prints a traceback unless SFGUARD_DEBUG=1.
+(cli/errors.py) and printed as one line; nothing else prints a traceback unless SFGUARD_DEBUG=1.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+
+from sfguard.cli.errors import CliError
 
 # Order is the order in `sfguard --help`.
 COMMAND_MODULES = (
@@ -34,14 +36,6 @@ COMMAND_MODULES = (
 
 #: One exit-code table for every command (docs/reference.md, "Exit codes").
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GUARD = 0, 1, 2, 3
-
-
-class CliError(Exception):
-    """A problem the user can fix; printed without a traceback."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def _modules_for(argv: list[str]) -> tuple[str, ...]:
@@ -121,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run through the importable module so `CliError` raised by command modules (which import
-    # `cli.main`) is the same class that main() catches.
+    # Run through the importable module, not this __main__ copy: the commands import
+    # `sfguard.cli.main` (its exit codes, its parser), and one copy of each module is loaded.
     from sfguard.cli.main import main as _main
     sys.exit(_main())

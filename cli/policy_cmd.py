@@ -25,18 +25,11 @@ import json
 import sys
 
 from sfguard import policy
+from sfguard.cli.errors import CliError
 from sfguard.cli.options import POLICY_HOME_HELP, add_home
 from sfguard.cli.policy_source import policy_source
 from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
 from sfguard.policy.writes import WRITE_MODES, WriteVerdict, effective
-
-
-class _Usage(Exception):
-    """A bad argument or an unusable policy: printed as one message, exit status 2.
-
-    (Not cli.main.CliError: under `python -m sfguard.cli.main` that module runs as __main__, and an
-    error class imported from `cli.main` would be a different class from the one it catches.)
-    """
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -157,24 +150,16 @@ def _split_allow(values: list[str]) -> list[str]:
         parts = [part.strip() for part in value.split(",")]
         out += [part for part in parts if part]
         if not any(parts):
-            raise _Usage("--allow needs at least one pattern, e.g. --allow '*.example.com'")
+            raise CliError("--allow needs at least one pattern, e.g. --allow '*.example.com'")
     return out
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    try:
-        return _explain(args)
-    except _Usage as exc:
-        print(f"sfguard policy explain: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _explain(args: argparse.Namespace) -> int:
     source = policy_source(args.policy, args.home)
     try:
         p = policy.load_policy(source.path)
     except policy.PolicyError as exc:
-        raise _Usage("the policy is not valid:\n" + str(exc) +
+        raise CliError("the policy is not valid:\n" + str(exc) +
                        "\n(run `sfguard policy validate` for details)") from None
     allow = None
     patterns = _split_allow(args.allow)
@@ -182,15 +167,15 @@ def _explain(args: argparse.Namespace) -> int:
         try:
             allow = policy.compile_patterns(patterns, source="--allow")
         except policy.PolicyError as exc:
-            raise _Usage("bad --allow pattern:\n" + str(exc)) from None
+            raise CliError("bad --allow pattern:\n" + str(exc)) from None
 
     hosts = list(args.hosts)
     if "-" in hosts:
         if hosts != ["-"]:
-            raise _Usage("give hosts as arguments or - (one per line on stdin), not both")
+            raise CliError("give hosts as arguments or - (one per line on stdin), not both")
         hosts = [line.strip() for line in sys.stdin if line.strip() and not line.lstrip().startswith("#")]
         if not hosts:
-            raise _Usage("no hosts on stdin (one HOST[:PORT] per line)")
+            raise CliError("no hosts on stdin (one HOST[:PORT] per line)")
     denied = False
     first = True
     print(source.line(), file=sys.stderr)
@@ -283,7 +268,7 @@ def _write_verdict(p: policy.SitePolicy, d: policy.Decision,
         return None
     path = args.path.split("?", 1)[0] or "/"
     if not path.startswith("/"):
-        raise _Usage(f"--path starts with /, not {path[:60]!r}")
+        raise CliError(f"--path starts with /, not {path[:60]!r}")
     site = p.writes.judge(d.normalized_host, args.method, path, port=d.port)
     return effective(args.writes, site)
 

@@ -42,7 +42,7 @@ def policy_source(policy_flag: str | None, home_flag: str | None) -> PolicySourc
         if own.exists():
             return PolicySource(str(own), f"the policy of the guard home {home}; no guard runs there now")
     elif home_flag:
-        from sfguard.cli.main import CliError
+        from sfguard.cli.errors import CliError
         raise CliError(f"no guard home at {home} (check --home; `sfguard start --home {home_flag}` "
                        "makes one)", 2)
     return PolicySource(str(policy.default_policy_path()),

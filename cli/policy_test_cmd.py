@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sfguard import policy
-from sfguard.cli.main import CliError
+from sfguard.cli.errors import CliError
 from sfguard.cli.options import add_home
 from sfguard.cli.policy_source import PolicySource, policy_source
 from sfguard.policy import casefile, diff, replay

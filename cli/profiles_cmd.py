@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from sfguard.cli.main import CliError
+from sfguard.cli.errors import CliError
 from sfguard.cli.options import add_home
 from sfguard.supervisor.home import ensure_home, existing_home, upgrade_format
 from sfguard.supervisor.profiles.audit import LocalAuditSink

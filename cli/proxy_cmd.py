@@ -18,7 +18,7 @@ import os
 import sys
 
 from sfguard import policy
-from sfguard.cli.main import CliError
+from sfguard.cli.errors import CliError
 from sfguard.proxy_addons import clients as clients_mod
 from sfguard.proxy_addons.server import GuardConfig, GuardStartError
 from sfguard.supervisor.daemon import proxy_child

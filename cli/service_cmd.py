@@ -5,7 +5,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from sfguard.cli.main import CliError
+from sfguard.cli.errors import CliError
 from sfguard.cli.options import add_home
 
 

@@ -25,13 +25,7 @@ if __name__ == "__main__":  # run as a script (`python -I -S .../cli/stage_exec_
     else:  # installed: <site-packages>/sfguard/cli/stage_exec_cmd.py
         sys.path.insert(0, os.path.dirname(_up))
 
-
-class CliError(Exception):
-    """A refusal: one line on stderr, exit 2 (cli.main prints it the same way)."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
+from sfguard.cli.errors import CliError  # noqa: E402 (after the path set-up)
 
 #: the runner variables a stage gets (besides its own env and a private HOME)
 PASSED_VARS = ("PATH", "LANG", "TERM")
@@ -164,11 +158,7 @@ def _valid_id(value: str) -> bool:
 
 
 def run(args) -> int:
-    from sfguard.cli.main import CliError as MainCliError
-    try:
-        return execute(args.home, args.run, args.stage, args.argv)
-    except CliError as exc:
-        raise MainCliError(str(exc), exc.exit_code) from None
+    return execute(args.home, args.run, args.stage, args.argv)
 
 
 def sandbox_argv(bwrap: str, answer: dict, cwd: str, hide: list[str], config_fd: int,

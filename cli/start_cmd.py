@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from sfguard.cli.main import CliError
+from sfguard.cli.errors import CliError
 from sfguard.cli.options import add_home
 
 

@@ -35,6 +35,7 @@ from typing import Any, TypedDict
 
 import yaml
 
+from sfguard.errors import SfguardError
 from sfguard.policy.engine import Decision, SitePolicy, replace
 from sfguard.policy.errors import MalformedHost, PolicyError
 from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
@@ -46,7 +47,7 @@ MAX_CASE_BYTES = 4 * 1024 * 1024
 CASE_KEYS = ("host", "allow", "expect", "reason", "name", "method", "path", "writes", "expect_write")
 EXPECT = ("allow", "deny")
 EXPECT_WRITE = ("read", *WRITE_MODES)
-class CaseFileError(Exception):
+class CaseFileError(SfguardError):
     """A case file that cannot be used: `problems` are lines `FILE[:LINE]: MESSAGE`."""
 
     def __init__(self, problems: list[str]):

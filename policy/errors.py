@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sfguard.errors import SfguardError
 
-class MalformedHost(ValueError):
+
+class MalformedHost(SfguardError):
     """A host that is not a valid, canonical host name or IP literal.
 
     `reason` is a short human message; it never repeats user info that was smuggled into the host.
@@ -43,7 +45,7 @@ class PolicyIssue:
         return text
 
 
-class PolicyError(Exception):
+class PolicyError(SfguardError):
     """A policy (or a pattern list) that cannot be used; `issues` lists every problem found."""
 
     def __init__(self, issues: list[PolicyIssue], more: int = 0):

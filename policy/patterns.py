@@ -36,6 +36,7 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from sfguard.errors import SfguardError
 from sfguard.policy.errors import MalformedHost
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, parse_port, split_host_port_raw
 
@@ -51,7 +52,7 @@ PLAIN_NAME = re.compile(
     r"(\*\.)?((?:[a-z0-9_-]{1,63}\.)+(?!0x)(?![0-9]+\Z)[a-z0-9_-]{1,63})").fullmatch
 
 
-class PatternError(ValueError):
+class PatternError(SfguardError):
     """A pattern that cannot be used; `hint` says what to write instead."""
 
     def __init__(self, message: str, hint: str | None = None):

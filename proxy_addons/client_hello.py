@@ -20,6 +20,8 @@ import enum
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from sfguard.errors import SfguardError
+
 #: Largest ClientHello handshake message accepted (post-quantum key shares make ~2 KB common).
 MAX_HELLO = 48 * 1024
 _MAX_RECORD = 1 << 14
@@ -140,7 +142,7 @@ def _parse_body(body: bytes, length: int) -> Hello | BadHello:
         return BadHello("a truncated ClientHello field")
 
 
-class _Short(Exception):
+class _Short(SfguardError):
     pass
 
 

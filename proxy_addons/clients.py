@@ -29,6 +29,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from sfguard import policy
+from sfguard.errors import SfguardError
 from sfguard.policy.writes import WRITE_MODES
 
 #: A client name: what the decision log shows. No ':' (separator), no spaces or control chars.
@@ -40,7 +41,7 @@ TOKEN_RE = re.compile(r"^[\x21-\x7e]{16,256}$")
 CLIENTS_ENV = "SFGUARD_PROXY_CLIENTS"
 
 
-class ClientSpecError(ValueError):
+class ClientSpecError(SfguardError):
     """A client definition is invalid. The message never contains the token."""
 
 

@@ -38,6 +38,7 @@ from mitmproxy.addons import proxyserver
 from mitmproxy.master import Master
 
 from sfguard import policy
+from sfguard.errors import SfguardError
 from sfguard.proxy_addons import dispatch
 from sfguard.proxy_addons.address_guard import AddressGuard
 from sfguard.proxy_addons.clients import Client, ClientRegistry
@@ -51,7 +52,7 @@ from sfguard.proxy_addons.state import GuardState, Resolver
 logger = logging.getLogger("sfguard.proxy")
 
 
-class GuardStartError(RuntimeError):
+class GuardStartError(SfguardError):
     """The proxy could not start (bad listen address, port in use, ...)."""
 
 

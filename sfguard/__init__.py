@@ -9,5 +9,6 @@ Everything installs under this one namespace; the repository keeps a folder per 
 - `sfguard.cli`          (cli/)          the `sfguard` command
 - `sfguard.fixtures`     (fixtures/)     the fixture login site (tests and `sfguard demo`)
 
-Imports point one way: cli -> supervisor -> proxy_addons -> policy (docs/design.md).
+Imports point one way: cli -> supervisor -> proxy_addons -> policy (docs/design.md). Below
+them all, `sfguard.errors` holds `SfguardError`, the root of every sfguard exception.
 """

@@ -6,13 +6,15 @@ one of models.ERROR_CODES; `field` names the offending input (e.g. `browser.prof
 """
 from __future__ import annotations
 
+from sfguard.errors import SfguardError
 
-class BrowserStartError(Exception):
+
+class BrowserStartError(SfguardError):
     """A browser, or the run proxy it needs, that could not be started or updated: the runner
     is told `browser_failed` (daemon/stages.py BROWSER_ERRORS)."""
 
 
-class GuardError(Exception):
+class GuardError(SfguardError):
     """A refusal the caller can act on: a stable code, a message for people, the input field."""
 
     def __init__(self, code: str, message: str, field: str | None = None):

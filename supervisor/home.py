@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from sfguard.errors import SfguardError
+
 DEFAULT_HOME = Path("~/.stageflow/guard")
 #: the live site policy of a guard started without --policy: in the home, beside the rest of
 #: the guard's configuration, so that an upgrade of the installed package never replaces it
@@ -35,7 +37,7 @@ _TRAVERSE: dict[str, int] = {}
 TRAVERSE_MODE = 0o710
 
 
-class HomeError(Exception):
+class HomeError(SfguardError):
     """The guard home or runtime folder cannot be used safely."""
 
 

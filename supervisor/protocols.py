@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from sfguard.errors import SfguardError
+
 # --------------------------------------------------------------------------- names and keys
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
@@ -30,15 +32,15 @@ _NAME_RE = re.compile(NAME_PATTERN, re.ASCII)
 LOCAL_SCOPE = "local"
 
 
-class ProfileError(Exception):
+class ProfileError(SfguardError):
     """Base class of every profile error; messages never contain secrets or paths of secrets."""
 
 
-class ProfileNameError(ProfileError, ValueError):
+class ProfileNameError(ProfileError):
     """A profile name or scope that is not allowed (it could be a path, or is malformed)."""
 
 
-class ProfileNotFound(ProfileError, LookupError):
+class ProfileNotFound(ProfileError):
     """No profile of that name in that scope."""
 
 

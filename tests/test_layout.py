@@ -11,7 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = {"policy": "policy", "proxy_addons": "proxy_addons", "supervisor": "supervisor", "cli": "cli",
          "fixtures": "fixtures", "sfguard": "sfguard"}
-#: which parts of sfguard each part may import (cli -> supervisor -> proxy_addons -> policy)
+#: which parts of sfguard each part may import (cli -> supervisor -> proxy_addons -> policy);
+#: every part may also import sfguard.errors (SfguardError, below them all: it imports nothing)
+BELOW_ALL = "sfguard.errors"
 MAY_IMPORT = {
     "policy": {"policy"},
     "proxy_addons": {"proxy_addons", "policy"},
@@ -53,6 +55,8 @@ def test_imports_point_one_way():
                 continue
             if len(bits) == 1:
                 continue  # the namespace root itself (the stage-exec fast entry extends its path)
+            if mod == BELOW_ALL:
+                continue
             target = bits[1]
             allowed = MAY_IMPORT[part]
             if part == "supervisor" and target == "fixtures" and rel.parts[1] == "demo":
@@ -146,3 +150,10 @@ def test_supervisor_rooms_import_only_rooms_below_them():
             if target not in rank or mine not in rank or rank[target] > rank[mine]:
                 wrong.append(f"supervisor/{rel}:{line}: {mine} imports {target}")
     assert not wrong, "imports against the room order of docs/design.md section 3:\n" + "\n".join(wrong)
+
+
+def test_the_error_root_imports_nothing():
+    """sfguard/errors.py is below every part: it imports nothing of sfguard (nor anything else),
+    so that policy stays pure and stage-exec's fast entry (python -I -S) can import it."""
+    tree = ast.parse((ROOT / "sfguard" / "errors.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.home import atomic_write
 from sfguard.supervisor.procs import end_child, niced
 
@@ -56,7 +57,7 @@ PINNED_CONFIG = b"{}\n"
 DEFAULT_TIMEOUT = 30.0
 
 
-class AgentBrowserError(Exception):
+class AgentBrowserError(SfguardError):
     """An agent-browser command failed or timed out. The message names the command verb and a
     sanitised tail of stderr; it never contains env values or the CDP address."""
 

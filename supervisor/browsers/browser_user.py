@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.home import HomeError, grant_traverse, open_for_traverse, private_dir, traverse_root
 from sfguard.supervisor.stage import sandbox
 
@@ -41,7 +42,7 @@ HOME_PREFIX = "bh-"
 BrowserUser = sandbox.StageUser   # (name, uid, gid): the same small record as the stage user
 
 
-class BrowserUserError(Exception):
+class BrowserUserError(SfguardError):
     """The browser user cannot be used; the guard refuses to start rather than run browsers
     as root without their sandbox."""
 

@@ -35,6 +35,7 @@ from typing import Annotated, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, StringConstraints, model_validator
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.browsers import tools, xdisplay
 
 __all__ = ["FakeHandoff", "Handoff", "HandoffImpossible", "HandoffPayload", "LocalWindowHandoff"]
@@ -43,7 +44,7 @@ HandoffKind = Literal["local_window", "live_view"]
 _URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
 
 
-class HandoffImpossible(Exception):
+class HandoffImpossible(SfguardError):
     """The handoff cannot work here. `cause` is a short code ("no_display", "display_unusable");
     str() is a full sentence saying why and what to do instead."""
 

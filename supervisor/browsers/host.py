@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.browsers import agent_browser as ab
 from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers import chromium, trust, xdisplay
@@ -48,7 +49,7 @@ COMMAND_TIMEOUT = 20.0
 CLOSE_TIMEOUT = 15.0
 
 
-class AnchorError(Exception):
+class AnchorError(SfguardError):
     """An anchor or stage session could not be started or ended. No secrets in the message."""
 
 

@@ -50,6 +50,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
 from sfguard.supervisor.models import LoginCheck
 
@@ -72,7 +73,7 @@ RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 2.0, 2.0)
 CLOSE_WAIT = 5.0
 
 
-class LoginCheckError(Exception):
+class LoginCheckError(SfguardError):
     """The check could not give a trustworthy answer (page did not load, patterns ambiguous,
     browser unreachable). Messages never contain the CDP address or cookie values."""
 

@@ -28,13 +28,15 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import NameOID
 
+from sfguard.errors import SfguardError
+
 #: Largest CA file read (a bundle of a few hundred authorities stays far below).
 MAX_CA_FILE = 4 * 1024 * 1024
 #: How long one certutil call may take.
 CERTUTIL_TIMEOUT = 20.0
 
 
-class TrustError(Exception):
+class TrustError(SfguardError):
     """A CA file that cannot be used, or a browser's certificate store that cannot be made."""
 
 

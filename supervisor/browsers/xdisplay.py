@@ -29,6 +29,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.browsers.browser_user import BrowserUser
 
 #: The grant file's name inside the browser's own HOME.
@@ -38,7 +39,7 @@ _DISPLAY = re.compile(r"^(?:unix)?:\d{1,5}(?:\.\d{1,3})?$")
 _TITLE_BAD = re.compile(r"[\x00-\x1f\x7f]")
 
 
-class DisplayError(Exception):
+class DisplayError(SfguardError):
     """The display cannot be used by the browser (no grant possible, or it cannot open it).
     The message names the display and what to do; never a cookie."""
 

@@ -11,8 +11,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from sfguard.errors import SfguardError
 
-class GuardUnavailable(Exception):
+
+class GuardUnavailable(SfguardError):
     """No guard answers on this home's socket."""
 
 

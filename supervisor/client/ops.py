@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sfguard import policy
+from sfguard.errors import SfguardError
 from sfguard.supervisor.client.guard_client import GuardClient, GuardUnavailable
 
 __all__ = ["GuardNotRunning", "GuardRun", "HandoffRefused", "LoginWindow", "OpError", "ProfileInUse",
@@ -38,7 +39,7 @@ STAGE_WAIT_S = 60.0          # a queued stage (profile leased by another run) wa
 LIVE_VIEW_WAIT_S = 900.0     # a person at a live view has this long (the guard's own limit too)
 
 
-class OpError(Exception):
+class OpError(SfguardError):
     """An operation on the guard failed; str() is a sentence for the operator."""
 
     def __init__(self, message: str, code: str = "error", status: int | None = None):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 
+from sfguard.errors import SfguardError
 
-class ConsoleError(Exception):
+
+class ConsoleError(SfguardError):
     pass
 
 

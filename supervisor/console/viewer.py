@@ -26,13 +26,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers import chromium, tools
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession
 from sfguard.supervisor.procs import ProcRecord, terminate_recorded
 
 
-class ViewerError(Exception):
+class ViewerError(SfguardError):
     pass
 
 

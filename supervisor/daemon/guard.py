@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sfguard import policy
+from sfguard.errors import SfguardError
 from sfguard.supervisor import models
 from sfguard.supervisor.browsers import agent_browser, browser_user, tools
 from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
@@ -89,7 +90,7 @@ LONG_POLL_STEP = 0.1
 __all__ = ["Guard", "GuardAlreadyRunning", "GuardSettings", "RunProxy", "release_runtime", "sweep"]
 
 
-class GuardAlreadyRunning(Exception):
+class GuardAlreadyRunning(SfguardError):
     pass
 
 

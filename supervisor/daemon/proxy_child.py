@@ -31,7 +31,8 @@ import sys
 from collections.abc import Iterable
 
 from sfguard import policy
-from sfguard.proxy_addons.clients import Client, ClientRegistry, make_client
+from sfguard.errors import SfguardError
+from sfguard.proxy_addons.clients import Client, ClientRegistry, ClientSpecError, make_client
 from sfguard.proxy_addons.server import GuardConfig, GuardProxy, GuardStartError
 from sfguard.supervisor import redaction
 
@@ -39,7 +40,7 @@ log = logging.getLogger("sfguard.proxy.child")
 MAX_LINE = 4 * 1024 * 1024
 
 
-class ProxyProcessError(RuntimeError):
+class ProxyProcessError(SfguardError):
     """The proxy could not start; the message is one line, without secrets."""
 
 
@@ -92,7 +93,7 @@ async def _control(registry: ClientRegistry, stop: asyncio.Event) -> None:
                 redaction.register_secret(c.token)
             registry.replace_all(clients)
             out = {"ack": msg.get("id")}
-        except (ValueError, KeyError, TypeError, policy.PolicyError) as exc:
+        except (ValueError, KeyError, TypeError, ClientSpecError, policy.PolicyError) as exc:
             out = {"error": type(exc).__name__, "id": None}
             log.error("bad control message from the daemon: %s", type(exc).__name__)
         sys.stdout.write(json.dumps(out) + "\n")

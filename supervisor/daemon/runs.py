@@ -18,6 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor import models
 from sfguard.supervisor.browsers.host import Anchor
 from sfguard.supervisor.browsers.login import LoginResult
@@ -75,7 +76,7 @@ class RunOutcome(StrEnum):
     ABANDONED = "abandoned"
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(SfguardError):
     """A move STAGE_TRANSITIONS does not list: a bug in the guard."""
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from sfguard.errors import SfguardError
+
 DEFAULT_HOME = Path("/var/lib/sfguard")
 DEFAULT_EXEC = Path("/usr/local/bin/sfguard")
 #: Seconds systemd waits for the guard to tear every run down after SIGTERM.
@@ -61,7 +63,7 @@ HARDENING: tuple[tuple[str, str], ...] = (
 _SAFE = re.compile(r"[A-Za-z0-9._/+@:,=-]+")
 
 
-class ServiceUnitError(ValueError):
+class ServiceUnitError(SfguardError):
     """An argument that cannot go into a unit (a relative path, a line break)."""
 
 

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.client.guard_client import GuardClient
 from sfguard.supervisor.client.ops import GuardRun, HandoffRefused, OpError, new_run_id
@@ -30,7 +31,7 @@ AB_TIMEOUT_S = 60.0          # one agent-browser command of the stage side
 MAX_LOGIN_ATTEMPTS = 3
 
 
-class DemoError(Exception):
+class DemoError(SfguardError):
     """The demo could not complete; str() says why (no traceback for the user)."""
 
 

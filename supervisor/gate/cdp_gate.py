@@ -38,6 +38,7 @@ from typing import Any
 
 from aiohttp import web
 
+from sfguard.errors import SfguardError
 from sfguard.policy import join_host_port
 from sfguard.supervisor.gate import cdp_policy as policy
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
@@ -50,7 +51,7 @@ CLOSE_WAIT_S = 5.0
 CLIENT_MAX_MSG = 64 * 1024 * 1024
 
 
-class GateError(Exception):
+class GateError(SfguardError):
     """Errors of the gate API (never contain the raw address or a token)."""
 
 

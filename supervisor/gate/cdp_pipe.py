@@ -39,6 +39,8 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from sfguard.errors import SfguardError
+
 log = logging.getLogger("sfguard.cdp_pipe")
 
 #: Largest message accepted from the browser (a full-page screenshot stays far below).
@@ -57,11 +59,11 @@ _TARGET_LIST_EVENTS = frozenset({"Target.targetCreated", "Target.targetInfoChang
                                  "Target.targetDestroyed", "Target.targetCrashed"})
 
 
-class PipeClosed(Exception):
+class PipeClosed(SfguardError):
     """The browser's pipe is closed (the browser exited or crashed)."""
 
 
-class CdpCallError(Exception):
+class CdpCallError(SfguardError):
     """A CDP command answered with an error (the browser's message, no secrets)."""
 
 

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sfguard.supervisor.protocols import VerifyResult, validate_name, validate_run_id
+from sfguard.errors import SfguardError
+from sfguard.supervisor.protocols import ProfileNameError, VerifyResult, validate_name, validate_run_id
 
 GENESIS = "0" * 64
 
@@ -35,7 +36,7 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9._:\-\[\]*]{1,255}$", re.ASCII)
 _STAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$", re.ASCII)
 
 
-class AuditFieldError(ValueError):
+class AuditFieldError(SfguardError):
     """An audit event or field that is not allowed (the value itself is never echoed)."""
 
 
@@ -67,7 +68,7 @@ def _hosts(v: Any) -> dict[str, int]:
 def _name(v: Any) -> str:
     try:
         return validate_name(v)
-    except ValueError:
+    except ProfileNameError:
         raise AuditFieldError("profile/scope must be a valid profile name") from None
 
 

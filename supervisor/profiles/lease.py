@@ -40,6 +40,7 @@ from sfguard.supervisor.protocols import (
     ProcessIdentity,
     ProfileError,
     ProfileKey,
+    ProfileNameError,
     QueueEntry,
     Waiting,
     validate_name,
@@ -136,7 +137,7 @@ class LocalProfileLease:
                     if entry.endswith(".lease"):
                         try:
                             out.append(ProfileKey(scope, entry[:-len(".lease")]))
-                        except ValueError:
+                        except ProfileNameError:
                             continue
         return out
 

@@ -32,6 +32,7 @@ from sfguard.supervisor.protocols import (
     ProfileExists,
     ProfileInfo,
     ProfileKey,
+    ProfileNameError,
     ProfileNotFound,
     validate_name,
 )
@@ -74,7 +75,7 @@ def working_copies(runtime: Path) -> list[ProfileKey]:
             for name in sorted(os.listdir(root / scope)):
                 try:
                     out.append(ProfileKey(scope, name))
-                except ValueError:
+                except ProfileNameError:
                     continue
     return out
 
@@ -181,7 +182,7 @@ class LocalProfileStore:
             for entry in sorted(os.listdir(folder)):
                 try:
                     key = ProfileKey(scope, entry)
-                except ValueError:
+                except ProfileNameError:
                     continue                       # stray temp files and foreign entries
                 if self.exists(key):
                     out.append(self.info(key))

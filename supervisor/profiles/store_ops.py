@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.protocols import (
     Granted,
     ProfileExists,
@@ -104,7 +105,7 @@ def delete_profile(stores, key: ProfileKey, **fields: Any) -> None:
     stores.audit.record("profile_deleted", scope=key.scope, profile=key.name, **fields)
 
 
-class StoreSlow(Exception):
+class StoreSlow(SfguardError):
     """A bounded seam call did not answer in time (it goes on in its thread)."""
 
 

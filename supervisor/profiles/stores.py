@@ -12,13 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sfguard.errors import SfguardError
+
 ENV_STORE = "SFGUARD_STORE"
 SCHEMES = ("postgresql://", "postgres://")
 
 __all__ = ["ENV_STORE", "StoreError", "Stores", "store_url", "open_stores", "describe_store"]
 
 
-class StoreError(ValueError):
+class StoreError(SfguardError):
     """A store setting that cannot be used (the URL itself is never echoed: it may hold a
     password)."""
 

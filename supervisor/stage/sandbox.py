@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import pwd
 
+from sfguard.errors import SfguardError
+
 DEFAULT_STAGE_USER = "sfguard-stage"
 #: where the bridges and the pinned config appear inside the sandbox (/run is a fresh tmpfs)
 INSIDE_DIR = "/run/sfguard"
@@ -32,7 +34,7 @@ BASE_ARGS = ("--unshare-all", "--die-with-parent", "--new-session",
 PROBE_TIMEOUT = 20.0
 
 
-class SandboxError(Exception):
+class SandboxError(SfguardError):
     """The sandbox cannot be built here; stage-exec refuses rather than run unconfined."""
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor.writes.held import HeldWrite, WriteOutcome
 
 log = logging.getLogger("sfguard.writes")
@@ -37,11 +38,11 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
-class ApprovalNotFound(LookupError):
+class ApprovalNotFound(SfguardError):
     pass
 
 
-class ApprovalDecided(Exception):
+class ApprovalDecided(SfguardError):
     pass
 
 

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from sfguard.policy.errors import PolicyError
+from sfguard.policy.errors import MalformedHost, PolicyError
 from sfguard.policy.hosts import split_host_port_raw
 from sfguard.policy.index import compile_patterns
 from sfguard.policy.writes import WriteRules, effective, stricter
@@ -15,7 +15,7 @@ from sfguard.policy.writes import WriteRules, effective, stricter
 def _base_host(pattern: str) -> tuple[str, int | None]:
     try:
         host, port = split_host_port_raw(pattern)
-    except ValueError:
+    except MalformedHost:
         host, port = pattern, None
     return (host[2:] if host.startswith("*.") else host), (int(port) if port and port.isdigit() else None)
 
