@@ -15,6 +15,8 @@ from aiohttp import web
 from sfguard.cli.errors import CliError
 from sfguard.cli.options import add_home
 
+log = logging.getLogger("sfguard.start")
+
 
 def register(sub) -> None:
     p = sub.add_parser("start", help="run the guard daemon in the foreground",
@@ -211,6 +213,7 @@ def _write_token(target: Path, token: str) -> Path:
 async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
                  console_at: tuple[str, int, float] | None = None) -> int:
     from sfguard.supervisor.client.guard_client import socket_path
+    from sfguard.supervisor.errors import swallowed
 
     report = await guard.start()
     sock = socket_path(guard.home)
@@ -226,10 +229,10 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
         if guard.console is not None:
             guard.console.end_sessions()
         for r in runners:
-            with contextlib.suppress(Exception):
+            with swallowed(log, "closing an API listener"):
                 await r.cleanup()
         if guard.console is not None:
-            with contextlib.suppress(Exception):
+            with swallowed(log, "stopping the console"):
                 await guard.console.stop()
         await guard.stop()
         if sock.exists():
@@ -245,6 +248,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
     from sfguard.supervisor.browsers.browser_user import describe as describe_browser_user
     from sfguard.supervisor.daemon import sd_notify
     from sfguard.supervisor.daemon.api import build_app
+    from sfguard.supervisor.errors import swallowed
 
     if sock.exists() or sock.is_symlink():
         sock.unlink()  # we hold the instance lock, so this socket is stale
@@ -291,7 +295,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
         try:
             await console.start()
         except OSError as exc:
-            with contextlib.suppress(Exception):
+            with swallowed(log, "stopping the console that could not listen"):
                 await console.stop()
             raise CliError(f"the console could not listen on {console_at[0]}:{console_at[1]}: "
                            f"{exc.strerror or exc}", 2) from None

@@ -6,6 +6,10 @@ one of models.ERROR_CODES; `field` names the offending input (e.g. `browser.prof
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 from sfguard.errors import SfguardError
 
 
@@ -48,3 +52,15 @@ class Unprocessable(GuardError):
 
 class Unavailable(GuardError):
     """Something the guard needs is away: a browser that would not start, the shared store."""
+
+
+@contextlib.contextmanager
+def swallowed(log: logging.Logger, why: str,
+              kinds: tuple[type[Exception], ...] = (Exception,)) -> Iterator[None]:
+    """A best-effort step whose failure must not stop the caller (a cleanup after another
+    failure, a close on the way out): the exception (`kinds`, narrow it where the step's own
+    errors are known) is logged with `why`, never dropped silently. Logging masks secrets."""
+    try:
+        yield
+    except kinds as exc:
+        log.info("%s failed (left as it is): %s: %s", why, type(exc).__name__, exc)

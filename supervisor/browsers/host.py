@@ -323,7 +323,7 @@ agent-browser sessions attached to the CDP gate."""
                 await pipe.close()
             await asyncio.to_thread(terminate_recorded, records, 3.0)
             if proc is not None:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(TimeoutError):   # its helpers are ended next
                     await asyncio.wait_for(proc.wait(), 3)
             await asyncio.to_thread(chromium.end_helpers, profile_dir, 3.0, self._uids)
             xdisplay.revoke(xauth_file)
@@ -360,7 +360,7 @@ agent-browser sessions attached to the CDP gate."""
         await anchor.pipe.close()
         # renderers and helpers of the group go with the main process; anything left is ended
         terminated = await asyncio.to_thread(terminate_recorded, anchor.processes, 5.0)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(TimeoutError):   # the helpers are ended next
             await asyncio.wait_for(anchor.proc.wait(), 3)
         # the crash handler lives outside the group and may outlive the browser by a moment
         helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir, 3.0, self._uids)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sfguard.supervisor.browsers import agent_browser
 from sfguard.supervisor.daemon.runs import Run, StageState
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
+from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.home import FILE_MODE, atomic_write, private_dir
 from sfguard.supervisor.procs import ProcRecord, scan_orphans, terminate_recorded
 from sfguard.supervisor.profiles import store_ops
@@ -135,7 +136,7 @@ def sweep(guard: Guard) -> dict:
         records = [ProcRecord.from_json(p) for p in rec.get("processes", [])]
         report["processes"] += len(terminate_recorded(records, timeout=5))
         for sess in rec.get("sessions", []):
-            with contextlib.suppress(Exception):
+            with swallowed(log, f"sweep: removing session files of {sess}", (OSError, ValueError)):
                 agent_browser.remove_session_files(guard.socket_dir, sess)
         for p in rec.get("paths", []):
             pp = Path(p)
@@ -164,7 +165,7 @@ def sweep(guard: Guard) -> dict:
         except Exception as exc:
             log.error("profile %s could not be resealed after a crash (%s); the previous sealed "
                       "copy is kept", key.name, exc)
-            with contextlib.suppress(Exception):
+            with swallowed(log, f"sweep: closing the unsealed copy of {key.name}"):
                 guard.store.close(key, save=False)
     for key, run_id in guard.lease.sweep_stale():
         if not store_ops.audited(guard.lease):    # the shared store audits it as it drops it

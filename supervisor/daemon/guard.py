@@ -61,7 +61,7 @@ from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
 from sfguard.supervisor.daemon.teardown import Teardown
 from sfguard.supervisor.daemon.watchdog import Watchdog
-from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, NotFound
+from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, NotFound, swallowed
 from sfguard.supervisor.gate.cdp_gate import CdpGate
 from sfguard.supervisor.home import (
     ensure_home,
@@ -207,7 +207,7 @@ class Guard:
         except BaseException:
             # a start that fails half-way leaves nothing: no gate, spare proxy, bridge folder
             # or runtime folder (this guard holds the lock, so they are its own)
-            with contextlib.suppress(Exception):
+            with swallowed(log, "stopping after a failed start"):
                 await self.stop()
             raise
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from sfguard.supervisor import redaction
 from sfguard.supervisor.daemon.proxy_zygote import ForkedProxy, Zygote, ZygoteError
 from sfguard.supervisor.daemon.proxy_zygote import enabled as zygote_enabled
-from sfguard.supervisor.errors import BrowserStartError
+from sfguard.supervisor.errors import BrowserStartError, swallowed
 from sfguard.supervisor.procs import ProcRecord, end_child, niced, renice_all_threads
 
 log = logging.getLogger("sfguard.guard")
@@ -188,7 +188,7 @@ class RunProxy:
 
     async def _read_acks(self, proc: asyncio.subprocess.Process | ForkedProxy) -> None:
         assert proc.stdout is not None
-        with contextlib.suppress(Exception):
+        with swallowed(log, "reading the run proxy's answers"):
             while line := await proc.stdout.readline():
                 msg = json.loads(line)
                 fut = self._acks.get(msg.get("ack"))
@@ -247,7 +247,7 @@ class ProxyPool:
             starting = self._starting
             if starting is not None:      # under way: at the guard's priority from now on
                 starting.to_guard_priority()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(TimeoutError):   # _make_spare logs its own failures
                 await asyncio.wait_for(asyncio.shield(self._task), PROXY_START_TIMEOUT)
         spare, self._spare = self._spare, None
         if spare is not None and spare.alive():
@@ -284,8 +284,7 @@ class ProxyPool:
     async def stop(self) -> None:
         self._stopping = True
         if self._task is not None:
-            with contextlib.suppress(Exception):
-                await self._task
+            await self._task      # _make_spare catches and logs its own failures
         if self._spare is not None:
             await self._spare.stop()
             self._spare = None

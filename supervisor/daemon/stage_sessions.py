@@ -35,6 +35,7 @@ from pathlib import Path
 
 from sfguard.supervisor.browsers import agent_browser
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, BrowserHost
+from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.gate.cdp_gate import CdpGate, GateError
 from sfguard.supervisor.procs import ProcRecord, renice_all_threads, terminate_recorded
 
@@ -73,7 +74,7 @@ def _result(task: asyncio.Task) -> StartedSession | None:
 
 def _ready(task: asyncio.Task, on_ready: Callable[[], None]) -> None:
     if _result(task) is not None:
-        with contextlib.suppress(Exception):
+        with swallowed(log, "the spare session's ready callback"):
             on_ready()
 
 
@@ -197,7 +198,7 @@ class StageSessions:
     async def drop_all(self) -> None:
         """At guard stop: every spare ended; one that cannot be does not stop the others."""
         for session in list(self._spares):
-            with contextlib.suppress(Exception):
+            with swallowed(log, f"dropping the spare session {session}"):
                 await self._drop(self._spares.pop(session))
 
     async def _drop(self, task: asyncio.Task) -> None:
@@ -217,9 +218,9 @@ class StageSessions:
         """A session nobody will use (a spare not taken, a stage start that failed after it):
         its tabs closed over the pipe, its token revoked (the connection cut), its daemon ended
         and its files removed. No agent-browser command."""
-        with contextlib.suppress(Exception):
+        with swallowed(log, "closing a spare session's tabs"):
             await self.gate.close_stage_tabs(started.gate_key)
         await self.gate.revoke(started.gate_key)
-        with contextlib.suppress(Exception):
+        with swallowed(log, "closing a spare session"):
             await self.host.close_stage_session(started.env_full, graceful=False)
         await asyncio.to_thread(terminate_recorded, started.processes, 3)

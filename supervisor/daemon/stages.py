@@ -15,7 +15,7 @@ from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon.deferred import no_space
 from sfguard.supervisor.daemon.run_proxy import RunProxy, short_id
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, Stage, StageState
-from sfguard.supervisor.errors import BadRequest, BrowserStartError, Conflict, GuardError, Unavailable
+from sfguard.supervisor.errors import BadRequest, BrowserStartError, Conflict, GuardError, Unavailable, swallowed
 from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, PipeClosed
 from sfguard.supervisor.home import private_dir
@@ -128,7 +128,7 @@ class Stages:
             stage.move(StageState.FAILED)
             stage.error = browser_failed(exc, "the guard could not start this stage's browser", None)
         finally:
-            with contextlib.suppress(Exception):
+            with swallowed(log, f"run {run.run_id}: saving its record", (OSError,)):
                 g.records.save(run)
 
     async def advance_waiting(self) -> None:
@@ -267,9 +267,9 @@ class Stages:
             # a browser that never started changed nothing: drop the working copy (the sealed
             # profile stays as it was) so that the next request can open the profile again
             run.browsers.pop(key.name, None)
-            with contextlib.suppress(Exception):
+            with swallowed(log, f"profile {key.name}: closing after a failed launch"):
                 await g.calls.run(g.store.close, key, save=False)
-            with contextlib.suppress(Exception):
+            with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
                 await proxy.remove_client(name)
             raise
         log.info("run %s: anchor for profile %s ready (profile opened in %.0f ms, browser "

@@ -6,7 +6,6 @@ Every step runs even when an earlier one failed; failures are collected and repo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from sfguard.supervisor.daemon.runs import (
     StageOutcome,
     StageState,
 )
-from sfguard.supervisor.errors import BrowserStartError
+from sfguard.supervisor.errors import BrowserStartError, swallowed
 from sfguard.supervisor.procs import terminate_recorded
 from sfguard.supervisor.profiles import store_ops
 
@@ -76,7 +75,7 @@ class Teardown:
                 except Exception as exc:
                     log.debug("stage session close: %s", exc)
             # 2. the stage's tabs, over the raw connection
-            with contextlib.suppress(Exception):
+            with swallowed(log, f"stage {stage.stage_id}: closing its tabs"):
                 await self.gate.close_stage_tabs(stage.gate_key)
             # 3. only then the token: revoking first would leave a session nobody can close
             await self.gate.revoke(stage.gate_key)
@@ -92,7 +91,7 @@ class Teardown:
                     await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser))
                 except BrowserStartError as exc:
                     problems.append(str(exc))
-        with contextlib.suppress(Exception):
+        with swallowed(log, f"run {run.run_id}: saving its record", (OSError,)):
             self.records.save(run)
         return problems
 
@@ -119,7 +118,7 @@ class Teardown:
                 else:
                     problems.append(f"resealing profile {browser.profile.name} failed: {exc}; "
                                     "the previous sealed copy is kept")
-                    with contextlib.suppress(Exception):
+                    with swallowed(log, f"profile {browser.profile.name}: closing without saving"):
                         await self.calls.run(self.stores.store.close, browser.profile, save=False)
         if run.proxy is not None:
             try:

@@ -4,12 +4,12 @@ stages get new gate tokens and sessions: the next GET of a stage answers the new
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, StageState, now_iso
+from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.procs import terminate_recorded
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Watchdog:
             if run.proxy is not None and run.proxy.proc is not None and not run.proxy.alive():
                 log.warning("run %s: guard proxy died; restarting it on the same port", run.run_id)
                 run.proxy.restarts += 1
-                with contextlib.suppress(Exception):
+                with swallowed(log, f"run {run.run_id}: stopping its dead proxy"):
                     await run.proxy.stop()
                 await run.proxy.start()
                 self.records.save(run)
@@ -101,7 +101,7 @@ class Watchdog:
                 # the old session's daemon served the dead browser: end it with its files (a
                 # new session is started below), so no agent-browser outlives the guard
                 if stage.env_full:
-                    with contextlib.suppress(Exception):
+                    with swallowed(log, f"stage {stage.stage_id}: closing the dead browser's session"):
                         await self.host.close_stage_session(stage.env_full, graceful=False)
                 await asyncio.to_thread(terminate_recorded, stage.processes, 3)
                 stage.move(StageState.PENDING)

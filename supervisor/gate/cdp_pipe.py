@@ -206,7 +206,7 @@ class CdpPipe:
     async def close(self) -> None:
         for client in list(self._clients):
             await client.close()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(RuntimeError, OSError):   # its loop closed, or the pipe already gone
             self._writer.close()
         if self._task is not None:
             self._task.cancel()
