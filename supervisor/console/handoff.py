@@ -30,7 +30,8 @@ from sfguard.supervisor import models
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.handoff import display_refusal
 from sfguard.supervisor.console.liveview import LiveView
-from sfguard.supervisor.errors import BadRequest, Conflict, GuardError, NotFound, Unavailable
+from sfguard.supervisor.errors import BadRequest, Conflict, GuardError, NotFound, Unavailable, swallowed
+from sfguard.supervisor.protocols import ProfileError
 
 log = logging.getLogger("sfguard.console.handoff")
 
@@ -114,7 +115,7 @@ async def open_live(guard, run, body: models.HandoffRequest) -> dict:
             await finish(guard, old, "ended", by="guard")
     browser = await guard.stages.leased_browser(run, body.profile, headed=False)
     host = urlsplit(body.url).hostname or ""
-    allow = sorted(set(guard.browser_allow(run, browser)) | {page_pattern})
+    allow = sorted(set(guard.stages.browser_allow(run, browser)) | {page_pattern})
     patterns = policy.compile_patterns(allow)
     await run.proxy.set_allow(browser.client, allow)
 
@@ -130,7 +131,7 @@ async def open_live(guard, run, body: models.HandoffRequest) -> dict:
     try:
         await view.start(body.url)
     except Exception as exc:
-        with contextlib.suppress(Exception):
+        with swallowed(log, "closing the live view that could not start"):
             await view.close()
         raise Unavailable("browser_failed", f"could not open the login tab for the live view "
                           f"({type(exc).__name__})", None) from None
@@ -195,16 +196,16 @@ async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
             await guard.end_stage(h.run_id, h.stage_id, models.StageEnd(outcome="failed"))
     if run is not None and run.state == "active" and run.proxy is not None:
         # the page's host was added for the handoff only: back to what the stages allow
-        with contextlib.suppress(Exception):
+        with swallowed(log, f"run {h.run_id}: taking the handoff's page host off the allowlist"):
             browser = run.browsers.get(guard.profile_key(run, h.profile).name)
             if browser is not None and browser.client in run.proxy.clients:
-                await run.proxy.set_allow(browser.client, guard.browser_allow(run, browser))
+                await run.proxy.set_allow(browser.client, guard.stages.browser_allow(run, browser))
     h.result = result
     h.state = outcome
     fields = dict(scope=guard.scope, profile=h.profile, run=h.run_id, by=by)
     if h.stage_id:
         fields["stage"] = h.stage_id
-    with contextlib.suppress(Exception):
+    with swallowed(log, "the audit record of the handoff's end", (OSError, ProfileError)):
         if outcome == "done":
             guard.audit.record("handoff_confirmed", outcome="done", **fields,
                                **({"logged_in": bool(result.get("logged_in"))} if result else {}))
@@ -221,7 +222,7 @@ def viewed(guard, h: LiveHandoff, session_id: str) -> None:
     if session_id in h.viewers_seen:
         return
     h.viewers_seen.add(session_id)
-    with contextlib.suppress(Exception):
+    with swallowed(log, "the audit record of a handoff viewed", (OSError, ProfileError)):
         guard.audit.record("handoff_viewed", scope=guard.scope, profile=h.profile, run=h.run_id,
                            by=session_id)
 

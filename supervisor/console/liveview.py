@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sfguard.policy import join_host_port
+from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
 
 log = logging.getLogger("sfguard.console.liveview")
@@ -113,10 +114,10 @@ class LiveView:
     async def close(self) -> None:
         """Stop streaming and close the login tab (idempotent)."""
         if self.cdp is not None:
-            with contextlib.suppress(Exception):
+            with swallowed(log, "stopping the screencast"):
                 await self._cdp().call("Page.stopScreencast", session=self.session, timeout=3)
             if self.target:
-                with contextlib.suppress(Exception):
+                with swallowed(log, "closing the live view's tab"):
                     await self._cdp().call("Target.closeTarget", {"targetId": self.target}, timeout=5)
             await self.cdp.close()
         if self._task is not None:
@@ -194,7 +195,7 @@ class LiveView:
 
     async def _frame(self, params: dict) -> None:
         # the ack goes first (not awaited): the next frame may be produced meanwhile
-        with contextlib.suppress(Exception):
+        with swallowed(log, "acknowledging a frame"):
             await self._cdp().client.send({"id": 0, "method": "Page.screencastFrameAck",
                                         "params": {"sessionId": params.get("sessionId")},
                                         "sessionId": self.session})
@@ -216,7 +217,7 @@ class LiveView:
         url = str(request.get("url") or "")
         rid = params.get("requestId")
         ok = url.startswith(("about:", "data:")) or self._allowed(url)
-        with contextlib.suppress(Exception):
+        with swallowed(log, "answering a paused request of the live view's tab"):
             if ok:
                 await self._cdp().call("Fetch.continueRequest", {"requestId": rid},
                                     session=self.session, timeout=5)

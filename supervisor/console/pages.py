@@ -11,6 +11,7 @@ from collections import deque
 from typing import Any
 
 from sfguard.supervisor.console import approvals_page
+from sfguard.supervisor.protocols import ProfileError
 
 DECISIONS_TAIL = 5000
 DECISIONS_SHOWN = 200
@@ -85,7 +86,7 @@ def _explain(guard: Any, rec: dict) -> str | None:
 async def _profiles(guard: Any) -> dict[str, Any]:
     answer = await guard.inventory.list_profiles()
     checks: dict[str, dict] = {}
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(OSError, ProfileError):   # the page shows the profiles without their last check
         for rec in guard.audit.records():
             if rec.get("event") == "login_checked":
                 f = rec.get("fields") or {}

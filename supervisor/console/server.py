@@ -445,7 +445,7 @@ class ConsoleServer:
             # the handoff ended (its sessions end with it), or only this socket's session
             ended = h.finishing or h.state != "open" or h.view.closed.is_set()
             state = h.view.outcome if ended else "signed_out"
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ConnectionError, RuntimeError):   # the viewer already left
                 await ws.send_str(json.dumps({"t": "ended", "state": state}))
             await ws.close()
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.home import HomeError
 
 log = logging.getLogger("sfguard.bridge")
@@ -84,7 +85,7 @@ class _Bridge:
             self.conns.discard(task)
             for w in (writer, up_w):
                 if w is not None:
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(OSError, RuntimeError):   # already closed, or its loop
                         w.close()
 
     async def close(self) -> None:
@@ -97,7 +98,7 @@ class _Bridge:
         if self.conns:
             await asyncio.wait(list(self.conns), timeout=5)
         if self.server is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(TimeoutError):   # a connection still draining; the folder goes anyway
                 await asyncio.wait_for(self.server.wait_closed(), 5)
 
 
@@ -107,7 +108,7 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             dst.write(data)
             await dst.drain()
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, RuntimeError):   # the other side is gone already
             if dst.can_write_eof():
                 dst.write_eof()
 
@@ -171,7 +172,7 @@ class BridgeHost:
             await gate.start(self.stage_uid, gid)
             await prox.start(self.stage_uid, gid)
         except BaseException:
-            with contextlib.suppress(Exception):
+            with swallowed(log, "removing the bridge's proxy client after a failed start"):
                 await proxy.remove_client(client)
             shutil.rmtree(folder, ignore_errors=True)
             raise

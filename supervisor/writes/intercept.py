@@ -40,6 +40,7 @@ from sfguard.policy.hosts import normalize_host_ex
 from sfguard.policy.index import RuleSet, compile_patterns
 from sfguard.policy.patterns import PatternError
 from sfguard.policy.writes import WriteRules, WriteVerdict, effective, stricter
+from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, PipeClosed
 from sfguard.supervisor.writes.held import HeldWrite, WriteApprover, WriteOutcome
 
@@ -252,13 +253,13 @@ class WriteInterceptor:
             outcome = WriteOutcome(False, "timeout", "no decision in time")
         except asyncio.CancelledError:
             outcome = WriteOutcome(False, "guard", "the stage ended")
-            with contextlib.suppress(Exception):
+            with swallowed(log, "refusing a held write of an ended stage"):
                 self._refuse(rid, "write_denied", method, host, path, verdict, who, "denied")
             raise
         except Exception:  # fail closed: an approver that breaks denies
             log.exception("the write approver failed; the write is denied")
             outcome = WriteOutcome(False, "guard", "approver failed")
-        with contextlib.suppress(Exception):
+        with swallowed(log, "releasing or refusing a held write"):
             if outcome.approved:
                 self.pipe._fire("Fetch.continueRequest", {"requestId": rid})
                 self._released(who, method, url)
@@ -330,7 +331,7 @@ class WriteInterceptor:
                                   "reason": verdict.reason if verdict else "malformed_url"}
         if outcome is not None:
             rec["by"] = outcome.by
-        with contextlib.suppress(Exception):
+        with swallowed(log, "the decision-log line of a write", (OSError,)):
             self.record(decision, rec)
 
     async def close(self) -> None:
