@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.profiles.lease import current_process
 from sfguard.supervisor.profiles.pg_schema import check_schema, migrate
 from sfguard.supervisor.protocols import ProfileError, ProfileKey, StoreUnavailable
@@ -134,7 +135,7 @@ class PgBackend:
         try:
             self.pool.open(wait=True, timeout=connect_wait)
         except Exception as exc:
-            with contextlib.suppress(Exception):
+            with swallowed(log, "closing the pool that could not connect"):
                 self.pool.close(timeout=1)
             raise StoreUnavailable(f"cannot reach the database {self.url_shown}: "
                                    f"{type(exc).__name__}") from None
@@ -146,7 +147,7 @@ class PgBackend:
             if not read_only:
                 self.beat()
         except BaseException:
-            with contextlib.suppress(Exception):
+            with swallowed(log, "closing the pool after a failed start"):
                 self.pool.close(timeout=1)
             raise
         if heartbeat and not read_only:
@@ -257,16 +258,16 @@ class PgBackend:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.read_only:
-            with contextlib.suppress(Exception):
+            with swallowed(log, "closing the pool"):
                 self.pool.close(timeout=5)
             return
-        with contextlib.suppress(Exception):
+        with swallowed(log, "writing the deferred writes at stop"):
             self._down_until, self.down = 0.0, False     # one more real try
             left = self.retry_pending()          # what waited for the database goes in first
             if left:
                 log.error("the shared store is still unreachable: %d deferred write(s) are "
                           "lost with this guard (the profiles keep their last stored state)", left)
-        with contextlib.suppress(Exception):
+        with swallowed(log, "releasing this guard's leases and queue places at stop"):
             with self.conn() as c:
                 held = c.execute("SELECT scope, name, holder_run FROM sfguard_leases WHERE "
                                  "holder_guard = %s ORDER BY scope, name FOR UPDATE",
@@ -279,7 +280,7 @@ class PgBackend:
                                                 profile=name, run=run, outcome="abandoned")
                 c.execute("DELETE FROM sfguard_queue WHERE guard_id = %s", (self.guard_id,))
                 c.execute("DELETE FROM sfguard_guards WHERE guard_id = %s", (self.guard_id,))
-        with contextlib.suppress(Exception):
+        with swallowed(log, "closing the pool"):
             self.pool.close(timeout=5)
 
 
