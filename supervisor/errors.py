@@ -13,6 +13,11 @@ from collections.abc import Iterator
 from sfguard.errors import SfguardError
 
 
+class IllegalTransition(SfguardError):
+    """A state move its transition table does not list (a stage's, daemon/runs.py; a
+    handoff's, models.py): a bug in the guard, answered as an internal error."""
+
+
 class BrowserStartError(SfguardError):
     """A browser, or the run proxy it needs, that could not be started or updated: the runner
     is told `browser_failed` (daemon/stages.py BROWSER_ERRORS)."""

@@ -32,8 +32,11 @@ from sfguard.supervisor.browsers.handoff import display_refusal
 from sfguard.supervisor.console.liveview import LiveView
 from sfguard.supervisor.errors import BadRequest, Conflict, GuardError, NotFound, Unavailable, swallowed
 from sfguard.supervisor.protocols import ProfileError
+from sfguard.supervisor.states import HandoffPhase, RunState, StageState, handoff_move
 
 log = logging.getLogger("sfguard.console.handoff")
+#: a stage that will not ask for anything any more
+STAGE_OVER = (StageState.ENDED, StageState.FAILED)
 
 HANDOFF_TIMEOUT = 900.0     # a live view nobody finishes ends after 15 minutes
 WATCH_STEP = 0.25
@@ -52,7 +55,7 @@ class LiveHandoff:
     login_check: models.LoginCheck | None
     deadline: float
     view: LiveView
-    state: str = "open"
+    state: HandoffPhase = HandoffPhase.OPEN
     result: dict | None = None
     viewers_seen: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -111,7 +114,7 @@ async def open_live(guard, run, body: models.HandoffRequest) -> dict:
             raise NotFound("stage_not_found", f"no stage {body.stage_id!r} in run "
                            f"{run.run_id!r}", "stage_id")
     for old in _registry(guard).values():   # one open live view per run and profile
-        if old.run_id == run.run_id and old.profile == body.profile and old.state == "open":
+        if old.run_id == run.run_id and old.profile == body.profile and old.state == HandoffPhase.OPEN:
             await finish(guard, old, "ended", by="guard")
     browser = await guard.stages.leased_browser(run, body.profile, headed=False)
     host = urlsplit(body.url).hostname or ""
@@ -155,15 +158,15 @@ def _plain_host(site: str) -> bool:
 async def _watch(guard, h: LiveHandoff) -> None:
     """End the handoff when its time is up, its stage or run ended, or its tab went away."""
     try:
-        while h.state == "open":
+        while h.state == HandoffPhase.OPEN:
             await asyncio.sleep(WATCH_STEP)
-            if h.state != "open" or h.finishing:
+            if h.state != HandoffPhase.OPEN or h.finishing:
                 return
             run = guard.runs.get(h.run_id)
             stage = run.stages.get(h.stage_id) if (run is not None and h.stage_id) else None
             if time.monotonic() >= h.deadline:
                 await finish(guard, h, "expired", by="guard")
-            elif run is None or run.state != "active" or (stage is not None and stage.state in ("ended", "failed")):
+            elif run is None or run.state != RunState.ACTIVE or (stage is not None and stage.state in STAGE_OVER):
                 await finish(guard, h, "ended", by="guard")
             elif h.view.closed.is_set():
                 await finish(guard, h, "ended", by="guard")
@@ -174,7 +177,7 @@ async def _watch(guard, h: LiveHandoff) -> None:
 async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
     """End a handoff: `done` (then the guard's login check), `cancelled` (the stage fails),
     `expired` or `ended`. Idempotent; the link and its sessions stop working at once."""
-    if h.state != "open" or h.finishing:
+    if h.state != HandoffPhase.OPEN or h.finishing:
         return h.public()
     h.finishing = True
     console = guard.console
@@ -185,23 +188,23 @@ async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
         h.watcher.cancel()
     run = guard.runs.get(h.run_id)
     result = None
-    if outcome == "done" and h.login_check is not None and run is not None and run.state == "active":
+    if outcome == "done" and h.login_check is not None and run is not None and run.state == RunState.ACTIVE:
         try:
             result = await guard.login_check(h.run_id, models.LoginCheckRequest(
                 profile=h.profile, login_check=h.login_check))
         except GuardError as exc:
             result = {"logged_in": False, "url": "", "error": exc.code}
-    elif outcome == "cancelled" and h.stage_id and run is not None and run.state == "active":
+    elif outcome == "cancelled" and h.stage_id and run is not None and run.state == RunState.ACTIVE:
         with contextlib.suppress(GuardError):
             await guard.end_stage(h.run_id, h.stage_id, models.StageEnd(outcome="failed"))
-    if run is not None and run.state == "active" and run.proxy is not None:
+    if run is not None and run.state == RunState.ACTIVE and run.proxy is not None:
         # the page's host was added for the handoff only: back to what the stages allow
         with swallowed(log, f"run {h.run_id}: taking the handoff's page host off the allowlist"):
             browser = run.browsers.get(guard.profile_key(run, h.profile).name)
             if browser is not None and browser.client in run.proxy.clients:
                 await run.proxy.set_allow(browser.client, guard.stages.browser_allow(run, browser))
     h.result = result
-    h.state = outcome
+    h.state = handoff_move(h.state, outcome)
     fields = dict(scope=guard.scope, profile=h.profile, run=h.run_id, by=by)
     if h.stage_id:
         fields["stage"] = h.stage_id
@@ -242,7 +245,7 @@ async def state(guard, run_id: str, wait: float = 0.0) -> dict:
     if not mine:
         raise NotFound("handoff_not_found", f"run {run_id!r} has no handoff", "run_id")
     h = mine[-1]
-    if h.state == "open" and wait > 0:
+    if h.state == HandoffPhase.OPEN and wait > 0:
         h.changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(h.changed.wait(), min(wait, MAX_WAIT))

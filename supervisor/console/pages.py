@@ -12,6 +12,7 @@ from typing import Any
 
 from sfguard.supervisor.console import approvals_page
 from sfguard.supervisor.protocols import ProfileError
+from sfguard.supervisor.states import HandoffPhase
 
 DECISIONS_TAIL = 5000
 DECISIONS_SHOWN = 200
@@ -33,7 +34,7 @@ async def page_context(guard: Any, handoffs: dict[str, Any], page: str, query: d
 async def _overview(guard: Any, handoffs: dict[str, Any]) -> dict[str, Any]:
     status = await guard.inventory.status()
     shown = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
-             for h in handoffs.values() if h.state == "open"]
+             for h in handoffs.values() if h.state == HandoffPhase.OPEN]
     return {"gs": status, "handoffs": shown, "approvals": approvals_page.context(guard)["pending"]}
 
 

@@ -44,6 +44,7 @@ from sfguard.supervisor.console import approvals_page, pages
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.console.auth import LINK_TTL, SESSION_TTL, ConsoleAuth, Session
 from sfguard.supervisor.console.listen import ConsoleError, parse_listen  # noqa: F401 (start_cmd imports them here)
+from sfguard.supervisor.states import HandoffPhase
 
 log = logging.getLogger("sfguard.console")
 
@@ -390,7 +391,7 @@ class ConsoleServer:
         h = self.handoffs.get(hid)
         if "t" in request.query:
             got = self.auth.redeem(request.query.get("t"), scope=f"live:{hid}")
-            if got is None or h is None or h.state != "open":
+            if got is None or h is None or h.state != HandoffPhase.OPEN:
                 self._audit_refused()
                 return self._render("message.html", 401, title="Link not valid", session=None,
                                     message="This live-view link was already used, has expired, "
@@ -403,7 +404,7 @@ class ConsoleServer:
             self._set_cookie(resp, LIVE_COOKIE, cookie, live_sess, f"/live/{hid}")
             return resp
         h, sess = self._live(request)
-        if h is None or h.state != "open":
+        if h is None or h.state != HandoffPhase.OPEN:
             return self._live_gone() if (h is not None or sess is not None) else self._unauthorized(request)
         if sess is None:
             return self._unauthorized(request)
@@ -415,7 +416,7 @@ class ConsoleServer:
         h, sess = self._live(request)
         if h is None or sess is None:
             return web.Response(status=401, text=NO_SESSION_TEXT)
-        if h.state != "open":
+        if h.state != HandoffPhase.OPEN:
             return web.Response(status=410, text="this live view has ended\n")
         if not self._same_origin(request):
             return web.Response(status=403, text="cross-origin WebSocket refused\n")
@@ -443,7 +444,7 @@ class ConsoleServer:
                 else:
                     await ws.send_str(json.dumps(payload))
             # the handoff ended (its sessions end with it), or only this socket's session
-            ended = h.finishing or h.state != "open" or h.view.closed.is_set()
+            ended = h.finishing or h.state != HandoffPhase.OPEN or h.view.closed.is_set()
             state = h.view.outcome if ended else "signed_out"
             with contextlib.suppress(ConnectionError, RuntimeError):   # the viewer already left
                 await ws.send_str(json.dumps({"t": "ended", "state": state}))
@@ -454,7 +455,7 @@ class ConsoleServer:
         watcher = loop.create_task(watch())
         try:
             async for msg in ws:
-                if msg.type != WSMsgType.TEXT or h.state != "open":
+                if msg.type != WSMsgType.TEXT or h.state != HandoffPhase.OPEN:
                     continue
                 if not self._session_live(sess):
                     break       # the session ended: no more input
@@ -480,7 +481,7 @@ class ConsoleServer:
         form = await request.post()
         if not sess.csrf_ok(_text(form.get("csrf")) or request.headers.get("X-CSRF-Token")):
             return web.Response(status=403, text="CSRF token missing or wrong\n")
-        if h.state != "open":
+        if h.state != HandoffPhase.OPEN:
             return self._live_gone()
         outcome = "done" if request.path.endswith("/done") else "cancelled"
         result = await live.finish(self.guard, h, outcome, by=sess.public_id)

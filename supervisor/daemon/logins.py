@@ -16,6 +16,7 @@ from sfguard.supervisor.daemon.stages import BROWSER_ERRORS
 from sfguard.supervisor.daemon.window_handoff import WindowHandoffs
 from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
 from sfguard.supervisor.protocols import ProfileError
+from sfguard.supervisor.states import HandoffPhase
 
 if TYPE_CHECKING:
     from sfguard.supervisor.daemon.guard import Guard
@@ -177,7 +178,7 @@ class Logins:
         newest_live = live.newest(g, run_id)
         if window is None or (newest_live is not None and newest_live.created > window.created):
             return await live.state(g, run_id, wait)
-        if window.state == "open" and wait > 0:
+        if window.state == HandoffPhase.OPEN and wait > 0:
             window.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(window.changed.wait(), wait)

@@ -14,70 +14,26 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sfguard.errors import SfguardError
 from sfguard.supervisor import models
 from sfguard.supervisor.browsers.host import Anchor
 from sfguard.supervisor.browsers.login import LoginResult
-from sfguard.supervisor.errors import GuardError
+from sfguard.supervisor.errors import GuardError, IllegalTransition
 from sfguard.supervisor.procs import ProcRecord
 from sfguard.supervisor.protocols import ProfileKey, Waiting
+from sfguard.supervisor.states import (
+    STAGE_TRANSITIONS,
+    WAITING_STATES,
+    RunOutcome,
+    RunState,
+    StageOutcome,
+    StageState,
+)
 
 if TYPE_CHECKING:
     from sfguard.supervisor.daemon.run_proxy import RunProxy
-
-
-class StageState(StrEnum):
-    PENDING = "pending"            # asked for, not yet leased or launched
-    WAITING = "waiting"            # queued behind another run's lease (or the store is away)
-    READY = "ready"                # its env works: browser, tab, gate token, session
-    RELAUNCHING = "relaunching"    # its browser died; the watchdog is restarting it
-    ENDED = "ended"                # torn down with an outcome
-    FAILED = "failed"              # its browser could not be had; it keeps the error
-
-
-#: Every move the guard makes. A stage is re-attached (READY/RELAUNCHING -> PENDING -> READY)
-#: when its browser was replaced; any stage not yet ended can be ended.
-STAGE_TRANSITIONS: dict[StageState, frozenset[StageState]] = {
-    StageState.PENDING: frozenset({StageState.WAITING, StageState.READY, StageState.FAILED,
-                                   StageState.ENDED}),
-    StageState.WAITING: frozenset({StageState.WAITING, StageState.READY, StageState.FAILED,
-                                   StageState.ENDED}),
-    StageState.READY: frozenset({StageState.RELAUNCHING, StageState.PENDING, StageState.ENDED}),
-    StageState.RELAUNCHING: frozenset({StageState.PENDING, StageState.WAITING, StageState.READY,
-                                       StageState.FAILED, StageState.ENDED}),
-    StageState.FAILED: frozenset({StageState.ENDED}),
-    StageState.ENDED: frozenset(),
-}
-#: a stage answer that may still change (answered 202 `waiting`)
-WAITING_STATES = frozenset({StageState.PENDING, StageState.WAITING, StageState.RELAUNCHING})
-
-
-class StageOutcome(StrEnum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    TIMED_OUT = "timed_out"
-
-
-class RunState(StrEnum):
-    ACTIVE = "active"
-    ENDING = "ending"
-    ENDED = "ended"
-
-
-class RunOutcome(StrEnum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    ABANDONED = "abandoned"
-
-
-class IllegalTransition(SfguardError):
-    """A move STAGE_TRANSITIONS does not list: a bug in the guard."""
 
 
 def now_iso(ts: float | None = None) -> str:

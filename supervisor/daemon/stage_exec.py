@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfguard.supervisor.browsers import agent_browser, tools
+from sfguard.supervisor.daemon.runs import StageState
 from sfguard.supervisor.errors import Conflict
 from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.stage import sandbox
@@ -89,14 +90,14 @@ def pinned_tab(guard, stage) -> str | None:
 
 
 def exec_answer(guard, run, stage) -> dict[str, Any]:
-    if stage.state == "ended":
+    if stage.state == StageState.ENDED:
         raise Conflict("stage_ended", f"stage {stage.stage_id!r} of run {run.run_id!r} has "
                        f"ended ({stage.outcome}); its gate and proxy are closed", "stage_id")
-    if stage.state == "failed":
+    if stage.state == StageState.FAILED:
         raise Conflict("stage_failed", f"stage {stage.stage_id!r} has no browser "
                        "(its request failed)", "stage_id")
-    bridges = guard.bridges.get(stage.gate_key or "") if stage.state == "ready" else None
-    if stage.state != "ready" or bridges is None:
+    bridges = guard.bridges.get(stage.gate_key or "") if stage.state == StageState.READY else None
+    if stage.state != StageState.READY or bridges is None:
         raise Conflict("stage_not_ready", f"stage {stage.stage_id!r} is {stage.state}: "
                        "request it until it is ready, then run stage-exec", "stage_id")
     if not guard.sandbox_ok:

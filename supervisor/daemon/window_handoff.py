@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sfguard.supervisor.daemon.runs import Browser, Run, StageState
+from sfguard.supervisor.daemon.runs import Browser, Run, RunState, StageState
+from sfguard.supervisor.states import HandoffPhase, handoff_move
 
 log = logging.getLogger("sfguard.handoff")
 
@@ -35,7 +36,7 @@ class WindowHandoff:
     site: str
     deadline: float
     created: float = field(default_factory=time.monotonic)
-    state: str = "open"
+    state: HandoffPhase = HandoffPhase.OPEN
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task | None = None
     finishing: bool = False
@@ -67,11 +68,11 @@ class WindowHandoffs:
 
     async def _watch(self, h: WindowHandoff) -> None:
         with contextlib.suppress(asyncio.CancelledError):
-            while h.state == "open":
+            while h.state == HandoffPhase.OPEN:
                 await asyncio.sleep(WATCH_STEP)
                 run = self.runs.get(h.run_id)
                 stage = run.stages.get(h.stage_id) if (run is not None and h.stage_id) else None
-                if run is None or run.state != "active":
+                if run is None or run.state != RunState.ACTIVE:
                     await self.finish(h, "ended")
                 elif stage is not None and stage.state in (StageState.ENDED, StageState.FAILED):
                     await self.finish(h, "ended")
@@ -81,7 +82,7 @@ class WindowHandoffs:
     async def finish(self, h: WindowHandoff, outcome: str) -> None:
         """Audit the end, put the anchor back to headless, then answer the new state (a runner
         that long-polls it finds the window gone)."""
-        if h.state != "open" or h.finishing:
+        if h.state != HandoffPhase.OPEN or h.finishing:
             return
         h.finishing = True
         run = self.runs.get(h.run_id)
@@ -92,7 +93,7 @@ class WindowHandoffs:
             await self.audit(outcome, fields)
         except Exception as exc:   # the chain's own failure is in its log; the window still goes
             log.warning("handoff_closed of run %s not audited: %s", h.run_id, type(exc).__name__)
-        if run is not None and run.state == "active":
+        if run is not None and run.state == RunState.ACTIVE:
             browser = run.browsers.get(h.browser_key)
             wanted = browser is not None and any(
                 run.stages[s].headed for s in browser.stages
@@ -103,7 +104,7 @@ class WindowHandoffs:
                 except Exception as exc:   # the browser stays as it is; the watchdog keeps it
                     log.warning("the login window of run %s did not go back to headless: %s",
                                 h.run_id, type(exc).__name__)
-        h.state = outcome
+        h.state = handoff_move(h.state, outcome)
         log.info("login window of run %s ended: %s", h.run_id, outcome)
         h.changed.set()
 

@@ -60,3 +60,13 @@ def test_a_stage_moves_only_along_the_table(path, allowed):
     assert (refused is None) == allowed, refused
     if allowed:
         assert stage.state == path[-1]
+
+
+@pytest.mark.parametrize("end", ["done", "cancelled", "expired", "ended"])
+def test_a_handoff_ends_once_and_only_from_open(end):
+    from sfguard.supervisor.errors import IllegalTransition
+    from sfguard.supervisor.states import HandoffPhase, handoff_move
+    assert handoff_move(HandoffPhase.OPEN, end) == end
+    for again in ("open", "done", "cancelled", "expired", "ended"):
+        with pytest.raises(IllegalTransition):
+            handoff_move(HandoffPhase(end), again)
