@@ -161,7 +161,7 @@ SLOW_FILES = {
     "stage_exec/test_hostile_stage.py": 33, "daemon/test_real_browser.py": 30, "daemon/test_ca_file.py": 30,
     "stage_exec/test_bridge_cleanup.py": 29, "browser_host/test_fetch_switch_off.py": 28,
     "cli/test_cli_table.py": 28, "cdp_gate/test_cdp_gate_browser.py": 26, "service/test_service_unit.py": 26,
-    "console/test_console_scope.py": 26, "sso/test_sso.py": 25, "daemon/test_django_admin.py": 25,
+    "console/test_console_scope.py": 26, "sso/test_sso.py": 25, "daemon/test_django_admin.py": 43,
     "proxy/test_proxy_entry.py": 24, "handoff/test_window_route.py": 80, "stage_exec/test_write_floor_shell.py": 72,
     "daemon/test_write_gate_daemon.py": 60, "daemon/test_runner_guide_live.py": 50,
     "handoff/test_window_desktop_user.py": 30, "console/test_approvals_page.py": 20,

@@ -8,9 +8,10 @@ the console on loopback. It never gets the stage's env or anything of the guard'
 one-time link. It drives the viewer page with real input events (`Input.*` on the viewer
 page), which the page's script forwards to the login tab. Like a person it knows the login
 tab only from its frames: it finds the Sign in button by its colour in the latest frame and
-clicks there (the fixture site gives the button a colour of its own). Run by root, it runs as
-the browser user (supervisor/browsers/browser_user.py) with Chromium's sandbox on, like the guard's
-browsers.
+clicks there (the fixture site gives the button a colour of its own), and on a real site's
+page the focused field by the focus ring Chromium draws around it (`focused_field`). Run by
+root, it runs as the browser user (supervisor/browsers/browser_user.py) with Chromium's sandbox
+on, like the guard's browsers.
 """
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sfguard.errors import SfguardError
 from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers import chromium, tools
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession
 from sfguard.supervisor.procs import ProcRecord, terminate_recorded
+
+T = TypeVar("T")
 
 
 class ViewerError(SfguardError):
@@ -206,24 +209,65 @@ class Viewer:
         x, y, w, h, nw, nh = r
         return x + fx * w / nw, y + fy * h / nh
 
-    async def find_colour(self, rgb: tuple[int, int, int], tolerance: int = 60,
-                          min_pixels: int = 80) -> tuple[float, float] | None:
+    #: the latest frame's pixels in the page's script: `w`, `h` and `d` (RGBA), or null when no
+    #: frame is drawn at the moment (none yet, or the picture is being replaced)
+    _FRAME = ("const s = document.getElementById('screen'); const w = s.naturalWidth, h = s.naturalHeight; "
+              "if (!w || !h) return null; const c = document.createElement('canvas'); c.width = w; "
+              "c.height = h; const x = c.getContext('2d'); try { x.drawImage(s, 0, 0); } catch (e) "
+              "{ return null; } const d = x.getImageData(0, 0, w, h).data; ")
+
+    async def find_colour(self, rgb: tuple[int, int, int], tolerance: int = 60, min_pixels: int = 80,
+                          region: tuple[float, float, float, float] | None = None) -> tuple[float, float] | None:
         """The centre (frame pixels) of the pixels of the latest frame within `tolerance` (sum
         of channel differences) of `rgb`, or None when fewer than `min_pixels` match. It reads
-        the picture the page shows, nothing else: the frame is drawn into a canvas."""
+        the picture the page shows, nothing else: the frame is drawn into a canvas. `region`
+        (x0, y0, x1, y1, frame pixels) limits the search to that box."""
         r, g, b = (int(c) for c in rgb)
+        x0, y0, x1, y1 = (int(v) for v in (region or (0, 0, 1 << 20, 1 << 20)))
         found = await self.eval(
-            "(() => { const s = document.getElementById('screen'); const w = s.naturalWidth, "
-            "h = s.naturalHeight; if (!w || !h) return null; const c = document.createElement('canvas'); "
-            "c.width = w; c.height = h; const x = c.getContext('2d'); x.drawImage(s, 0, 0); "
-            "const d = x.getImageData(0, 0, w, h).data; let n = 0, sx = 0, sy = 0; "
-            "for (let i = 0; i < d.length; i += 4) { "
+            "(() => { " + self._FRAME + "let n = 0, sx = 0, sy = 0; "
+            f"for (let y = Math.max(0, {y0}); y < Math.min(h, {y1}); y++) "
+            f"for (let xx = Math.max(0, {x0}); xx < Math.min(w, {x1}); xx++) {{ const i = (y * w + xx) * 4; "
             f"if (Math.abs(d[i] - {r}) + Math.abs(d[i + 1] - {g}) + Math.abs(d[i + 2] - {b}) <= {int(tolerance)}) "
-            "{ const p = i / 4; n += 1; sx += p % w; sy += Math.floor(p / w); } } "
+            "{ n += 1; sx += xx; sy += y; } } "
             "return [n, n ? sx / n : 0, n ? sy / n : 0]; })()")
         if not found or found[0] < min_pixels:
             return None
         return float(found[1]), float(found[2])
+
+    #: the ring Chromium draws around the focused field (light colour scheme)
+    FOCUS_RING_RGB = (16, 16, 16)
+
+    async def focused_field(self, tolerance: int = 90, min_run: int = 40) -> tuple[float, float, float, float] | None:
+        """The box (x0, y0, x1, y1, frame pixels) of the focus ring in the latest frame, or None
+        when it shows none. A person sees the ring; here it is the rows holding a long run (at
+        least `min_run` pixels) of near-black pixels: the ring's top and bottom edges. Text, dark
+        as it may be, has no such runs."""
+        r, g, b = self.FOCUS_RING_RGB
+        rows = await self.eval(
+            "(() => { " + self._FRAME + "const out = []; for (let y = 0; y < h; y++) { let run = 0, best = 0, "
+            "end = 0; for (let xx = 0; xx < w; xx++) { const i = (y * w + xx) * 4; "
+            f"if (Math.abs(d[i] - {r}) + Math.abs(d[i + 1] - {g}) + Math.abs(d[i + 2] - {b}) <= {int(tolerance)}) "
+            "{ run += 1; if (run > best) { best = run; end = xx; } } else run = 0; } "
+            f"if (best >= {int(min_run)}) out.push([y, end - best + 1, end]); }} return out; }})()")
+        # the ring: the topmost such row and the lowest one spanning the same columns (a rule or
+        # an underline has no partner; a ring is at least a line of text tall)
+        for top in rows or []:
+            same = [y for y, a, z in rows if y - top[0] >= 8 and abs(a - top[1]) <= 4 and abs(z - top[2]) <= 4]
+            if same:
+                return float(top[1]), float(top[0]), float(top[2]), float(max(same))
+        return None
+
+    async def look(self, find: Callable[[], Awaitable[T | None]], timeout: float, what: str) -> T:
+        """Look at the frames until `find()` sees something (a person waits for the page)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = await find()
+            if seen is not None:
+                return seen
+            if time.monotonic() >= deadline:
+                raise ViewerError(f"{what} is not in the live view's frame")
+            await asyncio.sleep(0.1)
 
     async def click_frame(self, fx: float, fy: float) -> None:
         """A left click on the viewer page at the point (fx, fy) of the login tab's frame."""

@@ -38,3 +38,19 @@ def test_the_retention_options_exist_and_are_documented():
 def test_status_check_is_in_the_exit_code_table():
     table = section(REFERENCE, "Exit codes")
     assert re.search(r"^\| 1 \|.*`status --check`", table, re.M)
+
+
+def test_the_single_sign_on_example_is_a_valid_pipeline(tmp_path):
+    """The guide's real-site example (issue 33): the pipeline it shows passes `sfguard
+    validate`, its login stage allows the app and the provider, its work stage the app only."""
+    text = section(GUIDE, "A real site: single sign-on")
+    m = re.search(r"```yaml\n(.*?)```", text, re.S)
+    assert m, "no pipeline in the single sign-on example"
+    pipeline = tmp_path / "app-sso.yaml"
+    pipeline.write_text(m.group(1))
+    out = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "validate", str(pipeline), "--no-tool-check",
+                          "--policy", str(ROOT / "policy" / "sites.yaml")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert 'allow_domains: ["app.example.com", "login.idp.example"]' in m.group(1)
+    assert "--allow login.idp.example" in text
