@@ -292,6 +292,9 @@ def test_write_gate_table_on_the_admins_delete(admin_site):
     s = mode_stage("allow")
     confirm_delete(s, a, gid)
     assert until(lambda: group_id(a, "allow-me") is None)
+    # the site's access log line is written after its answer: wait for it, then count exactly
+    until(lambda: deletes_received(a, gid) >= 1, 10)
+    time.sleep(1.0)
     assert deletes_received(a, gid) == 1 and deletions_logged(a, gid) == 1 and pending(d, 1) == []
     assert d.call("POST", "/v1/runs/wg/end", {"outcome": "succeeded"})[0] == 200
     # the untouched group is still there; the decision log has each mode's verdict
