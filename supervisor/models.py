@@ -455,7 +455,8 @@ class LoginVerifyRequest(Strict):
 
 class LoginResultAnswer(Answer):
     logged_in: bool = Field(description="computed by the guard from the final address (and selector)")
-    url: str = Field(description="the final address the check page landed on")
+    url: str = Field(description="the final address the check page landed on; query values "
+                     "hidden (`?code=…`), no user info or fragment")
 
 
 class HandoffRequest(Strict):

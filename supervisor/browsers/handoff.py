@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, StringConstraints, model_validator
 from sfguard.errors import SfguardError
 from sfguard.supervisor.browsers import tools, xdisplay
 
-__all__ = ["FakeHandoff", "Handoff", "HandoffImpossible", "HandoffPayload", "LocalWindowHandoff"]
+__all__ = ["FakeHandoff", "GateHandoff", "Handoff", "HandoffImpossible", "HandoffPayload", "LocalWindowHandoff"]
 
 HandoffKind = Literal["local_window", "live_view"]
 _URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
@@ -73,6 +73,26 @@ class HandoffPayload(BaseModel):
             raise ValueError("a live_view handoff needs the url of the live view")
         if self.url is not None and self.url.lower().startswith(("ws://", "wss://")):
             raise ValueError("url must be a page address, not a WebSocket")
+        return self
+
+
+class GateHandoff(BaseModel):
+    """A pipeline gate's `handoff:` (what the runner sends as `POST /v1/runs/{id}/handoff`):
+    `kind` as the API takes it (`auto`: a local window where the guard has a screen, else a live
+    view), and `url` the page the login starts on. The live view's own link is made by the guard
+    when the handoff opens, so a pipeline never holds one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["auto", "local_window", "live_view"]
+    site: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    url: Annotated[str, StringConstraints(max_length=2048)] | None = None
+
+    @model_validator(mode="after")
+    def _url_rules(self) -> GateHandoff:
+        if self.url is not None and not _URL.match(self.url):
+            raise ValueError("url must be the http:// or https:// page the login starts on")
         return self
 
 

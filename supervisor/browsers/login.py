@@ -49,6 +49,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from sfguard.errors import SfguardError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
@@ -78,9 +79,28 @@ class LoginCheckError(SfguardError):
     browser unreachable). Messages never contain the CDP address or cookie values."""
 
 
+def shown_url(url: str) -> str:
+    """An address as the guard shows it in answers, logs and errors: scheme, host, port and path,
+    and the query's names with their values hidden (`?code=…&state=…`). A sign-in's final
+    address can carry an authorization code, a state or a reset token; the patterns are still
+    matched against the whole address, inside the guard."""
+    try:
+        p = urlsplit(url)
+        port = p.port
+    except ValueError:
+        return "(an address that does not parse)"
+    if p.scheme not in ("http", "https") or not p.hostname:
+        return url.split(":", 1)[0] + ":" if ":" in url else "(not an address)"
+    host = f"[{p.hostname}]" if ":" in p.hostname else p.hostname
+    out = f"{p.scheme}://{host}{f':{port}' if port is not None else ''}{p.path or '/'}"
+    names = [k for k, _ in parse_qsl(p.query, keep_blank_values=True)]
+    return out + ("?" + "&".join(f"{k}=…" for k in names) if names else "")
+
+
 @dataclass(frozen=True)
 class LoginResult:
-    """The guard's answer. `url` is the final address the check page ended on."""
+    """The guard's answer. `url` is the final address the check page ended on, as `shown_url`
+    shows it (query values hidden)."""
     logged_in: bool
     url: str
 
@@ -127,11 +147,11 @@ def decide_login(final_url: str, logged_in: str, logged_out: Iterable[str],
     out_hits = [p for p in logged_out if match_pattern(p, final_url)]
     if in_match and out_hits:
         raise LoginCheckError(
-            f"the final URL {final_url} matches both the logged_in pattern {logged_in!r} and the "
+            f"the final URL {shown_url(final_url)} matches both the logged_in pattern {logged_in!r} and the "
             f"logged_out pattern {out_hits[0]!r}: make the patterns exclusive")
     if not in_match and not out_hits:
         raise LoginCheckError(
-            f"the final URL {final_url} matches neither the logged_in pattern {logged_in!r} nor "
+            f"the final URL {shown_url(final_url)} matches neither the logged_in pattern {logged_in!r} nor "
             f"any logged_out pattern ({', '.join(map(repr, logged_out)) or 'none given'}): the "
             "check cannot tell, so it does not guess (add the pattern this page needs)")
     if out_hits:
@@ -272,7 +292,7 @@ async def check_login(pipe: CdpPipe, check: LoginCheck, *, timeout: float = 30,
                 if sent_to is not None and any(match_pattern(p, sent_to) for p in check.logged_out):
                     # the site sent the check to its sign-in page on a host this run may not
                     # reach (an SSO provider): that is the site's answer, logged out
-                    return LoginResult(False, sent_to)
+                    return LoginResult(False, shown_url(sent_to))
                 raise LoginCheckError(f"the check page {check.url} could not be opened: {nav['errorText']}"
                                       " (is the site in the run's allow_domains, and reachable?)")
             await _wait_settled(cdp, session, deadline, quiet)
@@ -287,7 +307,8 @@ async def check_login(pipe: CdpPipe, check: LoginCheck, *, timeout: float = 30,
                 except (_CdpError, CdpCallError):
                     raise LoginCheckError(f"the selector {check.selector!r} is not a valid CSS selector") from None
                 found = found is True
-        return LoginResult(decide_login(final_url, check.logged_in, check.logged_out, found), final_url)
+        return LoginResult(decide_login(final_url, check.logged_in, check.logged_out, found),
+                           shown_url(final_url))
     except TimeoutError:
         raise LoginCheckError(f"the login check did not finish within {timeout:g} s") from None
     except PipeClosed:

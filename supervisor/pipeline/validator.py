@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from sfguard import policy
 from sfguard.policy.yamlpos import mark_place, validate_at, yaml_error_mark
 from sfguard.supervisor.browsers import tools
-from sfguard.supervisor.browsers.handoff import HandoffPayload
+from sfguard.supervisor.browsers.handoff import GateHandoff
 from sfguard.supervisor.models import STAGE_ID, BrowserField, error_message
 from sfguard.supervisor.pipeline.report import Issue, PipelineReport, Route, StageInfo
 from sfguard.supervisor.pipeline.topology import check_login_topology
@@ -413,7 +413,7 @@ class Validator:
         for key, _k, v in doc.items(node):
             if key != "handoff":
                 continue
-            self.model_issues(doc, HandoffPayload, doc.value(v), v, f"{path}.handoff", "handoff")
+            self.model_issues(doc, GateHandoff, doc.value(v), v, f"{path}.handoff", "handoff")
 
     # ---- tools
 

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from sfguard.supervisor.browsers.handoff import (
     FakeHandoff,
+    GateHandoff,
     Handoff,
     HandoffImpossible,
     HandoffPayload,
@@ -103,6 +104,22 @@ def test_payload_schema_rejects(data, needle):
     with pytest.raises(ValidationError) as exc:
         HandoffPayload.model_validate(data)
     assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("data,error", [
+    ({"kind": "auto", "site": "example.com", "reason": "log in"}, None),
+    ({"kind": "live_view", "site": "example.com", "reason": "log in"}, None),   # the guard makes the link
+    ({"kind": "local_window", "site": "a", "reason": "r", "url": "https://a.example/login"}, None),
+    ({"kind": "popup", "site": "a", "reason": "r"}, "kind"),
+    ({"kind": "auto", "site": "a", "reason": "r", "url": "file:///etc/passwd"}, "http"),
+    ({"site": "a", "reason": "r"}, "kind"),
+])
+def test_a_pipeline_gate_handoff_takes_the_apis_kinds(data, error):
+    if error is None:
+        assert GateHandoff.model_validate(data).model_dump(exclude_none=True) == data
+    else:
+        with pytest.raises(ValidationError, match=error):
+            GateHandoff.model_validate(data)
 
 
 def test_fake_handoff_is_a_live_view_and_can_refuse():

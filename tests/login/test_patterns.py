@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from sfguard.supervisor.browsers.login import LoginCheckError, compile_pattern, decide_login, match_pattern
+from sfguard.supervisor.browsers.login import (
+    LoginCheckError,
+    compile_pattern,
+    decide_login,
+    match_pattern,
+    shown_url,
+)
 
 SITE = "http://127.0.0.1:8080"
 
@@ -96,3 +102,15 @@ def test_decide_login_refuses_to_guess(url, li, lo, needle):
         decide_login(url, li, lo)
     assert needle in str(exc.value)
     assert url in str(exc.value)
+
+
+@pytest.mark.parametrize("url,shown", [
+    ("https://idp.test/auth?client_id=app&state=s3cr3t&code_challenge=abc", "https://idp.test/auth?client_id=…&state=…&code_challenge=…"),
+    ("https://user:pw@app.test:8443/cb?code=xyz#frag", "https://app.test:8443/cb?code=…"),
+    ("http://[::1]:8080", "http://[::1]:8080/"),
+    ("http://site-a.test/account", "http://site-a.test/account"),
+    ("chrome-error://chromewebdata/", "chrome-error:"),
+    ("http://a.test:99999/", "(an address that does not parse)"),
+])
+def test_an_answers_address_hides_query_values_and_user_info(url, shown):
+    assert shown_url(url) == shown

@@ -102,6 +102,7 @@ def test_sign_in_through_the_provider_reuse_and_a_stage_that_may_not_reach_it(ss
     answer = check(d, "r2", sites)
     assert answer["logged_in"] is False and time.monotonic() - t0 < 30, answer
     assert answer["url"].startswith(f"{sites.idp_origin}/auth?"), answer      # where the app sent it
+    assert "state=…" in answer["url"] and "code_challenge=…" in answer["url"], answer   # values hidden
     opened = as_stage(w, "open", f"{app}/account")
     assert opened.returncode != 0 and "ERR_TUNNEL_CONNECTION_FAILED" in opened.stderr + opened.stdout
     assert "signed in" not in as_stage(w, "get", "text", "body").stdout
