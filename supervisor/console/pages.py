@@ -32,7 +32,7 @@ async def page_context(guard: Any, handoffs: dict[str, Any], page: str, query: d
 
 
 async def _overview(guard: Any, handoffs: dict[str, Any]) -> dict[str, Any]:
-    status = await guard.inventory.status()
+    status = await guard.status()
     shown = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
              for h in handoffs.values() if h.state == HandoffPhase.OPEN]
     return {"gs": status, "handoffs": shown, "approvals": approvals_page.context(guard)["pending"]}

@@ -237,7 +237,7 @@ ROUTES: tuple[Route, ...] = (
           "an open handoff's answer is held until it changes or the time is up. A local_window "
           "handoff is open until its time is up (`expired`) or its stage or run ends (`ended`); "
           "then its window closes (the anchor goes back to headless).",
-          query=("wait",), service="logins"),
+          query=("wait",)),
     Route("POST", "/v1/console/link", "api_console_link",
           "A one-time login link to the operator console (`sfguard console`)",
           m.ConsoleLinkRequest, ((200, m.ConsoleLink),), ((409, ("console_off",)),),
@@ -247,7 +247,7 @@ ROUTES: tuple[Route, ...] = (
           ((200, m.StatusAnswer),), (),
           "What `sfguard status` prints: every run, profile lease and queue, and the site policy's "
           "state (an invalid edit keeps the last good policy). Answers even when a shared store "
-          "does not: then `leases` is empty and `guard.store_error` says why.", (), "inventory"),
+          "does not: then `leases` is empty and `guard.store_error` says why."),
     Route("GET", "/v1/profiles", "api_list_profiles", "Profiles of this guard's scope", None,
           ((200, m.ProfilesAnswer),), ((503, ("store_unreachable",)),),
           "Names, sizes, times, workflow identities and lease holders; never contents. 503 "

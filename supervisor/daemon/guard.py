@@ -7,7 +7,8 @@
   watchdog.py    waiting stages, dead proxies and browsers (restart and reattach)
   crash.py       crash records (`runs/<id>.json`, no secrets) and the sweep after a crash
   logins.py      login check, envelope verification, human handoff
-  inventory.py   status, lease table, profiles
+  inventory.py   profiles, the lease table, store calls as the API answers them
+  status_view.py `GET /v1/status`: a read-only view of the whole guard
 
 The Guard's service methods (one per control API route, named as api.py's ROUTES name them)
 take validated models and return plain answers; they raise domain errors
@@ -59,6 +60,7 @@ from sfguard.supervisor.daemon.runs import (
 from sfguard.supervisor.daemon.settings import GuardSettings
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
+from sfguard.supervisor.daemon.status_view import guard_status
 from sfguard.supervisor.daemon.teardown import Teardown
 from sfguard.supervisor.daemon.watchdog import Watchdog
 from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, NotFound, swallowed
@@ -74,7 +76,7 @@ from sfguard.supervisor.home import (
 )
 from sfguard.supervisor.profiles.store_ops import StoreCalls
 from sfguard.supervisor.profiles.stores import Stores, open_stores
-from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileError, ProfileKey, StoreUnavailable
+from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileError, ProfileKey
 from sfguard.supervisor.stage.stage_bridge import BridgeHost
 from sfguard.supervisor.writes.approvals import Approvals
 from sfguard.supervisor.writes.modes import decision_recorder
@@ -157,8 +159,15 @@ class Guard:
         self.started = time.time()
         # stage-exec (layer 3): per-stage bridges, the stage user and the sandbox check
         self.bridges = BridgeHost(self.runtime)
-        # the services, each given what it uses (Stages, Logins and Inventory still the guard)
-        self.stages = Stages(self)
+        # the services, each given exactly what it uses
+        self.stages = Stages(runs=self.runs, scope=self.scope, stores=self.stores, calls=self.calls,
+                             store_call=self.store_call, records=self.records, metrics=self.metrics,
+                             policy_watch=self.policy_watch, host=self.host, browser_tool=self.browser_tool,
+                             browser_user=lambda: self.browser_user, gate=self.gate, sessions=self.sessions,
+                             bridges=self.bridges, proxies=self.proxies, runtime=self.runtime,
+                             socket_dir=self.socket_dir, config_path=self.config_path,
+                             write_approver=self.write_approver, write_gate_timeout=self.write_gate_timeout,
+                             write_record=self.write_record)
         self.teardown = Teardown(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
                                  sessions=self.sessions, gate=self.gate, bridges=self.bridges,
                                  approvals=self.approvals, stores=self.stores, calls=self.calls,
@@ -167,8 +176,11 @@ class Guard:
         self.watchdog = Watchdog(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
                                  sessions=self.sessions, gate=self.gate, deferred=self.deferred,
                                  check_policy=self.check_policy)
-        self.logins = Logins(self)
-        self.inventory = Inventory(self)
+        self.logins = Logins(runs=self.runs, run_of=self.run_of, active_run=self.active_run, stages=self.stages,
+                             watchdog=self.watchdog, host=self.host, stores=self.stores, scope=self.scope,
+                             store_call=self.store_call, metrics=self.metrics, policy_watch=self.policy_watch,
+                             new_handoff=self.new_handoff)
+        self.inventory = Inventory(stores=self.stores, calls=self.calls, scope=self.scope)
         self.stage_user: StageUser | None = None
         self.agent_browser_path: str | None = None
         self.api_gid = settings.api_gid
@@ -449,30 +461,7 @@ class Guard:
     async def cancel_stage(self, run_id: str, stage_id: str) -> dict[str, Any]:
         """DELETE of a waiting stage request: it leaves the profile's queue and ends cancelled."""
         run = self.run_of(run_id)
-        stage = self.stage_of(run, stage_id)
-        async with run.lock:
-            if stage.state in (StageState.ENDED, StageState.FAILED):
-                return {"state": "ended", "outcome": stage.outcome or "failed"}
-            if stage.state not in WAITING_STATES:
-                raise Conflict("stage_not_waiting", f"stage {stage_id!r} is {stage.state}, not "
-                               "waiting: end it with POST .../end", "stage_id")
-            stage.move(StageState.ENDED)
-            stage.outcome = StageOutcome.CANCELLED
-            profile = stage.browser_req.profile
-            others = [s for s in run.stages.values() if s is not stage and s.state in WAITING_STATES
-                      and s.browser_req.profile == profile]
-            if profile is not None and not others:
-                key = self.profile_key(run, profile)
-
-                def leave_queue() -> None:
-                    holder = self.lease.holder(key)
-                    if holder is None or holder.run != run.run_id:
-                        self.lease.release(key, run.run_id)   # the queue only (never a held lease)
-                with contextlib.suppress(StoreUnavailable):  # away: its queue place lapses with
-                    await self.calls.run(leave_queue)        # this guard's, or goes at run end
-        log.info("stage %s/%s left the queue", run_id, stage_id)
-        await self.stages.advance_waiting()   # the places behind it move up now
-        return {"state": "ended", "outcome": "cancelled"}
+        return await self.stages.cancel_waiting(run, self.stage_of(run, stage_id))
 
     async def end_stage(self, run_id: str, stage_id: str, body: models.StageEnd) -> dict[str, Any]:
         run = self.run_of(run_id)
@@ -488,7 +477,21 @@ class Guard:
         return await self.logins.verify(run_id, body)
 
     async def handoff(self, run_id: str, body: models.HandoffRequest) -> dict[str, Any]:
-        return await self.logins.handoff(run_id, body)
+        run = self.active_run(run_id)
+        if live.wants_live_view(self, body):   # no screen here: a live view in the console
+            return await live.open_live(self, run, body)
+        return await self.logins.window_handoff(run, body)
+
+    async def handoff_state(self, run_id: str, wait: float = 0.0) -> dict[str, Any]:
+        """The run's newest handoff, a live view's or a window's; with `wait`, held until it is
+        no longer open."""
+        self.run_of(run_id)
+        newest = live.newest(self, run_id)
+        window = await self.logins.window_state(run_id, wait, newest.created if newest else None)
+        return window if window is not None else await live.state(self, run_id, wait)
+
+    async def status(self) -> dict[str, Any]:
+        return await guard_status(self)
 
     async def console_link(self, body: models.ConsoleLinkRequest) -> dict[str, Any]:
         if self.console is None:

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sfguard import policy
 from sfguard.supervisor import models
 from sfguard.supervisor.browsers.handoff import HandoffImpossible
-from sfguard.supervisor.browsers.login import LoginCheckError, check_login
-from sfguard.supervisor.console import handoff as live
+from sfguard.supervisor.browsers.login import LoginCheckError, check_login, shown_url
 from sfguard.supervisor.daemon.runs import Browser, Run
 from sfguard.supervisor.daemon.stages import BROWSER_ERRORS
 from sfguard.supervisor.daemon.window_handoff import WindowHandoffs
@@ -19,7 +19,13 @@ from sfguard.supervisor.protocols import ProfileError
 from sfguard.supervisor.states import HandoffPhase
 
 if TYPE_CHECKING:
-    from sfguard.supervisor.daemon.guard import Guard
+    from sfguard.policy.watch import PolicyWatcher
+    from sfguard.supervisor.browsers.handoff import Handoff
+    from sfguard.supervisor.browsers.host import BrowserHost
+    from sfguard.supervisor.daemon.metrics import GuardMetrics
+    from sfguard.supervisor.daemon.stages import Stages
+    from sfguard.supervisor.daemon.watchdog import Watchdog
+    from sfguard.supervisor.profiles.stores import Stores
 
 #: Bound of one login check (its own tab; never affects the anchor or other stages).
 LOGIN_CHECK_TIMEOUT = 30.0
@@ -52,82 +58,88 @@ async def open_in_titled_window(pipe: Any, url: str) -> None:
 
 
 class Logins:
-    def __init__(self, guard: Guard):
-        self.g = guard
+    def __init__(self, *, runs: dict[str, Run], run_of: Callable[[str], Run], active_run: Callable[[str], Run],
+                 stages: Stages, watchdog: Watchdog, host: BrowserHost, stores: Stores, scope: str,
+                 store_call: Callable[..., Awaitable[Any]], metrics: GuardMetrics,
+                 policy_watch: PolicyWatcher, new_handoff: Callable[[], Handoff]):
+        """Given exactly what it uses: the runs (and the guard's lookups of one, with their
+        errors), the stage service and the watchdog (to relaunch and re-attach), the browser host,
+        the profile store and audit, metrics, the policy in force and the handoff factory."""
+        self.run_of, self.active_run, self.stages, self.watchdog = run_of, active_run, stages, watchdog
+        self.host, self.store, self.audit, self.scope = host, stores.store, stores.audit, scope
+        self.store_call, self.metrics, self.policy_watch, self.new_handoff = (
+            store_call, metrics, policy_watch, new_handoff)
         # local_window handoffs (window_handoff.py)
-        self.windows = WindowHandoffs(guard.runs, self._window_closed,
+        self.windows = WindowHandoffs(runs, self._window_closed,
                                       lambda run, browser: self.relaunch(run, browser, headed=False, site=None))
 
     async def _window_closed(self, outcome: str, fields: dict[str, Any]) -> None:
-        g = self.g
-        await g.store_call(g.audit.record, "handoff_closed", outcome=outcome, scope=g.scope, **fields)
+        await self.store_call(self.audit.record, "handoff_closed", outcome=outcome, scope=self.scope, **fields)
 
     async def check(self, run_id: str, body: models.LoginCheckRequest) -> dict[str, Any]:
-        g = self.g
-        run = g.active_run(run_id)
+        run = self.active_run(run_id)
         parts = urlsplit(body.login_check.url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         allow = run_allow(run, body.profile)
-        decision = g.site_policy.decide(parts.hostname or "", port, policy.compile_patterns(allow))
+        decision = self.policy_watch.policy.decide(parts.hostname or "", port, policy.compile_patterns(allow))
         if not decision.allowed:
             raise Forbidden("login_check_not_allowed", f"the check address's host is refused "
                             f"for this run: {decision.explanation}", "login_check.url")
-        browser = await g.stages.leased_browser(run, body.profile, headed=False)
+        browser = await self.stages.leased_browser(run, body.profile, headed=False)
         assert run.proxy is not None and browser.anchor is not None
         check_pattern = policy.allow_pattern_for_url(body.login_check.url)
         try:
-            await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser) + [check_pattern])
+            await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser) + [check_pattern])
             # its own tab and window, its own bound; a failed check leaves the anchor as it was
             result = await check_login(browser.anchor.pipe, body.login_check,
                                        timeout=LOGIN_CHECK_TIMEOUT)
         except LoginCheckError as exc:
-            g.metrics.login_checked("failed")
+            self.metrics.login_checked("failed")
             raise Unprocessable("login_check_failed", str(exc), "login_check") from None
         except ValueError as exc:
             raise BadRequest("invalid_pattern", str(exc), "login_check") from None
         finally:
             if browser.client in run.proxy.clients:
-                await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser))
+                await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser))
         run.login_results[body.profile] = result
-        g.metrics.login_checked("logged_in" if result.logged_in else "logged_out")
+        self.metrics.login_checked("logged_in" if result.logged_in else "logged_out")
 
         def record_check() -> None:
-            g.audit.record("login_checked", scope=g.scope, profile=browser.key,
+            self.audit.record("login_checked", scope=self.scope, profile=browser.key,
                            run=run.run_id, host=decision.normalized_host,
                            logged_in=result.logged_in,
                            result="logged_in" if result.logged_in else "logged_out")
-            note = getattr(g.store, "record_login_check", None)  # shared: a fenced state write
+            note = getattr(self.store, "record_login_check", None)  # shared: a fenced state write
             if note is not None:
                 with contextlib.suppress(ProfileError):  # a stale lease is refused and logged there
                     note(browser.profile, result.logged_in)
-        await g.store_call(record_check)
+        await self.store_call(record_check)
         return {"logged_in": result.logged_in, "url": result.url}
 
     async def verify(self, run_id: str, body: models.LoginVerifyRequest) -> dict[str, Any]:
-        run = self.g.run_of(run_id)
+        run = self.run_of(run_id)
         mine = run.login_results.get(body.profile)
         if mine is None:
             raise Conflict("no_login_check", f"the guard has not checked profile "
                            f"{body.profile!r} in this run; call login-check first", "profile")
         for field_name in ("logged_in", "url"):
             theirs, ours = getattr(body.reported, field_name), getattr(mine, field_name)
+            if field_name == "url":   # the guard's answer hides query values; the stage may not
+                theirs = shown_url(theirs)
             if theirs != ours:
                 raise Conflict("envelope_mismatch",
                                f"the stage reported {field_name}={theirs!r} but the guard's own check "
                                f"found {field_name}={ours!r}", f"reported.{field_name}")
         return {"ok": True}
 
-    async def handoff(self, run_id: str, body: models.HandoffRequest) -> dict[str, Any]:
-        g = self.g
-        run = g.active_run(run_id)
-        if live.wants_live_view(g, body):   # no screen here: a live view in the console
-            return await live.open_live(g, run, body)
-        handoff = g.new_handoff()
+    async def window_handoff(self, run: Run, body: models.HandoffRequest) -> dict[str, Any]:
+        """A local window for the person (the guard sends live views to the console)."""
+        handoff = self.new_handoff()
         try:   # opens the display (xdpyinfo, bounded): off the event loop
             await asyncio.to_thread(handoff.check_possible, profile=body.profile, url=body.url)
         except HandoffImpossible as exc:
             raise Conflict("handoff_impossible", str(exc), None) from None
-        browser = await g.stages.leased_browser(run, body.profile, headed=True)
+        browser = await self.stages.leased_browser(run, body.profile, headed=True)
         assert run.proxy is not None and browser.anchor is not None
         if not browser.headed or browser.site != body.site:
             # reopen the anchor headed, same profile, same proxy client, its window titled
@@ -139,13 +151,13 @@ class Logins:
                                f"possible: {exc}", None) from None
         if body.url:
             host = urlsplit(body.url).hostname or ""
-            await run.proxy.set_allow(browser.client, g.stages.browser_allow(run, browser) + [host])
+            await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser) + [host])
             try:
                 await open_in_titled_window(browser.anchor.pipe, body.url)
             except Exception as exc:
                 raise Unavailable("browser_failed", f"could not open the page in the browser "
                                   f"({type(exc).__name__})", None) from None
-        await g.store_call(g.audit.record, "handoff_opened", scope=g.scope,
+        await self.store_call(self.audit.record, "handoff_opened", scope=self.scope,
                            profile=browser.key, run=run.run_id, host=body.site)
         self.windows.open(run, browser, body.profile, body.site, body.stage_id, body.timeout_s)
         return handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()
@@ -154,30 +166,26 @@ class Logins:
         """Reopen the anchor headed (its window titled with site and profile) or headless, on
         the same profile folder and proxy client; its stages get new gate tokens. When the new
         launch fails, the old form comes back and the error is raised."""
-        g = self.g
         assert browser.anchor is not None
         async with browser.lock:
-            await g.host.close_anchor(browser.anchor)
+            await self.host.close_anchor(browser.anchor)
             before, profile_dir = (browser.headed, browser.site), browser.anchor.profile_dir
             browser.headed, browser.site = headed, site
             try:
-                browser.anchor = await g.stages.launch(run, browser, profile_dir)
+                browser.anchor = await self.stages.launch(run, browser, profile_dir)
             except BROWSER_ERRORS:
                 browser.headed, browser.site = before
-                browser.anchor = await g.stages.launch(run, browser, profile_dir)
-                await g.watchdog.reattach(run, browser)
+                browser.anchor = await self.stages.launch(run, browser, profile_dir)
+                await self.watchdog.reattach(run, browser)
                 raise
-            await g.watchdog.reattach(run, browser)
+            await self.watchdog.reattach(run, browser)
 
-    async def handoff_state(self, run_id: str, wait: float = 0.0) -> dict[str, Any]:
-        """The run's newest handoff, a live view's or a window's; with `wait`, held until it is
-        no longer open."""
-        g = self.g
-        g.run_of(run_id)
+    async def window_state(self, run_id: str, wait: float, live_since: float | None) -> dict[str, Any] | None:
+        """The run's window handoff, unless a live view (opened at `live_since`) is newer or it
+        has none (None); with `wait`, held until it is no longer open."""
         window = self.windows.items.get(run_id)
-        newest_live = live.newest(g, run_id)
-        if window is None or (newest_live is not None and newest_live.created > window.created):
-            return await live.state(g, run_id, wait)
+        if window is None or (live_since is not None and live_since > window.created):
+            return None
         if window.state == HandoffPhase.OPEN and wait > 0:
             window.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sfguard.policy.writes import WriteRules
 from sfguard.supervisor import models
@@ -14,7 +15,7 @@ from sfguard.supervisor.browsers import browser_user, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon.deferred import no_space
 from sfguard.supervisor.daemon.run_proxy import RunProxy, short_id
-from sfguard.supervisor.daemon.runs import Browser, Run, RunState, Stage, StageState
+from sfguard.supervisor.daemon.runs import WAITING_STATES, Browser, Run, RunState, Stage, StageOutcome, StageState
 from sfguard.supervisor.errors import BadRequest, BrowserStartError, Conflict, GuardError, Unavailable, swallowed
 from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, PipeClosed
@@ -25,7 +26,21 @@ from sfguard.supervisor.protocols import ProfileError, ProfileKey, StoreUnavaila
 from sfguard.supervisor.writes.modes import guard_writes, rewire_writes, stage_write_modes
 
 if TYPE_CHECKING:
-    from sfguard.supervisor.daemon.guard import Guard
+    from sfguard.policy.engine import SitePolicy
+    from sfguard.policy.watch import PolicyWatcher
+    from sfguard.supervisor.browsers.host import BrowserHost
+    from sfguard.supervisor.browsers.tools import Tool
+    from sfguard.supervisor.daemon.crash import RunRecords
+    from sfguard.supervisor.daemon.metrics import GuardMetrics
+    from sfguard.supervisor.daemon.run_proxy import ProxyPool
+    from sfguard.supervisor.daemon.stage_sessions import StageSessions
+    from sfguard.supervisor.gate.cdp_gate import CdpGate
+    from sfguard.supervisor.profiles.store_ops import StoreCalls
+    from sfguard.supervisor.profiles.stores import Stores
+    from sfguard.supervisor.stage.stage_bridge import BridgeHost
+    from sfguard.supervisor.writes.held import WriteApprover
+
+    WriteRecorder = Callable[[str, dict[str, object]], None]
 
 log = logging.getLogger("sfguard.guard")
 
@@ -51,8 +66,29 @@ def browser_failed(exc: BaseException, message: str, field: str | None) -> Guard
 class Stages:
     """The stage state machine and the browsers behind it, over the guard's parts."""
 
-    def __init__(self, guard: Guard):
-        self.g = guard
+    def __init__(self, *, runs: dict[str, Run], scope: str, stores: Stores, calls: StoreCalls,
+                 store_call: Callable[..., Awaitable[Any]], records: RunRecords, metrics: GuardMetrics,
+                 policy_watch: PolicyWatcher, host: BrowserHost, browser_tool: Tool,
+                 browser_user: Callable[[], browser_user.BrowserUser | None], gate: CdpGate,
+                 sessions: StageSessions, bridges: BridgeHost, proxies: ProxyPool, runtime: Path,
+                 socket_dir: Path, config_path: Path, write_approver: WriteApprover,
+                 write_gate_timeout: float, write_record: WriteRecorder):
+        """Given exactly what it uses: the guard's runs and scope, the profile store (and its
+        calls off the event loop), run records and metrics, the policy in force, the browser host
+        and tool, the browser user (set when the guard starts), the gate, stage sessions and
+        bridges, the proxy pool, the runtime folders, and the write gates' approver and log."""
+        self.runs, self.scope, self.stores, self.store, self.calls = runs, scope, stores, stores.store, calls
+        self.store_call, self.records, self.metrics, self.policy_watch = store_call, records, metrics, policy_watch
+        self.host, self.browser_tool, self.browser_user, self.gate = host, browser_tool, browser_user, gate
+        self.sessions, self.bridges, self.proxies, self.runtime = sessions, bridges, proxies, runtime
+        self.socket_dir, self.config_path = socket_dir, config_path
+        self.write_approver, self.write_gate_timeout, self.write_record = (
+            write_approver, write_gate_timeout, write_record)
+
+    @property
+    def site_policy(self) -> SitePolicy:
+        """The policy in force (the last good one)."""
+        return self.policy_watch.policy
 
     # -- names ---------------------------------------------------------------------------------
     def profile_key(self, run: Run, name: str) -> ProfileKey:
@@ -61,7 +97,7 @@ class Stages:
                 raise BadRequest("no_pipeline", "profile '@pipeline' needs a run created with "
                                  "a pipeline path", "browser.profile")
             name = pipeline_profile_name(run.pipeline)
-        return ProfileKey(self.g.scope, name)
+        return ProfileKey(self.scope, name)
 
     @staticmethod
     def identity(run: Run, key: ProfileKey) -> str | None:
@@ -81,7 +117,6 @@ class Stages:
     # -- the stage state machine ---------------------------------------------------------------
     async def advance(self, run: Run, stage: Stage) -> None:
         """Move a pending/waiting stage forward: lease, browser, gate token, env."""
-        g = self.g
         t0 = time.monotonic()
         try:
             async with run.lock:
@@ -92,7 +127,7 @@ class Stages:
                 if req.profile is not None:
                     key = self.profile_key(run, req.profile)
                     try:
-                        result = await g.calls.run(store_ops.grant, g.stores, key, run.run_id,
+                        result = await self.calls.run(store_ops.grant, self.stores, key, run.run_id,
                                                    self.identity(run, key))
                     except StoreUnavailable as exc:   # shared store away: no grant now, ask again
                         stage.move(StageState.WAITING)
@@ -103,7 +138,7 @@ class Stages:
                     stage.store_wait = None
                     if isinstance(result, Waiting):
                         if stage.state != StageState.WAITING:
-                            g.metrics.lease_waited()
+                            self.metrics.lease_waited()
                         stage.move(StageState.WAITING)
                         stage.waiting = result
                         return
@@ -115,7 +150,7 @@ class Stages:
                 t2 = time.monotonic()
                 await self.attach(run, browser, stage)
                 if stage.state == StageState.READY:
-                    g.metrics.stage_ready(time.monotonic() - t0)
+                    self.metrics.stage_ready(time.monotonic() - t0)
                     # where a stage's start-up time goes (supervisor_bench measures the whole)
                     log.info("stage %s/%s ready in %.0f ms (lease %.0f, browser %.0f, session %.0f)",
                              run.run_id, stage.stage_id, (time.monotonic() - t0) * 1000,
@@ -129,50 +164,76 @@ class Stages:
             stage.error = browser_failed(exc, "the guard could not start this stage's browser", None)
         finally:
             with swallowed(log, f"run {run.run_id}: saving its record", (OSError,)):
-                g.records.save(run)
+                self.records.save(run)
+
+    async def cancel_waiting(self, run: Run, stage: Stage) -> dict[str, Any]:
+        """A waiting stage request withdrawn: it leaves the profile's queue and ends cancelled
+        (409 stage_not_waiting once it has a browser: that is ended, not cancelled)."""
+        stage_id = stage.stage_id
+        async with run.lock:
+            if stage.state in (StageState.ENDED, StageState.FAILED):
+                return {"state": "ended", "outcome": stage.outcome or "failed"}
+            if stage.state not in WAITING_STATES:
+                raise Conflict("stage_not_waiting", f"stage {stage_id!r} is {stage.state}, not "
+                               "waiting: end it with POST .../end", "stage_id")
+            stage.move(StageState.ENDED)
+            stage.outcome = StageOutcome.CANCELLED
+            profile = stage.browser_req.profile
+            others = [s for s in run.stages.values() if s is not stage and s.state in WAITING_STATES
+                      and s.browser_req.profile == profile]
+            if profile is not None and not others:
+                key = self.profile_key(run, profile)
+
+                def leave_queue() -> None:
+                    holder = self.stores.lease.holder(key)
+                    if holder is None or holder.run != run.run_id:
+                        self.stores.lease.release(key, run.run_id)   # the queue only (never a held lease)
+                with contextlib.suppress(StoreUnavailable):  # away: its queue place lapses with
+                    await self.calls.run(leave_queue)        # this guard's, or goes at run end
+        log.info("stage %s/%s left the queue", run.run_id, stage_id)
+        await self.advance_waiting()   # the places behind it move up now
+        return {"state": "ended", "outcome": "cancelled"}
 
     async def advance_waiting(self) -> None:
         """Every waiting stage of every active run, once (a lease may have been released)."""
-        for other in list(self.g.runs.values()):
+        for other in list(self.runs.values()):
             if other.state == RunState.ACTIVE:
                 for st in other.waiting_stages():
                     await self.advance(other, st)
 
     def write_rules(self) -> WriteRules:
         """The live site policy's writes section (read at each request: hot reload)."""
-        return self.g.site_policy.writes
+        return self.site_policy.writes
 
     def write_owner(self, browser: Browser):
         """frame id -> the stage id whose tab it is, on this browser (the gate knows)."""
         def owner(frame_id: object) -> str | None:
-            key = self.g.gate.stage_of_target(browser.anchor.pipe, frame_id) if browser.anchor else None
+            key = self.gate.stage_of_target(browser.anchor.pipe, frame_id) if browser.anchor else None
             parts = key.split("/") if key else []
             return parts[1] if len(parts) == 3 and not parts[1].startswith("~") else None
         return owner
 
     def policy_changed(self) -> None:
         """A reloaded site policy: write floors and exceptions in force for every live browser."""
-        g = self.g
-        rewire_writes([r for r in g.runs.values() if r.state == RunState.ACTIVE], g.site_policy,
-                      g.write_approver, g.write_gate_timeout, g.write_record, self.write_rules)
+        rewire_writes([r for r in self.runs.values() if r.state == RunState.ACTIVE], self.site_policy,
+                      self.write_approver, self.write_gate_timeout, self.write_record, self.write_rules)
 
     async def attach(self, run: Run, browser: Browser, stage: Stage) -> None:
-        g = self.g
         assert run.proxy is not None and run.workdir is not None and browser.anchor is not None
         browser.stages.add(stage.stage_id)
         await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
         stage.browser_key = browser.key
-        stage.write_modes = stage_write_modes(g.site_policy, stage.browser_req.writes,
+        stage.write_modes = stage_write_modes(self.site_policy, stage.browser_req.writes,
                                               list(stage.browser_req.allow_domains))
-        guard_writes(run, browser, stage, g.write_approver, g.write_gate_timeout, g.write_record,
+        guard_writes(run, browser, stage, self.write_approver, self.write_gate_timeout, self.write_record,
                      self.write_rules, self.write_owner(browser))
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
-        anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", g.site_policy.tab_quota
+        anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", self.site_policy.tab_quota
         # The stage's session (a gate token, an agent-browser session through it with the
         # stage's tab pinned and the unauthenticated stream server off): a shared anchor's
         # spare, started ahead, when there is one; else one started now. A shared anchor then
         # starts the spare for its next stage (supervisor/daemon/stage_sessions.py).
-        started = await g.sessions.take(anchor, gate_key, quota) if browser.profile else None
+        started = await self.sessions.take(anchor, gate_key, quota) if browser.profile else None
         # The next stage's session starts beside this stage's own. On 2 cores the two share
         # the CPU: measured in one sitting (supervisor_bench, 5 rounds, load ~4), beside it the
         # first stage was 1.92x a bare launch and a second stage requested at once ready in
@@ -182,29 +243,29 @@ class Stages:
         if browser.profile is not None:
             def save_unless_ended() -> None:
                 if run.state != RunState.ENDED:
-                    g.records.save(run)
-            g.sessions.prestart(run.run_id, anchor, artifacts_dir=artifacts, tab_quota=quota,
+                    self.records.save(run)
+            self.sessions.prestart(run.run_id, anchor, artifacts_dir=artifacts, tab_quota=quota,
                                 on_ready=save_unless_ended)
         if started is None:
             # the browser's start-up tab, while no stage has had it: agent-browser attaches to
             # it instead of creating a first tab of its own (docs/agent-browser-notes.md)
-            started = await g.sessions.start(gate_key, anchor, artifacts_dir=artifacts,
+            started = await self.sessions.start(gate_key, anchor, artifacts_dir=artifacts,
                                               tab_quota=quota, own_tab=anchor.take_blank_tab())
         if anchor.headed and started.tab:   # a person at the screen sees the stage's tab
             with contextlib.suppress(PipeClosed, CdpCallError, TimeoutError):
                 await anchor.pipe.call("Target.activateTarget", {"targetId": started.tab}, timeout=5)
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
         try:
-            await g.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains,
+            await self.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains,
                                  stage.browser_req.writes)
         except BaseException:
-            await g.sessions.end(started)
+            await self.sessions.end(started)
             raise
         if stage.state == StageState.ENDED:
             # ended (POST .../end) while its browser was being made: nothing of it may stay open
             browser.stages.discard(stage.stage_id)
-            await g.bridges.close(gate_key, run.proxy)
-            await g.sessions.end(started)
+            await self.bridges.close(gate_key, run.proxy)
+            await self.sessions.end(started)
             if browser.profile is not None and browser.client in run.proxy.clients:
                 await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
             log.info("stage %s/%s ended before it was ready", run.run_id, stage.stage_id)
@@ -223,43 +284,41 @@ class Stages:
         """The run's proxy: the pool's warm spare when one is ready (a proxy child takes ~0.7 s
         to start), else a new one; then a new spare is started in the background."""
         if run.proxy is None:
-            run.workdir = private_dir(self.g.runtime / f"r-{short_id()}")
-            run.proxy = await self.g.proxies.take(run.run_id)
-            self.g.records.save(run)
-            self.g.proxies.refill()
+            run.workdir = private_dir(self.runtime / f"r-{short_id()}")
+            run.proxy = await self.proxies.take(run.run_id)
+            self.records.save(run)
+            self.proxies.refill()
         return run.proxy
 
     async def launch(self, run: Run, browser: Browser, profile_dir: Path | None) -> Anchor:
-        g = self.g
         proxy = await self.ensure_proxy(run)
         assert run.workdir is not None
-        if g.browser_tool.path is None:
+        if self.browser_tool.path is None:
             raise BrowserStartError("no browser found (install Chromium or set SFGUARD_BROWSER)")
-        if g.browser_user is not None:   # downloads land here; the browser user writes them
-            browser_user.owned_subdir(run.workdir / "artifacts", g.browser_user)
-        spec = AnchorSpec(session=f"sfa-{short_id()}", socket_dir=g.socket_dir,
-                          config_path=g.config_path, browser_path=g.browser_tool.path,
+        if self.browser_user() is not None:   # downloads land here; the browser user writes them
+            browser_user.owned_subdir(run.workdir / "artifacts", self.browser_user())
+        spec = AnchorSpec(session=f"sfa-{short_id()}", socket_dir=self.socket_dir,
+                          config_path=self.config_path, browser_path=self.browser_tool.path,
                           profile_dir=profile_dir, proxy_url=proxy.url_for(browser.client),
                           headed=browser.headed, temp_root=run.workdir,
                           window_title=xdisplay.window_title(
                               browser.profile.name if browser.profile else None, browser.site))
-        return await g.host.launch_anchor(spec)
+        return await self.host.launch_anchor(spec)
 
     async def ensure_anchor(self, run: Run, key: ProfileKey, headed: bool) -> Browser:
-        g = self.g
         browser = run.browsers.get(key.name)
         if browser is not None and browser.anchor is not None:
             return browser
         proxy = await self.ensure_proxy(run)
         t0 = time.monotonic()
-        if not await g.calls.run(g.store.exists, key):   # the grant made it; deleted since?
-            await g.calls.run(store_ops.create_profile, g.stores, key, self.identity(run, key),
+        if not await self.calls.run(self.store.exists, key):   # the grant made it; deleted since?
+            await self.calls.run(store_ops.create_profile, self.stores, key, self.identity(run, key),
                               run=run.run_id)
         name = await proxy.add_client([])
         browser = Browser(key.name, key, headed, name)
         run.browsers[key.name] = browser
-        profile_dir = await g.calls.run(g.store.open, key)
-        g.records.save(run)
+        profile_dir = await self.calls.run(self.store.open, key)
+        self.records.save(run)
         t1 = time.monotonic()
         try:
             browser.anchor = await self.launch(run, browser, profile_dir)
@@ -268,7 +327,7 @@ class Stages:
             # profile stays as it was) so that the next request can open the profile again
             run.browsers.pop(key.name, None)
             with swallowed(log, f"profile {key.name}: closing after a failed launch"):
-                await g.calls.run(g.store.close, key, save=False)
+                await self.calls.run(self.store.close, key, save=False)
             with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
                 await proxy.remove_client(name)
             raise
@@ -288,10 +347,9 @@ class Stages:
     async def leased_browser(self, run: Run, profile: str, headed: bool) -> Browser:
         """The run's browser on `profile` for a login check or handoff, leasing it now; a
         profile another run holds is a conflict (this run is queued)."""
-        g = self.g
         key = self.profile_key(run, profile)
         async with run.lock:
-            result = await g.store_call(store_ops.grant, g.stores, key, run.run_id,
+            result = await self.store_call(store_ops.grant, self.stores, key, run.run_id,
                                         self.identity(run, key))
             if isinstance(result, Waiting):
                 raise Conflict("profile_leased", f"profile {key.name!r} is leased by run "
@@ -303,4 +361,4 @@ class Stages:
                 raise browser_failed(exc, f"could not start the browser of profile {key.name!r}",
                                      "profile") from None
             finally:
-                g.records.save(run)
+                self.records.save(run)
