@@ -1,7 +1,8 @@
-"""The guard's state machines: for stages, runs and login handoffs, one list of states and one
-list of the moves between them. The records that move (daemon/runs.py `Stage.move`,
-console/handoff.py and daemon/window_handoff.py through `handoff_move`) refuse any other move
-with IllegalTransition, a bug of the guard. States are compared as these enums, never as
+"""The guard's state machines: for stages, runs, login handoffs and held writes' approvals, one
+list of states and one list of the moves between them. The records that move (daemon/runs.py
+`Stage.move`, console/handoff.py and daemon/window_handoff.py through `handoff_move`) refuse
+any other move with IllegalTransition, a bug of the guard; an approval decided twice is the
+caller's conflict (writes/approvals.py, 409). States are compared as these enums, never as
 strings. Below every room that keeps such a record (docs/design.md section 3)."""
 from __future__ import annotations
 
@@ -81,3 +82,20 @@ def handoff_move(current: HandoffPhase, to: str) -> HandoffPhase:
         raise IllegalTransition(f"handoff: {current} -> {new}")
     return new
 
+
+
+class ApprovalState(StrEnum):
+    """A held write's approval (writes/approvals.py): pending until decided, once."""
+    PENDING = "pending"
+    APPROVED = "approved"      # a person released it: sent once, with its original bytes
+    DENIED = "denied"          # a person refused it: the page is told
+    TIMED_OUT = "timed_out"    # nobody decided in time: a denial
+    CANCELLED = "cancelled"    # its stage or run ended first
+
+
+APPROVAL_TRANSITIONS: dict[ApprovalState, frozenset[ApprovalState]] = {
+    ApprovalState.PENDING: frozenset({ApprovalState.APPROVED, ApprovalState.DENIED,
+                                      ApprovalState.TIMED_OUT, ApprovalState.CANCELLED}),
+    ApprovalState.APPROVED: frozenset(), ApprovalState.DENIED: frozenset(),
+    ApprovalState.TIMED_OUT: frozenset(), ApprovalState.CANCELLED: frozenset(),
+}

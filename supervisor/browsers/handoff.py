@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, StringConstraints, model_validator
 from sfguard.errors import SfguardError
 from sfguard.supervisor.browsers import tools, xdisplay
 
-__all__ = ["FakeHandoff", "GateHandoff", "Handoff", "HandoffImpossible", "HandoffPayload", "LocalWindowHandoff"]
+__all__ = ["GateHandoff", "Handoff", "HandoffImpossible", "HandoffPayload", "LocalWindowHandoff"]
 
 HandoffKind = Literal["local_window", "live_view"]
 _URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
@@ -175,27 +175,3 @@ def _prepare_hint(profile: str | None, url: str | None) -> str:
     return (f"Log in ahead of the run with `sfguard profiles login {name} --url {where}` on a "
             "machine with a display where this guard home lives, then run the pipeline again; "
             "copy nothing: the login stays sealed in the guard home.")
-
-
-class FakeHandoff:
-    """In-memory handoff for tests of the guard and for a console: produces `live_view`
-    payloads pointing at `view_url`, or refuses with `impossible` (a HandoffImpossible)."""
-
-    kind = "live_view"
-    needs_headed = False
-
-    def __init__(self, view_url: str = "https://console.invalid/live/1",
-                 impossible: HandoffImpossible | None = None):
-        self.view_url = view_url
-        self.impossible = impossible
-        self.opened: list[HandoffPayload] = []
-
-    def check_possible(self, *, profile: str | None = None, url: str | None = None) -> None:
-        if self.impossible is not None:
-            raise self.impossible
-
-    def payload(self, *, site: str, reason: str, url: str | None = None) -> HandoffPayload:
-        self.check_possible(url=url)
-        p = HandoffPayload(kind="live_view", site=site, reason=reason, url=self.view_url)
-        self.opened.append(p)
-        return p

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from sfguard.supervisor.states import ApprovalState
 from sfguard.supervisor.writes.approvals import ApprovalDecided, ApprovalNotFound
 
 APPROVAL_ID = re.compile(r"^ap_[0-9a-f]{20}$")
@@ -26,8 +27,8 @@ MAX_REASON = 500
 
 def context(guard: Any) -> dict[str, Any]:
     items = guard.approvals.listing()
-    pending = [a for a in items if a["state"] == "pending"]
-    decided = [a for a in reversed(items) if a["state"] != "pending"][:DECIDED_SHOWN]
+    pending = [a for a in items if a["state"] == ApprovalState.PENDING]
+    decided = [a for a in reversed(items) if a["state"] != ApprovalState.PENDING][:DECIDED_SHOWN]
     return {"pending": pending, "decided": decided}
 
 

@@ -9,7 +9,8 @@ from typing import Any
 from sfguard.supervisor.daemon.approval_models import ApprovalDecision
 from sfguard.supervisor.errors import BadRequest, Conflict, NotFound
 from sfguard.supervisor.models import RUN_ID
-from sfguard.supervisor.writes.approvals import TRANSITIONS, ApprovalDecided, ApprovalNotFound, Approvals
+from sfguard.supervisor.states import ApprovalState
+from sfguard.supervisor.writes.approvals import ApprovalDecided, ApprovalNotFound, Approvals
 
 RUN_ID_RE = re.compile(RUN_ID)
 
@@ -23,11 +24,11 @@ class ApprovalsApi:
         """With `wait`: answer when the pending list changes, or after `wait` seconds."""
         if run is not None and not RUN_ID_RE.fullmatch(run):
             raise BadRequest("invalid_request", "run: not a valid run id", "run")
-        if state is not None and state not in TRANSITIONS:
-            raise BadRequest("invalid_request", f"state: one of {', '.join(TRANSITIONS)}", "state")
-        before = self.approvals.listing(run, "pending")
+        if state is not None and state not in set(ApprovalState):
+            raise BadRequest("invalid_request", f"state: one of {', '.join(ApprovalState)}", "state")
+        before = self.approvals.listing(run, ApprovalState.PENDING)
         deadline = time.monotonic() + wait
-        while wait > 0 and self.approvals.listing(run, "pending") == before and time.monotonic() < deadline:
+        while wait > 0 and self.approvals.listing(run, ApprovalState.PENDING) == before and time.monotonic() < deadline:
             await self.approvals.wait_changed(deadline - time.monotonic())
         return {"approvals": self.approvals.listing(run, state)}
 

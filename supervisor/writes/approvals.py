@@ -1,7 +1,8 @@
 """Held writes waiting for a person: the one store the control API, the CLI and the console
 decide from (the local `WriteApprover`, supervisor/writes/held.py).
 
-An approval moves pending -> approved | denied | timed_out | cancelled, once (`TRANSITIONS`); a
+An approval moves pending -> approved | denied | timed_out | cancelled, once
+(supervisor/states.py `APPROVAL_TRANSITIONS`); a
 decided one answers 409 when decided again. Identical writes pending at once (same run, stage
 and fingerprint) are one approval: every waiter gets its outcome. Pending ones live only while
 the guard runs (the held request lives in the browser); decided ones are kept for listing, the
@@ -24,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sfguard.errors import SfguardError
+from sfguard.supervisor.states import APPROVAL_TRANSITIONS, ApprovalState
 from sfguard.supervisor.writes.held import HeldWrite, WriteOutcome
 
 log = logging.getLogger("sfguard.writes")
@@ -32,10 +34,9 @@ log = logging.getLogger("sfguard.writes")
 SECRET_FIELD = re.compile(r"pass|pwd|secret|token|otp|totp|code|pin|cvv|cvc|card|ssn|key|auth", re.I)
 MASK = "********"
 KEEP_DECIDED = 500
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "pending": frozenset({"approved", "denied", "timed_out", "cancelled"}),
-    "approved": frozenset(), "denied": frozenset(), "timed_out": frozenset(), "cancelled": frozenset(),
-}
+#: the decision log's verdict for each end of an approval
+VERDICTS = {ApprovalState.APPROVED: "write_approved", ApprovalState.DENIED: "write_denied",
+            ApprovalState.TIMED_OUT: "write_timed_out", ApprovalState.CANCELLED: "write_cancelled"}
 
 
 class ApprovalNotFound(SfguardError):
@@ -52,14 +53,14 @@ class Approval:
     held: HeldWrite
     created: float
     expires: float
-    state: str = "pending"
+    state: ApprovalState = ApprovalState.PENDING
     decided_at: float | None = None
     by: str | None = None
     reason: str = ""
     outcome: asyncio.Future[WriteOutcome] | None = field(default=None, repr=False)
 
-    def move(self, to: str) -> None:
-        if to not in TRANSITIONS[self.state]:
+    def move(self, to: ApprovalState) -> None:
+        if to not in APPROVAL_TRANSITIONS[self.state]:
             raise ApprovalDecided(f"approval {self.id} is {self.state}")
         self.state = to
 
@@ -99,7 +100,7 @@ class Approvals:
 
     # -- WriteApprover ---------------------------------------------------------------------
     async def decide(self, held: HeldWrite, timeout: float) -> WriteOutcome:
-        ap = next((a for a in self.items.values() if a.state == "pending" and a.held.run_id == held.run_id
+        ap = next((a for a in self.items.values() if a.state == ApprovalState.PENDING and a.held.run_id == held.run_id
                    and a.held.stage_id == held.stage_id and a.held.fingerprint == held.fingerprint), None)
         if ap is None:
             now = time.time()
@@ -114,24 +115,24 @@ class Approvals:
         try:
             return await asyncio.wait_for(asyncio.shield(ap.outcome), max(0.0, ap.expires - time.time()))
         except TimeoutError:
-            if ap.state == "pending":
-                self._finish(ap, "timed_out", WriteOutcome(False, "timeout", "no decision in time"))
+            if ap.state == ApprovalState.PENDING:
+                self._finish(ap, ApprovalState.TIMED_OUT, WriteOutcome(False, "timeout", "no decision in time"))
             return ap.outcome.result()
 
     # -- a person's answer -----------------------------------------------------------------
     def answer(self, approval_id: str, approve: bool, by: str, reason: str = "") -> dict[str, Any]:
         ap = self.get(approval_id)
-        if ap.state != "pending":
+        if ap.state != ApprovalState.PENDING:
             raise ApprovalDecided(f"approval {approval_id} is already {ap.state}")
-        self._finish(ap, "approved" if approve else "denied", WriteOutcome(approve, by, reason))
+        self._finish(ap, ApprovalState.APPROVED if approve else ApprovalState.DENIED, WriteOutcome(approve, by, reason))
         return ap.public()
 
     def cancel(self, run_id: str, stage_id: str | None = None, reason: str = "the stage ended") -> int:
         """Deny what is pending for a run (or one of its stages) that ends."""
         n = 0
         for ap in list(self.items.values()):
-            if ap.state == "pending" and ap.held.run_id == run_id and stage_id in (None, ap.held.stage_id):
-                self._finish(ap, "cancelled", WriteOutcome(False, "guard", reason))
+            if ap.state == ApprovalState.PENDING and ap.held.run_id == run_id and stage_id in (None, ap.held.stage_id):
+                self._finish(ap, ApprovalState.CANCELLED, WriteOutcome(False, "guard", reason))
                 n += 1
         return n
 
@@ -148,7 +149,8 @@ class Approvals:
 
     def pending_for(self, run_id: str) -> list[dict[str, Any]]:
         return [{"id": a.id, "stage_id": a.held.stage_id, "method": a.held.method, "host": a.held.host,
-                 "path": a.held.path} for a in self.items.values() if a.state == "pending" and a.held.run_id == run_id]
+                 "path": a.held.path} for a in self.items.values()
+                if a.state == ApprovalState.PENDING and a.held.run_id == run_id]
 
     async def wait_changed(self, seconds: float) -> None:
         """Return when the list changes or after `seconds` (a long-poll)."""
@@ -161,17 +163,16 @@ class Approvals:
             pass
 
     # -- inside ----------------------------------------------------------------------------
-    def _finish(self, ap: Approval, state: str, outcome: WriteOutcome) -> None:
+    def _finish(self, ap: Approval, state: ApprovalState, outcome: WriteOutcome) -> None:
         ap.move(state)
         ap.decided_at, ap.by, ap.reason = time.time(), outcome.by, outcome.reason
         if ap.held.screenshot is not None:   # kept while pending only (decided ones are many)
             ap.held = dataclasses.replace(ap.held, screenshot=None)
         if ap.outcome is not None and not ap.outcome.done():
             ap.outcome.set_result(outcome)
-        self._record({"approved": "write_approved", "denied": "write_denied", "timed_out": "write_timed_out",
-                      "cancelled": "write_cancelled"}[state], ap)
+        self._record(VERDICTS[state], ap)
         log.info("write %s %s by %s", ap.id, state, outcome.by)
-        decided = [k for k, a in self.items.items() if a.state != "pending"]
+        decided = [k for k, a in self.items.items() if a.state != ApprovalState.PENDING]
         for k in decided[:max(0, len(decided) - self.keep)]:
             del self.items[k]
         self._changed()

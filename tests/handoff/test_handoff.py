@@ -7,13 +7,13 @@ import pytest
 from pydantic import ValidationError
 
 from sfguard.supervisor.browsers.handoff import (
-    FakeHandoff,
     GateHandoff,
     Handoff,
     HandoffImpossible,
     HandoffPayload,
     LocalWindowHandoff,
 )
+from sfguard.supervisor.testing import FakeHandoff
 
 SITE_URL = "http://127.0.0.1:8080/login"
 
