@@ -38,11 +38,31 @@ DESKTOP_USER = "sfg-desktop"
 def as_user(uid: int, gid: int) -> list[str]:
     """The argv prefix that starts the guard as the desktop user: bubblewrap with an empty /root
     holding only this interpreter (read-only), then setpriv."""
-    prefix = ["bwrap", "--dev-bind", "/", "/", "--tmpfs", "/root"]
+    # --die-with-parent: a safety net only; the fixture stops the guard itself (stop_guard)
+    prefix = ["bwrap", "--die-with-parent", "--dev-bind", "/", "/", "--tmpfs", "/root"]
     python_home = Path(os.path.realpath(sys.executable)).parents[3]     # /root/.pyenv
     if str(python_home).startswith("/root/"):
         prefix += ["--ro-bind", str(python_home), str(python_home)]
     return [*prefix, "--", "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+
+
+def stop_guard(home: Path, bound: float = 60) -> None:
+    """Stop the guard as its operator would, by the pid it wrote into its lock file: bwrap
+    does not pass a signal on to what it runs, so signalling the Daemon's process (bwrap)
+    would leave the guard running after the test."""
+    try:
+        pid = int((home / "guard.lock").read_text().strip() or 0)
+        proc = psutil.Process(pid)
+        if "sfguard" not in " ".join(proc.cmdline()) or str(home) not in " ".join(proc.cmdline()):
+            return
+        proc.terminate()
+    except (OSError, ValueError, psutil.NoSuchProcess):
+        return
+    try:
+        proc.wait(bound)
+    except psutil.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the guard (pid {proc.pid}) did not stop within {bound:.0f} s of SIGTERM") from None
 
 
 @pytest.fixture
@@ -66,6 +86,7 @@ def desktop(site, xserver):  # noqa: F811
     d.argv_prefix, d.ready_timeout = as_user(user.uid, user.gid), 60.0
     d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1", "--no-console")
     yield d, user
+    stop_guard(d.home)
     d.finish()
     subprocess.run(["chown", "-R", "root:root", str(base)], check=False)
     shutil.rmtree(base, ignore_errors=True)
