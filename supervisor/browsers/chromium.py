@@ -56,6 +56,9 @@ AGENT_BROWSER_FLAGS = (
 #: The guard's own flags, for every browser it starts.
 GUARD_FLAGS = (
     "--remote-debugging-pipe",
+    # the guard loads its WebSocket write-gate extension over the pipe (supervisor/writes/
+    # websockets.py); Chromium allows Extensions.loadUnpacked only with this flag and a pipe
+    "--enable-unsafe-extension-debugging",
     "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
     "--disable-quic",
     "--disable-background-timer-throttling",
@@ -89,13 +92,16 @@ def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_p
 #: Preferences the guard sets in every profile before its browser starts: the password manager
 #: off, so a password a person types into a guarded window is never saved in the profile, and
 #: never filled into a login form a stage later reads (an autofilled value reaches the page's
-#: script after any click, and a stage's agent clicks).
+#: script after any click, and a stage's agent clicks). And the entry of the guard's WebSocket
+#: gate extension, which the guard loads per run, removed (a profile never loads it by itself).
 GUARD_PREFS = {"credentials_enable_service": False, "profile": {"password_manager_enabled": False}}
 
 
 def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> None:
     """Merge GUARD_PREFS into `profile_dir/Default/Preferences` (atomic: temp, fsync, rename,
     no symlink followed). `owner`: uid and gid for what is written (the browser user's)."""
+    from sfguard.supervisor.writes.websockets import EXTENSION_ID  # noqa: PLC0415
+
     pdir = os.open(profile_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         try:
@@ -120,10 +126,15 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
             data = {}     # Chromium would discard an unreadable file too
         raw = data.get("profile")
         profile: dict = raw if isinstance(raw, dict) else {}
-        if data.get("credentials_enable_service") is False and profile.get("password_manager_enabled") is False:
+        exts = (data.get("extensions") or {}).get("settings") if isinstance(data.get("extensions"), dict) else None
+        ours = isinstance(exts, dict) and EXTENSION_ID in exts
+        if data.get("credentials_enable_service") is False and profile.get("password_manager_enabled") is False \
+                and not ours:
             return
         data["credentials_enable_service"] = False
         data["profile"] = {**profile, "password_manager_enabled": False}
+        if ours and isinstance(exts, dict):
+            del exts[EXTENSION_ID]   # the guard's WebSocket gate: loaded per run, never by itself
         tmp = f".Preferences.sfguard-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=ddir)
         try:

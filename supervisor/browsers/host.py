@@ -41,6 +41,7 @@ from sfguard.supervisor.browsers.chromium import find_browser_process
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
 from sfguard.supervisor.home import HomeError, private_dir
 from sfguard.supervisor.procs import ProcRecord, terminate_recorded, wait_gone
+from sfguard.supervisor.writes import websockets
 
 #: Bound for a browser to answer its pipe after start. Generous: the first start on a fresh
 #: machine builds the font and shader caches (measured up to ~10 s under load).
@@ -85,6 +86,7 @@ class Anchor:
     launch_seconds: float
     headed: bool = False
     home_dir: Path | None = None     # its own HOME (browser user, --ca-file), removed at close
+    ext_dir: Path | None = None      # the WebSocket write gate's extension (writes/websockets.py)
     #: a root guard's headed browser: its grant of the display (xdisplay.grant, removed at close)
     xauth_file: Path | None = field(default=None, repr=False)
     blank_tab: str | None = field(default=None, repr=False)   # Chromium's start-up tab, until taken
@@ -257,6 +259,7 @@ agent-browser sessions attached to the CDP gate."""
             raise AnchorError("the profile dir must be an absolute path")
         profile_dir: Path | None = None
         home_dir: Path | None = None
+        ext_dir: Path | None = None
         try:
             # where a temp profile and a HOME go (made only when one is needed)
             work = Path(spec.temp_root or socket_dir.parent)
@@ -280,12 +283,16 @@ agent-browser sessions attached to the CDP gate."""
             home_dir = bu.owned_dir(work, bu.HOME_PREFIX, user) if user is not None or self.ca else None
             if self.ca and home_dir is not None:
                 await asyncio.to_thread(trust.install, self.ca, home_dir, *((user.uid, user.gid) if user else ()))
+            # the write gate's WebSocket extension (loaded only once a host's writes are guarded):
+            # the guard's files, readable by the browser user, beside the HOME or in the socket dir
+            private = temp_profile or user is not None or bool(self.ca)
+            ext_dir = websockets.extension_dir(work if private else socket_dir, user.gid if user else None)
         except (HomeError, OSError, trust.TrustError) as exc:
             if profile_dir is not None:
-                self._drop_temp(profile_dir, temp_profile, home_dir)
+                self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
             raise AnchorError(f"could not prepare the folders of anchor {spec.session}: {exc}") from None
         if not Path(spec.browser_path).is_absolute():
-            self._drop_temp(profile_dir, temp_profile, home_dir)
+            self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
             raise AnchorError("the browser path must be an absolute path")
         env = chromium.browser_env(profile_dir=profile_dir, home=home_dir if user is not None else None)
         if home_dir is not None:
@@ -293,13 +300,13 @@ agent-browser sessions attached to the CDP gate."""
         try:   # a headed browser: the display granted to its user and checked as that user
             xauth_file = await xdisplay.prepare(env, spec.headed, user, home_dir)
         except (xdisplay.DisplayError, OSError) as exc:
-            self._drop_temp(profile_dir, temp_profile, home_dir)
+            self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
             raise AnchorError(f"could not show the window of anchor {spec.session}: {exc}") from None
         if find_browser_process(profile_dir, self._uids) is not None:
             # The lease should prevent this; this is the safety net (a second Chromium on a
             # profile in use would hand its work to the first one and exit).
             xdisplay.revoke(xauth_file)
-            self._drop_temp(profile_dir, temp_profile, home_dir)
+            self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
             raise AnchorError(f"the profile of session {spec.session} is already open in another browser")
         argv = chromium.chromium_args(browser_path=spec.browser_path, profile_dir=profile_dir,
                                       proxy_port=proxy_port, headed=spec.headed,
@@ -327,19 +334,20 @@ agent-browser sessions attached to the CDP gate."""
                     await asyncio.wait_for(proc.wait(), 3)
             await asyncio.to_thread(chromium.end_helpers, profile_dir, 3.0, self._uids)
             xdisplay.revoke(xauth_file)
-            self._drop_temp(profile_dir, temp_profile, home_dir)
+            self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
             raise AnchorError(f"could not launch anchor {spec.session}: the browser {what}") from None
         return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
                       temp_profile=temp_profile, socket_dir=socket_dir, processes=records,
                       launch_seconds=time.monotonic() - started, headed=spec.headed,
-                      home_dir=home_dir, blank_tab=blank_tab, xauth_file=xauth_file)
+                      home_dir=home_dir, blank_tab=blank_tab, xauth_file=xauth_file, ext_dir=ext_dir)
 
     @staticmethod
-    def _drop_temp(profile_dir: Path, temp_profile: bool, home_dir: Path | None = None) -> None:
+    def _drop_temp(profile_dir: Path, temp_profile: bool, *dirs: Path | None) -> None:
         if temp_profile:
             shutil.rmtree(profile_dir, ignore_errors=True)
-        if home_dir is not None:
-            shutil.rmtree(home_dir, ignore_errors=True)
+        for folder in dirs:    # its HOME, its WebSocket gate extension
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport:
         started = time.monotonic()
@@ -365,7 +373,7 @@ agent-browser sessions attached to the CDP gate."""
         # the crash handler lives outside the group and may outlive the browser by a moment
         helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir, 3.0, self._uids)
         xdisplay.revoke(anchor.xauth_file)   # the browser user loses the display with its browser
-        self._drop_temp(anchor.profile_dir, anchor.temp_profile, anchor.home_dir)
+        self._drop_temp(anchor.profile_dir, anchor.temp_profile, anchor.home_dir, anchor.ext_dir)
         return CloseReport(graceful=graceful and exited and not terminated,
                            terminated=terminated + helpers, removed_files=[],
                            seconds=time.monotonic() - started)

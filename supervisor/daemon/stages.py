@@ -24,6 +24,7 @@ from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.local_store import pipeline_profile_name
 from sfguard.supervisor.protocols import ProfileError, ProfileKey, StoreUnavailable, Waiting
 from sfguard.supervisor.writes.modes import guard_writes, rewire_writes, stage_write_modes
+from sfguard.supervisor.writes.websockets import guard_websockets
 
 if TYPE_CHECKING:
     from sfguard.policy.engine import SitePolicy
@@ -227,6 +228,7 @@ class Stages:
                                               list(stage.browser_req.allow_domains))
         guard_writes(run, browser, stage, self.write_approver, self.write_gate_timeout, self.write_record,
                      self.write_rules, self.write_owner(browser))
+        await guard_websockets(browser.anchor)   # before the stage gets the browser
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
         anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", self.site_policy.tab_quota
         # The stage's session (a gate token, an agent-browser session through it with the

@@ -178,6 +178,7 @@ class CdpPipe:
         self._fetch_off_timer: asyncio.TimerHandle | None = None
         #: the write gate (supervisor/writes/intercept.py): paused requests go to it
         self.writes: Any = None
+        self.websockets: Any = None   # its WebSocket part (supervisor/writes/websockets.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, *, proxy_auth: tuple[str, str] | None = None, timeout: float = 60.0) -> dict:

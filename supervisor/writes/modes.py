@@ -107,8 +107,10 @@ def rewire_writes(runs: Any, site_policy: Any, approver: Any, timeout: float,
                   rules: Callable[[], WriteRules]) -> None:
     """After a policy reload: every live browser's write modes from its stages again, from
     scratch (a floor the reviewers loosened loosens too), the gate installed where a new floor
-    needs one, and its Fetch patterns re-applied. Each paused request is judged against the
-    live policy anyway; this keeps the patterns (what pauses at all) in step with it."""
+    needs one, and its Fetch patterns and WebSocket rules re-applied. Each paused request is
+    judged against the live policy anyway; this keeps the patterns (what pauses at all) in step
+    with it."""
+    from sfguard.supervisor.writes.websockets import schedule_websockets  # noqa: PLC0415
     for run in runs:
         for browser in list(run.browsers.values()):
             pipe = getattr(browser.anchor, "pipe", None) if browser.anchor is not None else None
@@ -122,3 +124,4 @@ def rewire_writes(runs: Any, site_policy: Any, approver: Any, timeout: float,
                 pipe.writes.set_modes({})
             for stage in stages:
                 guard_writes(run, browser, stage, approver, timeout, record, rules)
+            schedule_websockets(browser.anchor)     # the WebSocket rules follow (websockets.py)

@@ -1,0 +1,310 @@
+"""WebSocket upgrades to hosts whose writes are gated or refused: refused in the browser process.
+
+Every WebSocket upgrade is a write (policy/writes.py). The write gate of intercept.py cannot see
+one: measured on Chromium 156, browser-level Fetch does not pause a WebSocket handshake, and
+neither do page-level Fetch or `Network.setBlockedURLs`. What does stop one is the browser's own
+request filter for extensions, declarativeNetRequest (DNR): its rules are matched in the browser
+process (the handshake is proxied there for extensions), before anything is sent, for pages,
+dedicated and shared workers and service workers alike, so a page or a renderer it took over
+cannot skip it.
+
+So the guard owns one small extension per browser (this module writes its two files into a folder
+of the anchor; `host.launch_anchor` makes it): no content scripts, no host permissions, nothing a
+page can message. It is loaded over the guard's own DevTools pipe (`Extensions.loadUnpacked`;
+Chromium allows it only on a pipe and with `--enable-unsafe-extension-debugging`), lazily: the
+first time a browser has a host whose mode is gate or deny. The guard keeps a session on the
+extension's service worker (an attached DevTools session also keeps the worker alive) and
+replaces its *session* rules (kept in memory by the browser, gone when it closes, never written
+into the profile) with one block rule per guarded host pattern, resource type `websocket`:
+
+  deny   refused: the page sees the socket fail (error, then close 1006); the site sees nothing;
+  gate   refused too, never held: approving one handshake would release an unbounded stream of
+         later frames in both directions that no person sees.
+
+Each refusal is reported by the extension (`onRuleMatchedDebug`, an unpacked extension's own
+feedback) on that session and logged like the other writes: `write_refused`, reason
+`websocket_upgrade`, host and path only. A stage cannot reach any of this: the CDP gate refuses
+the whole `Extensions` domain and shows a stage only its own tabs (cdp_policy.py). The extension's
+entry in the profile's preferences is removed before every start (browsers/chromium.py
+set_guard_prefs), so a sealed profile never loads it by itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from sfguard.policy.errors import MalformedHost
+from sfguard.policy.hosts import normalize_host_ex, split_host_port_raw
+from sfguard.policy.writes import WriteVerdict
+from sfguard.supervisor.errors import BrowserStartError, swallowed
+from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpSession, PipeClosed
+
+log = logging.getLogger("sfguard.writes")
+
+#: The extension's public key: a fixed key gives it a fixed id wherever its folder is.
+EXTENSION_KEY = ("MIIBIjANBgkqhkiG9w0BAQEFAAOCAQ8AMIIBCgKCAQEA0MhrzNkZufv9IqilK3+jPsaOgDaHM/+JORaQOYmjoNwFcnFKizHwRBA"
+                 "bnVqQK9Ms3cGt8FjGfdnuyBTRke3VcqPpJKjBq5UW5VBBwea6B38lYJ5Mt4pXM8I44rxnkxhN2POWy7vszrvRM+E7Vr3cuzrJ"
+                 "F28/ZFPZHta37xmxmW44gQNvGqK9SmYb/IasY6ZKBqn7SKwHxbpARQYGM9IKpYKwFT4op8Q06zvoRj+j7k/Kwz0yEu/wuC22V3"
+                 "ILECaJ4YeBo4CxRSbL3xIC0siLACab+VG9EWYOyuqZTC7E7XugzLZNxZeWzX/sUvY7PaKdivjHqNow4TpZQ0GkZhf7+QIDAQAB")
+#: sha256 of the key's DER, first 32 hex digits written a-p (Chromium's extension id)
+EXTENSION_ID = "gbnpgmajpnekkdlpglfhbaecdebbegfc"
+WORKER_FILE = "sw.js"
+WORKER_URL = f"chrome-extension://{EXTENSION_ID}/{WORKER_FILE}"
+MANIFEST = {"manifest_version": 3, "name": "sfguard write gate (WebSocket upgrades)", "version": "1",
+            "key": EXTENSION_KEY, "permissions": ["declarativeNetRequest", "declarativeNetRequestFeedback"],
+            "background": {"service_worker": WORKER_FILE}}
+#: the first console argument of a refusal report
+REPORT_TAG = "sfguard-ws-refused"
+WORKER_JS = f"""// sfguard: refuses WebSocket upgrades to the hosts the guard names (session rules only)
+const dnr = chrome.declarativeNetRequest;
+dnr.onRuleMatchedDebug.addListener((info) => {{
+  console.debug({json.dumps(REPORT_TAG)}, String(info.request.url));
+}});
+globalThis.sfguardSetRules = async (rules) => {{
+  const old = await dnr.getSessionRules();
+  await dnr.updateSessionRules({{removeRuleIds: old.map((r) => r.id), addRules: rules}});
+  return (await dnr.getSessionRules()).length;
+}};
+"""
+#: seconds for loading the extension and for one rule update
+LOAD_TIMEOUT = 15.0
+#: Chromium caps an extension's regex rules at 1000; far more guarded patterns than that
+#: block every WebSocket instead (fail closed)
+MAX_REGEX_RULES = 900
+_USERINFO = r"([^/?#]*@)?"
+_PORT = r"(:[0-9]+)?"
+#: any IP address literal (a floor over an address range cannot be written as a regex)
+IP_LITERAL = r"(\[[0-9a-fA-F:.]+\]|[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+)"
+
+
+def extension_dir(parent: Path, gid: int | None = None) -> Path:
+    """The extension's folder under `parent` (a fresh one), its two files written. With `gid`
+    (the browser user's group) the folder and files are readable, not writable, by that group."""
+    import tempfile  # noqa: PLC0415
+    path = Path(tempfile.mkdtemp(prefix="wsx-", dir=parent))
+    try:
+        for name, text in (("manifest.json", json.dumps(MANIFEST, indent=1)), (WORKER_FILE, WORKER_JS)):
+            fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            if gid is not None:
+                os.chown(path / name, -1, gid, follow_symlinks=False)
+        if gid is not None:
+            os.chown(path, -1, gid, follow_symlinks=False)
+            os.chmod(path, 0o750)
+    except BaseException:
+        import shutil  # noqa: PLC0415
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
+
+
+def host_regex(pattern: str) -> str:
+    """A regex (RE2) for the ws:// and wss:// URLs of a host pattern (`example.com`,
+    `*.example.com`, an address, each with an optional port). An address range cannot be written
+    as one: it gives every address literal. ValueError for a pattern that does not parse."""
+    host, port = split_host_port_raw(pattern)        # MalformedHost is a ValueError
+    wild = host.startswith("*.")
+    if wild:
+        host = host[2:]
+    if "/" in host.strip("[]"):
+        ipaddress.ip_network(host.strip("[]"))       # a range: any address literal (more, never less)
+        name = IP_LITERAL
+    else:
+        host, is_ip = normalize_host_ex(host)
+        if is_ip:
+            ip = ipaddress.ip_address(host)
+            name = re.escape(f"[{ip.compressed}]" if ip.version == 6 else ip.compressed)
+            if ip.version == 4:      # and as an IPv4-mapped IPv6 literal (`[::ffff:7f00:1]`)
+                mapped = ipaddress.IPv6Address("::ffff:" + str(ip)).compressed
+                name = f"({name}|{re.escape(f'[{mapped}]')})"
+        else:    # a name, with the trailing dot Chromium keeps in a URL (`ws://host./`)
+            name = (r"([^/?#@:]*\.)?" if wild else "") + re.escape(host) + r"\.?"
+    if port is None:
+        return rf"^wss?://{_USERINFO}{name}{_PORT}/"
+    if not port.isdigit():
+        raise ValueError(f"not a port: {port[:20]!r}")
+    default = {"80": "ws", "443": "wss"}.get(port)
+    scheme = f"(wss?://{_USERINFO}{name}:{port}|{default}://{_USERINFO}{name})" if default \
+        else f"wss?://{_USERINFO}{name}:{port}"
+    return f"^{scheme}/"
+
+
+def dnr_rules(writes: Any) -> list[dict]:
+    """The block rules for a browser's write gate (intercept.WriteInterceptor): every host pattern
+    whose mode is gate or deny, for the stages or by a floor of the site policy. A retry of a
+    replay-unsafe stage that wrote before (every write held), a pattern that does not parse or
+    more patterns than Chromium takes regexes for: every WebSocket is blocked (fail closed)."""
+    if writes is None:
+        return []
+    if writes.ctx.earlier:
+        return [_rule(1, None)]
+    patterns = [p for p, mode in writes.ctx.modes.items() if mode != "allow"]
+    for entry in writes.rules.guarded():
+        patterns += entry.patterns
+    try:
+        regexes = list(dict.fromkeys(host_regex(p) for p in patterns))
+    except ValueError:
+        return [_rule(1, None)]
+    if len(regexes) > MAX_REGEX_RULES:
+        return [_rule(1, None)]
+    return [_rule(i, rx) for i, rx in enumerate(regexes, 1)]
+
+
+def _rule(rule_id: int, regex: str | None) -> dict:
+    cond: dict[str, Any] = {"resourceTypes": ["websocket"]}
+    if regex is not None:
+        cond["regexFilter"] = regex
+    return {"id": rule_id, "priority": 1, "action": {"type": "block"}, "condition": cond}
+
+
+class WebSocketGate:
+    """The extension of one browser and the guard's session on its service worker."""
+
+    def __init__(self, pipe: Any, ext_dir: Path) -> None:
+        self.pipe, self.ext_dir = pipe, ext_dir
+        self.writes: Any = None                 # the browser's WriteInterceptor: who, the log
+        self.rules: list[dict] | None = None    # the rules in force
+        self.refused: list[str] = []            # host/path of each refusal (tests, metrics)
+        self._cdp: CdpSession | None = None
+        self._sid: str | None = None
+        self._lock = asyncio.Lock()
+        self._reader: asyncio.Task | None = None
+
+    async def apply(self, rules: list[dict]) -> None:
+        """Put `rules` in force (the extension loaded first if need be). BrowserStartError when
+        the browser does not take them."""
+        async with self._lock:
+            if rules == self.rules and self._cdp is not None and not self._cdp.client.closed:
+                return
+            try:
+                if self._cdp is None or self._cdp.client.closed:
+                    await self._start()
+                assert self._cdp is not None
+                res = await self._cdp.call("Runtime.evaluate", {
+                    "expression": f"sfguardSetRules({json.dumps(rules)})", "awaitPromise": True,
+                    "returnByValue": True}, session=self._sid, timeout=LOAD_TIMEOUT)
+            except (CdpCallError, PipeClosed, TimeoutError, KeyError, OSError) as exc:
+                self.rules = None
+                raise BrowserStartError(f"the WebSocket write gate could not be set: {type(exc).__name__} {exc}"
+                                        ) from None
+            if res.get("exceptionDetails") or (res.get("result") or {}).get("value") != len(rules):
+                self.rules = None
+                raise BrowserStartError("the WebSocket write gate could not be set: the browser refused its rules")
+            self.rules = rules
+
+    async def _start(self) -> None:
+        if self._cdp is not None:
+            await self._cdp.close()
+        self._cdp = self._sid = None
+        self.rules = None
+        cdp = await self.pipe.session("websocket write gate")
+        try:
+            # Loaded, uninstalled, loaded again: a profile keeps the extension's service worker
+            # registration, and sealing drops the worker's script cache (profiles/sealing.py),
+            # so the worker an earlier run registered never starts again (measured: Runtime.enable
+            # on it hangs). Uninstalling drops that registration; the second load registers anew.
+            await self._load(cdp)
+            await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
+            stale = set(self._worker_targets())
+            await self._load(cdp)
+            async with asyncio.timeout(LOAD_TIMEOUT):
+                while not (fresh := [t for t in self._worker_targets() if t not in stale]):
+                    await asyncio.sleep(0.02)
+            sid = (await cdp.call("Target.attachToTarget", {"targetId": fresh[0], "flatten": True}))["sessionId"]
+            await cdp.call("Runtime.enable", session=sid, timeout=LOAD_TIMEOUT)
+        except BaseException:
+            await cdp.close()
+            raise
+        self._cdp, self._sid = cdp, sid
+        self._reader = asyncio.get_running_loop().create_task(self._read(cdp))
+
+    async def _load(self, cdp: CdpSession) -> None:
+        res = await cdp.call("Extensions.loadUnpacked", {"path": str(self.ext_dir)}, timeout=LOAD_TIMEOUT)
+        if res.get("id") != EXTENSION_ID:
+            raise CdpCallError(f"Extensions.loadUnpacked: unexpected id {str(res.get('id'))[:40]}")
+
+    def _worker_targets(self) -> list[str]:
+        return [tid for tid, info in list(self.pipe.targets.items())
+                if info.get("type") == "service_worker" and info.get("url") == WORKER_URL]
+
+    async def _read(self, cdp: CdpSession) -> None:
+        while not cdp.client.closed:
+            ev = await cdp.events.get()
+            params = ev.get("params") or {}
+            if ev.get("method") != "Runtime.consoleAPICalled" or ev.get("sessionId") != self._sid:
+                continue
+            args = [a.get("value") for a in params.get("args") or [] if isinstance(a, dict)]
+            if len(args) == 2 and args[0] == REPORT_TAG and isinstance(args[1], str):
+                with swallowed(log, "logging a refused WebSocket upgrade"):
+                    self._refused(args[1])
+
+    def _refused(self, url: str) -> None:
+        try:
+            parts = urlsplit(url)
+            host, is_ip = normalize_host_ex(parts.hostname or "")
+            path, port = (parts.path or "/"), parts.port or (443 if parts.scheme == "wss" else 80)
+        except (ValueError, MalformedHost):
+            host, is_ip, path, port = "?", False, "/", None
+        self.refused.append(f"{host}{path}")
+        writes = self.writes
+        if writes is None:
+            return
+        # A handshake names no frame the guard can map to a stage: the one stage of the browser
+        # whose own mode refuses this host, else (a floor, or several) everyone's (`who(None)`).
+        mine = [sw for sw in writes.stages.values() if sw.mode(host, is_ip, port) != "allow"]
+        who = mine[0] if len(mine) == 1 else writes.who(None)
+        verdict = WriteVerdict(True, "deny", "websocket_upgrade",
+                               explanation="a WebSocket upgrade to a host whose writes are gated or refused")
+        writes._log("refused", "GET", host, path, verdict, who)
+
+    async def close(self) -> None:
+        if self._cdp is not None:
+            with contextlib.suppress(PipeClosed, OSError):
+                await self._cdp.close()
+        if self._reader is not None:
+            self._reader.cancel()
+
+
+async def guard_websockets(anchor: Any) -> None:
+    """Bring the browser's WebSocket rules in step with its write gate (`pipe.writes`). Nothing is
+    loaded while no host needs it; an anchor without an extension folder (a fake host) has none."""
+    pipe = getattr(anchor, "pipe", None)
+    ext_dir = getattr(anchor, "ext_dir", None)
+    if pipe is None or ext_dir is None:
+        return
+    rules = dnr_rules(pipe.writes)
+    gate: WebSocketGate | None = pipe.websockets
+    if gate is None:
+        if not rules:
+            return
+        gate = pipe.websockets = WebSocketGate(pipe, ext_dir)
+    gate.writes = pipe.writes
+    await gate.apply(rules)
+
+
+_updates: set[asyncio.Task] = set()
+
+
+def schedule_websockets(anchor: Any) -> None:
+    """`guard_websockets` from synchronous code (a policy reload); a failure is logged."""
+    async def run() -> None:
+        try:
+            await guard_websockets(anchor)
+        except BrowserStartError as exc:
+            log.error("a browser's WebSocket rules are not in step with the policy: %s", exc)
+    try:
+        task = asyncio.get_running_loop().create_task(run())
+    except RuntimeError:     # no event loop (a synchronous caller outside the guard)
+        log.error("a browser's WebSocket rules were not updated: no event loop")
+        return
+    _updates.add(task)
+    task.add_done_callback(_updates.discard)
