@@ -5,8 +5,7 @@ one: measured on Chromium 156, browser-level Fetch does not pause a WebSocket ha
 neither do page-level Fetch or `Network.setBlockedURLs`. What does stop one is the browser's own
 request filter for extensions, declarativeNetRequest (DNR): its rules are matched in the browser
 process (the handshake is proxied there for extensions), before anything is sent, for pages,
-dedicated and shared workers and service workers alike, so a page or a renderer it took over
-cannot skip it.
+frames and dedicated workers, so a page or a renderer it took over cannot skip it.
 
 So the guard owns one small extension per browser (this module writes its two files into a folder
 of the anchor; `host.launch_anchor` makes it): no content scripts, no host permissions, nothing a
@@ -20,6 +19,14 @@ into the profile) with one block rule per guarded host pattern, resource type `w
   deny   refused: the page sees the socket fail (error, then close 1006); the site sees nothing;
   gate   refused too, never held: approving one handshake would release an unbounded stream of
          later frames in both directions that no person sees.
+
+declarativeNetRequest does not see a WebSocket that a service worker or a shared worker opens
+(measured: one reached a deny host). So, once a browser has a guarded host, the same session
+auto-attaches (browser level) to every service and shared worker, each held at its start
+("wait for debugger on start"): `WebSocket` and `WebSocketStream` are taken out of its scope
+(non-configurable `undefined`) before its first line runs, then it runs; workers it starts are
+held the same way, and a worker that cannot be stripped stays held (fail closed). No host is
+known before such a worker connects, so in a guarded browser none of them has WebSocket.
 
 Each refusal is reported by the extension (`onRuleMatchedDebug`, an unpacked extension's own
 feedback) on that session and logged like the other writes: `write_refused`, reason
@@ -74,6 +81,13 @@ globalThis.sfguardSetRules = async (rules) => {{
   return (await dnr.getSessionRules()).length;
 }};
 """
+#: The guard's auto-attach to the workers declarativeNetRequest does not see: held at their start
+#: (the filter at browser level; nested workers of a held one with no filter)
+WORKER_ATTACH = {"autoAttach": True, "waitForDebuggerOnStart": True, "flatten": True}
+WORKER_FILTER = [{"type": "service_worker"}, {"type": "shared_worker"}, {"type": "worker"}, {"exclude": True}]
+#: run in a held worker's scope before its first line: no WebSocket of any kind, for good
+STRIP_JS = ("for (const n of ['WebSocket', 'WebSocketStream']) { try { Object.defineProperty(globalThis, n, "
+            "{value: undefined, writable: false, enumerable: false, configurable: false}); } catch (e) {} }")
 #: seconds for loading the extension and for one rule update
 LOAD_TIMEOUT = 15.0
 #: Chromium caps an extension's regex rules at 1000; far more guarded patterns than that
@@ -173,32 +187,41 @@ class WebSocketGate:
         self.pipe, self.ext_dir = pipe, ext_dir
         self.writes: Any = None                 # the browser's WriteInterceptor: who, the log
         self.rules: list[dict] | None = None    # the rules in force
+        self.want: list[dict] = []              # the rules asked for (workers follow these)
+        self.step = ""                          # what the last start was doing (its errors)
         self.refused: list[str] = []            # host/path of each refusal (tests, metrics)
         self._cdp: CdpSession | None = None
         self._sid: str | None = None
         self._lock = asyncio.Lock()
         self._reader: asyncio.Task | None = None
+        self._workers: set[asyncio.Task] = set()
+        self.stripped = 0                       # workers whose scope lost WebSocket (tests)
 
     async def apply(self, rules: list[dict]) -> None:
         """Put `rules` in force (the extension loaded first if need be). BrowserStartError when
         the browser does not take them."""
         async with self._lock:
+            self.want = rules
             if rules == self.rules and self._cdp is not None and not self._cdp.client.closed:
                 return
             try:
                 if self._cdp is None or self._cdp.client.closed:
                     await self._start()
                 assert self._cdp is not None
+                self.step = "setting its rules"
                 res = await self._cdp.call("Runtime.evaluate", {
                     "expression": f"sfguardSetRules({json.dumps(rules)})", "awaitPromise": True,
                     "returnByValue": True}, session=self._sid, timeout=LOAD_TIMEOUT)
             except (CdpCallError, PipeClosed, TimeoutError, KeyError, OSError) as exc:
                 self.rules = None
-                raise BrowserStartError(f"the WebSocket write gate could not be set: {type(exc).__name__} {exc}"
-                                        ) from None
+                raise BrowserStartError(f"the WebSocket write gate could not be set ({self.step}): "
+                                        f"{type(exc).__name__} {exc}") from None
             if res.get("exceptionDetails") or (res.get("result") or {}).get("value") != len(rules):
                 self.rules = None
-                raise BrowserStartError("the WebSocket write gate could not be set: the browser refused its rules")
+                detail = (res.get("exceptionDetails") or {}).get("exception", {}).get("description") \
+                    or (res.get("exceptionDetails") or {}).get("text") or repr((res.get("result") or {}).get("value"))
+                raise BrowserStartError("the WebSocket write gate could not be set: the browser refused its rules "
+                                        f"({str(detail)[:200]})")
             self.rules = rules
 
     async def _start(self) -> None:
@@ -212,15 +235,29 @@ class WebSocketGate:
             # registration, and sealing drops the worker's script cache (profiles/sealing.py),
             # so the worker an earlier run registered never starts again (measured: Runtime.enable
             # on it hangs). Uninstalling drops that registration; the second load registers anew.
+            self.step = "loading the extension"
             await self._load(cdp)
             await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
             stale = set(self._worker_targets())
+            self.step = "loading the extension again"
             await self._load(cdp)
             async with asyncio.timeout(LOAD_TIMEOUT):
                 while not (fresh := [t for t in self._worker_targets() if t not in stale]):
                     await asyncio.sleep(0.02)
+            self.step = "attaching to its worker"
             sid = (await cdp.call("Target.attachToTarget", {"targetId": fresh[0], "flatten": True}))["sessionId"]
             await cdp.call("Runtime.enable", session=sid, timeout=LOAD_TIMEOUT)
+            # the worker's target can be there before its script has run (seen on a cold start)
+            self.step = "waiting for its worker's script"
+            async with asyncio.timeout(LOAD_TIMEOUT):
+                while (await cdp.call("Runtime.evaluate", {
+                        "expression": "typeof globalThis.sfguardSetRules", "returnByValue": True},
+                        session=sid, timeout=LOAD_TIMEOUT)).get("result", {}).get("value") != "function":
+                    await asyncio.sleep(0.02)
+            # Service and shared workers, which declarativeNetRequest does not see: each is held
+            # at its start until the guard has taken WebSocket out of its scope (_worker_started)
+            self.step = "attaching to service and shared workers"
+            await cdp.call("Target.setAutoAttach", {**WORKER_ATTACH, "filter": WORKER_FILTER}, timeout=LOAD_TIMEOUT)
         except BaseException:
             await cdp.close()
             raise
@@ -237,15 +274,47 @@ class WebSocketGate:
                 if info.get("type") == "service_worker" and info.get("url") == WORKER_URL]
 
     async def _read(self, cdp: CdpSession) -> None:
-        while not cdp.client.closed:
-            ev = await cdp.events.get()
+        while ev := await cdp.events.get():     # {}: the session ended (browser closed)
             params = ev.get("params") or {}
+            if ev.get("method") == "Target.attachedToTarget":
+                task = asyncio.get_running_loop().create_task(self._worker_started(cdp, params))
+                self._workers.add(task)
+                task.add_done_callback(self._workers.discard)
+                continue
             if ev.get("method") != "Runtime.consoleAPICalled" or ev.get("sessionId") != self._sid:
                 continue
             args = [a.get("value") for a in params.get("args") or [] if isinstance(a, dict)]
             if len(args) == 2 and args[0] == REPORT_TAG and isinstance(args[1], str):
                 with swallowed(log, "logging a refused WebSocket upgrade"):
                     self._refused(args[1])
+
+    async def _worker_started(self, cdp: CdpSession, params: dict) -> None:
+        """A service or shared worker (or a worker one of them started) the guard attached to,
+        held at its start. While any host of this browser is guarded, its scope loses WebSocket
+        and WebSocketStream before its first line runs (evaluated while it is held), then it is
+        let go; its own workers are held the same way. Fail closed: a held worker whose scope
+        could not be stripped stays held (it never runs). A worker that was already running
+        when the browser became guarded is stripped too, but may have kept a reference
+        (docs/threat-model.md)."""
+        sid = params.get("sessionId")
+        info = params.get("targetInfo") or {}
+        if not isinstance(sid, str):
+            return
+        waiting = bool(params.get("waitingForDebugger"))
+        strip = bool(self.want) and info.get("url") != WORKER_URL     # not the guard's own worker
+        try:
+            if strip:
+                await cdp.call("Target.setAutoAttach", WORKER_ATTACH, session=sid, timeout=LOAD_TIMEOUT)
+                await cdp.call("Runtime.evaluate", {"expression": STRIP_JS}, session=sid, timeout=LOAD_TIMEOUT)
+                self.stripped += 1
+            if waiting:
+                await cdp.call("Runtime.runIfWaitingForDebugger", session=sid, timeout=LOAD_TIMEOUT)
+        except PipeClosed:
+            return                     # the browser is closing
+        except (CdpCallError, TimeoutError) as exc:
+            log.warning("a %s was left %s: its WebSocket could not be taken away (%s %s)",
+                        str(info.get("type"))[:20], "held" if waiting else "running", type(exc).__name__,
+                        str(exc)[:200])
 
     def _refused(self, url: str) -> None:
         try:
