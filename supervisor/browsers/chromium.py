@@ -94,7 +94,12 @@ def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_p
 #: never filled into a login form a stage later reads (an autofilled value reaches the page's
 #: script after any click, and a stage's agent clicks). And the entry of the guard's WebSocket
 #: gate extension, which the guard loads per run, removed (a profile never loads it by itself).
-GUARD_PREFS = {"credentials_enable_service": False, "profile": {"password_manager_enabled": False}}
+#: Preloading off too (`net.network_prediction_options` 2, "never"): speculation-rules prefetch
+#: and prerender fetch in the browser where its interception does not look (measured on Chromium
+#: 156: neither paused in browser-level Fetch), so a GET the site policy names a write could go
+#: that way past the write gate.
+GUARD_PREFS = {"credentials_enable_service": False, "profile": {"password_manager_enabled": False},
+               "net": {"network_prediction_options": 2}}
 
 
 def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> None:
@@ -128,11 +133,14 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
         profile: dict = raw if isinstance(raw, dict) else {}
         exts = (data.get("extensions") or {}).get("settings") if isinstance(data.get("extensions"), dict) else None
         ours = isinstance(exts, dict) and EXTENSION_ID in exts
+        raw_net = data.get("net")
+        net: dict = raw_net if isinstance(raw_net, dict) else {}
         if data.get("credentials_enable_service") is False and profile.get("password_manager_enabled") is False \
-                and not ours:
+                and net.get("network_prediction_options") == 2 and not ours:
             return
         data["credentials_enable_service"] = False
         data["profile"] = {**profile, "password_manager_enabled": False}
+        data["net"] = {**net, "network_prediction_options": 2}
         if ours and isinstance(exts, dict):
             del exts[EXTENSION_ID]   # the guard's WebSocket gate: loaded per run, never by itself
         tmp = f".Preferences.sfguard-{os.getpid()}"

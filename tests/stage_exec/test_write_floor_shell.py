@@ -107,6 +107,15 @@ def test_a_floor_holds_the_browser_and_shuts_the_shell_and_follows_live_edits(gu
     assert d.call("POST", f"/v1/approvals/{held[0]['id']}", {"decision": "deny"})[0] == 200
     time.sleep(1.0)
     assert submits(site) == 0
+    # speculation rules (prefetch, prerender) fetch in the browser where its interception does
+    # not look (measured); the guard turns preloading off in every profile, so a listed GET
+    # write cannot go that way either
+    rules = ("{prefetch: [{source: 'list', urls: ['/logout?via=prefetch']}], "
+             "prerender: [{source: 'list', urls: ['/logout?via=prerender']}]}")
+    assert as_stage(env, "eval", "const s = document.createElement('script'); s.type = 'speculationrules'; "
+                    f"s.textContent = JSON.stringify({rules}); document.head.append(s); 'added'").returncode == 0
+    time.sleep(3.0)
+    assert hits(site, "site-a.test", "/logout") == 0
     # a GET the policy names a write is held too, and sent once when approved
     as_stage(env, "open", f"{a}/logout", timeout=60)
     held = pending(d)
