@@ -168,7 +168,6 @@ class CdpPipe:
         self._routes: dict[int, tuple[PipeClient | None, Any, str, dict]] = {}  # the client's own id: any JSON
         self._owner: dict[str, PipeClient] = {}          # sessionId -> client
         self._parent: dict[str, str | None] = {}         # sessionId -> parent sessionId
-        self._auto_owner: PipeClient | None = None       # the client of a browser-level auto-attach
         self._pending_attach: dict[str, list[PipeClient]] = defaultdict(list)
         self._clients: set[PipeClient] = set()
         self._own: dict[int, asyncio.Future] = {}         # the pipe's own commands
@@ -253,10 +252,6 @@ class CdpPipe:
             # A new context starts with an empty auth cache: answer its first challenge.
             self._fire("Fetch.enable", FETCH_ENABLE)
             self.fetch_on = True
-        if method == "Target.setAutoAttach" and sid is None:   # browser level: the guard's own
-            # clients only (the gate refuses it to a stage); the sessions it makes are theirs
-            self._auto_owner = client if params.get("autoAttach") else (
-                None if self._auto_owner is client else self._auto_owner)
         if method == "Target.attachToTarget" and sid is None and isinstance(params.get("targetId"), str):
             self._pending_attach[params["targetId"]].append(client)
         gid = next(self._ids)
@@ -267,8 +262,6 @@ class CdpPipe:
 
     async def _client_closed(self, client: PipeClient) -> None:
         self._clients.discard(client)
-        if self._auto_owner is client:
-            self._auto_owner = None
         for lst in self._pending_attach.values():
             while client in lst:
                 lst.remove(client)
@@ -420,7 +413,7 @@ class CdpPipe:
             tid = (params.get("targetInfo") or {}).get("targetId")
             if sid is None:
                 waiting = (self._pending_attach.get(tid) if isinstance(tid, str) else None) or []
-                owner = waiting.pop(0) if waiting else self._auto_owner
+                owner = waiting.pop(0) if waiting else None
                 parent = None
             else:
                 owner, parent = self._owner.get(sid), sid

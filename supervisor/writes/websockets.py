@@ -21,12 +21,10 @@ into the profile) with one block rule per guarded host pattern, resource type `w
          later frames in both directions that no person sees.
 
 declarativeNetRequest does not see a WebSocket that a service worker or a shared worker opens
-(measured: one reached a deny host). So, once a browser has a guarded host, the same session
-auto-attaches (browser level) to every service and shared worker, each held at its start
-("wait for debugger on start"): `WebSocket` and `WebSocketStream` are taken out of its scope
-(non-configurable `undefined`) before its first line runs, then it runs; workers it starts are
-held the same way, and a worker that cannot be stripped stays held (fail closed). No host is
-known before such a worker connects, so in a guarded browser none of them has WebSocket.
+(measured: one reached a deny host). Holding such workers at their start through a browser-level
+auto-attach and taking WebSocket out of their scope worked, but any browser-level auto-attach
+made `window.open` hang its opener (measured on Chromium 156), so it is not done: those two
+remain open (docs/threat-model.md).
 
 Each refusal is reported by the extension (`onRuleMatchedDebug`, an unpacked extension's own
 feedback) on that session and logged like the other writes: `write_refused`, reason
@@ -81,13 +79,6 @@ globalThis.sfguardSetRules = async (rules) => {{
   return (await dnr.getSessionRules()).length;
 }};
 """
-#: The guard's auto-attach to the workers declarativeNetRequest does not see: held at their start
-#: (the filter at browser level; nested workers of a held one with no filter)
-WORKER_ATTACH = {"autoAttach": True, "waitForDebuggerOnStart": True, "flatten": True}
-WORKER_FILTER = [{"type": "service_worker"}, {"type": "shared_worker"}, {"type": "worker"}, {"exclude": True}]
-#: run in a held worker's scope before its first line: no WebSocket of any kind, for good
-STRIP_JS = ("for (const n of ['WebSocket', 'WebSocketStream']) { try { Object.defineProperty(globalThis, n, "
-            "{value: undefined, writable: false, enumerable: false, configurable: false}); } catch (e) {} }")
 #: seconds for loading the extension and for one rule update
 LOAD_TIMEOUT = 15.0
 #: Chromium caps an extension's regex rules at 1000; far more guarded patterns than that
@@ -187,21 +178,17 @@ class WebSocketGate:
         self.pipe, self.ext_dir = pipe, ext_dir
         self.writes: Any = None                 # the browser's WriteInterceptor: who, the log
         self.rules: list[dict] | None = None    # the rules in force
-        self.want: list[dict] = []              # the rules asked for (workers follow these)
         self.step = ""                          # what the last start was doing (its errors)
         self.refused: list[str] = []            # host/path of each refusal (tests, metrics)
         self._cdp: CdpSession | None = None
         self._sid: str | None = None
         self._lock = asyncio.Lock()
         self._reader: asyncio.Task | None = None
-        self._workers: set[asyncio.Task] = set()
-        self.stripped = 0                       # workers whose scope lost WebSocket (tests)
 
     async def apply(self, rules: list[dict]) -> None:
         """Put `rules` in force (the extension loaded first if need be). BrowserStartError when
         the browser does not take them."""
         async with self._lock:
-            self.want = rules
             if rules == self.rules and self._cdp is not None and not self._cdp.client.closed:
                 return
             try:
@@ -241,11 +228,19 @@ class WebSocketGate:
             stale = set(self._worker_targets())
             self.step = "loading the extension again"
             await self._load(cdp)
-            async with asyncio.timeout(LOAD_TIMEOUT):
-                while not (fresh := [t for t in self._worker_targets() if t not in stale]):
-                    await asyncio.sleep(0.02)
             self.step = "attaching to its worker"
-            sid = (await cdp.call("Target.attachToTarget", {"targetId": fresh[0], "flatten": True}))["sessionId"]
+            async with asyncio.timeout(LOAD_TIMEOUT):
+                while True:     # the worker may stop and start again meanwhile: its next target
+                    fresh = [t for t in self._worker_targets() if t not in stale]
+                    if not fresh:
+                        await asyncio.sleep(0.02)
+                        continue
+                    try:
+                        sid = (await cdp.call("Target.attachToTarget", {"targetId": fresh[0], "flatten": True}))[
+                            "sessionId"]
+                        break
+                    except CdpCallError:
+                        stale.add(fresh[0])
             await cdp.call("Runtime.enable", session=sid, timeout=LOAD_TIMEOUT)
             # the worker's target can be there before its script has run (seen on a cold start)
             self.step = "waiting for its worker's script"
@@ -254,10 +249,6 @@ class WebSocketGate:
                         "expression": "typeof globalThis.sfguardSetRules", "returnByValue": True},
                         session=sid, timeout=LOAD_TIMEOUT)).get("result", {}).get("value") != "function":
                     await asyncio.sleep(0.02)
-            # Service and shared workers, which declarativeNetRequest does not see: each is held
-            # at its start until the guard has taken WebSocket out of its scope (_worker_started)
-            self.step = "attaching to service and shared workers"
-            await cdp.call("Target.setAutoAttach", {**WORKER_ATTACH, "filter": WORKER_FILTER}, timeout=LOAD_TIMEOUT)
         except BaseException:
             await cdp.close()
             raise
@@ -276,45 +267,12 @@ class WebSocketGate:
     async def _read(self, cdp: CdpSession) -> None:
         while ev := await cdp.events.get():     # {}: the session ended (browser closed)
             params = ev.get("params") or {}
-            if ev.get("method") == "Target.attachedToTarget":
-                task = asyncio.get_running_loop().create_task(self._worker_started(cdp, params))
-                self._workers.add(task)
-                task.add_done_callback(self._workers.discard)
-                continue
             if ev.get("method") != "Runtime.consoleAPICalled" or ev.get("sessionId") != self._sid:
                 continue
             args = [a.get("value") for a in params.get("args") or [] if isinstance(a, dict)]
             if len(args) == 2 and args[0] == REPORT_TAG and isinstance(args[1], str):
                 with swallowed(log, "logging a refused WebSocket upgrade"):
                     self._refused(args[1])
-
-    async def _worker_started(self, cdp: CdpSession, params: dict) -> None:
-        """A service or shared worker (or a worker one of them started) the guard attached to,
-        held at its start. While any host of this browser is guarded, its scope loses WebSocket
-        and WebSocketStream before its first line runs (evaluated while it is held), then it is
-        let go; its own workers are held the same way. Fail closed: a held worker whose scope
-        could not be stripped stays held (it never runs). A worker that was already running
-        when the browser became guarded is stripped too, but may have kept a reference
-        (docs/threat-model.md)."""
-        sid = params.get("sessionId")
-        info = params.get("targetInfo") or {}
-        if not isinstance(sid, str):
-            return
-        waiting = bool(params.get("waitingForDebugger"))
-        strip = bool(self.want) and info.get("url") != WORKER_URL     # not the guard's own worker
-        try:
-            if strip:
-                await cdp.call("Target.setAutoAttach", WORKER_ATTACH, session=sid, timeout=LOAD_TIMEOUT)
-                await cdp.call("Runtime.evaluate", {"expression": STRIP_JS}, session=sid, timeout=LOAD_TIMEOUT)
-                self.stripped += 1
-            if waiting:
-                await cdp.call("Runtime.runIfWaitingForDebugger", session=sid, timeout=LOAD_TIMEOUT)
-        except PipeClosed:
-            return                     # the browser is closing
-        except (CdpCallError, TimeoutError) as exc:
-            log.warning("a %s was left %s: its WebSocket could not be taken away (%s %s)",
-                        str(info.get("type"))[:20], "held" if waiting else "running", type(exc).__name__,
-                        str(exc)[:200])
 
     def _refused(self, url: str) -> None:
         try:

@@ -207,21 +207,17 @@ def results(got: str) -> dict[str, str]:
 @pytest.mark.parametrize("scheme", ["http", "https"])
 def test_deny_and_gate_hosts_refuse_websocket_upgrades_allow_echoes(guarded, scheme):
     """Pages and dedicated workers: the upgrade is refused in the browser process (one decision
-    line each). Service and shared workers, which that filter does not see: in a browser with a
-    guarded host their scope has no WebSocket at all (`throw`), an allow host's too."""
+    line each). Service and shared workers: test_a_service_or_shared_workers_websocket_... below."""
     d, site, _, envs = guarded
     where = ("page", "worker")
-    workers = ("sw", "shared") if scheme == "https" else ("shared",)    # a service worker: https only
     for mode, host in zip(("deny", "gate", "allow"), HOSTS, strict=True):
         tag = uuid.uuid4().hex[:10]
         before = len([r for r in refusals(d) if r["host"] == host])
         got = results(sockets_of(envs[mode], f"{origin(site, host, scheme)}/page?tag={tag}"))
         page = [s for s in site.seen if s["path"] == "/page" and s["tag"] == tag]
         assert page and page[0]["host"] == host, (mode, site.seen[-5:])     # the page itself loaded
-        assert {w: got.get(w) for w in workers} == {w: "throw" for w in workers}, (scheme, mode, got)
-        assert site.upgrades(tag, workers) == [], (scheme, mode, site.upgrades(tag))
         if scheme == "http":
-            assert got.get("sw") == "none", got
+            assert got.get("sw") == "none", got           # a service worker needs https
         if mode == "allow":
             assert {w: got.get(w) for w in where} == {w: "echo:pong:ping" for w in where}, (scheme, got)
             ups = site.upgrades(tag, where)
@@ -229,7 +225,7 @@ def test_deny_and_gate_hosts_refuse_websocket_upgrades_allow_echoes(guarded, sch
         else:
             assert all(got.get(w) in ("error", "close:1006") for w in where), (scheme, mode, got)
             time.sleep(0.5)
-            assert site.upgrades(tag) == [], (scheme, mode, site.upgrades(tag))    # the site saw nothing
+            assert site.upgrades(tag, where) == [], (scheme, mode, site.upgrades(tag))    # the site saw nothing
             deadline = time.monotonic() + 10           # one line for each refused handshake
             while time.monotonic() < deadline and len([r for r in refusals(d) if r["host"] == host]) \
                     < before + len(where):
@@ -240,6 +236,28 @@ def test_deny_and_gate_hosts_refuse_websocket_upgrades_allow_echoes(guarded, sch
                        for r in mine), mine
             assert tag not in json.dumps(mine)                   # no query value in the log
     assert not [r for r in refusals(d) if r["host"] == "allow.test"]
+
+
+@pytest.mark.xfail(strict=True, reason="measured on Chromium 156: declarativeNetRequest does not see a "
+                   "WebSocket that a service or shared worker opens (docs/threat-model.md)")
+@pytest.mark.parametrize("kind", ["sw", "shared"])
+def test_a_service_or_shared_workers_websocket_to_a_deny_host_is_refused(guarded, kind):
+    _, site, _, envs = guarded
+    tag = uuid.uuid4().hex[:10]
+    got = results(sockets_of(envs["deny"], f"{origin(site, 'deny.test', 'https')}/page?tag={tag}"))
+    assert got["page"] in ("error", "close:1006") and got.get(kind) not in (None, "register-failed"), got
+    assert got[kind] in ("error", "close:1006", "throw") and site.upgrades(tag, (kind,)) == [], got
+
+
+def test_a_popup_opens_in_a_guarded_browser(guarded):
+    """window.open in a browser whose WebSocket gate is loaded answers at once (a browser-level
+    auto-attach, tried for the workers above, made it hang its opener)."""
+    _, site, _, envs = guarded
+    assert as_stage(envs["deny"], "open", f"{origin(site, 'deny.test', 'http')}/page?tag=popup").returncode == 0
+    started = time.monotonic()
+    r = as_stage(envs["deny"], "eval", "String(!!window.open(location.href.replace('popup', 'popup2'), 'w2'))")
+    assert r.returncode == 0 and "true" in r.stdout, (r.stdout, r.stderr)
+    assert time.monotonic() - started < 10
 
 
 def test_a_live_floor_of_gate_refuses_the_next_websocket(guarded):
@@ -278,10 +296,9 @@ def test_the_next_run_on_the_sealed_profile_gets_the_gate_again(guarded):
     # their scripts, which profiles/sealing.py leaves out as a cache)
     tag = uuid.uuid4().hex[:10]
     got = results(sockets_of(envs["deny"], f"{origin(site, 'deny.test', 'http')}/page?tag={tag}"))
-    assert got == {"page": got.get("page"), "worker": got.get("worker"), "sw": "none", "shared": "throw"}, got
     assert got["page"] in ("error", "close:1006") and got["worker"] in ("error", "close:1006"), got
-    assert site.upgrades(tag) == []
+    assert site.upgrades(tag, ("page", "worker")) == []
     tag = uuid.uuid4().hex[:10]
     got = results(sockets_of(envs["allow"], f"{origin(site, 'allow.test', 'http')}/page?tag={tag}"))
-    assert got == {"page": "echo:pong:ping", "worker": "echo:pong:ping", "sw": "none", "shared": "throw"}, got
+    assert got["page"] == got["worker"] == "echo:pong:ping" and got["sw"] == "none", got
     assert d.call("POST", "/v1/runs/ws2/end", {"outcome": "succeeded"})[0] == 200
