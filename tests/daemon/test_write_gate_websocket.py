@@ -301,4 +301,8 @@ def test_the_next_run_on_the_sealed_profile_gets_the_gate_again(guarded):
     tag = uuid.uuid4().hex[:10]
     got = results(sockets_of(envs["allow"], f"{origin(site, 'allow.test', 'http')}/page?tag={tag}"))
     assert got["page"] == got["worker"] == "echo:pong:ping" and got["sw"] == "none", got
+    # the https origin whose service worker the first run registered: it works after the seal
+    tag = uuid.uuid4().hex[:10]
+    got = results(sockets_of(envs["allow"], f"{origin(site, 'allow.test', 'https')}/page?tag={tag}"))
+    assert got.get("page") == got.get("sw") == "echo:pong:ping", got
     assert d.call("POST", "/v1/runs/ws2/end", {"outcome": "succeeded"})[0] == 200

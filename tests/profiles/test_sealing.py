@@ -82,7 +82,7 @@ def test_chromium_profile_round_trip(store, chromium_profile, tmp_path, monkeypa
     assert after == expected                       # byte-identical, caches left out
     assert "Default/Cookies" in after
     assert not any(k.startswith("Default/Cache/") or "CacheStorage" in k or "GPUCache" in k for k in after)
-    assert "Default/Service Worker/Database/keep" in after
+    assert not any("Service Worker" in k for k in after)      # registrations too: see sealing.py
     assert not any(p.name.startswith("Singleton") for p in again.iterdir())
     names = [r[0] for r in sqlite3.connect(again / "Default" / "Cookies").execute(
         "select name from cookies")]
@@ -290,7 +290,7 @@ def test_copied_profiles_folder_without_key_opens_nothing(store, tmp_path):
 @pytest.mark.parametrize("rel,excluded", [
     ("Default/Cache/Cache_Data/f_0001", True), ("Default/Code Cache/js/x", True),
     ("GrShaderCache/data", True), ("Default/Service Worker/CacheStorage/a", True),
-    ("Default/Service Worker/Database/x", False), ("SingletonLock", True),
+    ("Default/Service Worker/Database/x", True), ("SingletonLock", True),
     ("Default/Cookies", False), ("Default/Local Storage/leveldb/000003.log", False),
     ("Crashpad/settings.dat", True), ("component_crx_cache/x", True),
     ("Default/Caches", False),
