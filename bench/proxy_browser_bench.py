@@ -25,7 +25,8 @@ Target (issue 14): <= 1.15x.
 Write gates (issue 32): `guard-gated` is a second guarded browser through the same run proxy
 whose write gate holds writes to all three origins (`WriteInterceptor`, mode gate: every request
 to them pauses in the browser's Fetch and is judged; the page only reads, so each continues at
-once). guard-gated / guard is what the gate costs a page that only reads. Target: <= 1.05x.
+once), with the WebSocket gate's extension loaded as at a stage start. guard-gated / guard is
+what the gate costs a page that only reads. Target: <= 1.05x.
 After the page loads, the gated browser's page POSTs `--releases` times; each write is held in
 the approvals store (supervisor/writes/approvals.py) and approved by the benchmark; the time
 from the approval to the origin receiving the request is printed (p50 target: <= 100 ms).
@@ -78,6 +79,7 @@ from sfguard.supervisor.daemon.run_proxy import RunProxy  # noqa: E402
 from sfguard.supervisor.gate.cdp_pipe import FETCH_ENABLE  # noqa: E402
 from sfguard.supervisor.writes.approvals import Approvals  # noqa: E402
 from sfguard.supervisor.writes.intercept import WriteContext, WriteInterceptor  # noqa: E402
+from sfguard.supervisor.writes.websockets import guard_websockets  # noqa: E402
 
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")
 LOAD_TIMEOUT = 30.0
@@ -318,6 +320,10 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
                 anchor.pipe.writes = WriteInterceptor(anchor.pipe, WriteContext("bench-run", "", "s1", 1, modes),
                                                       approver=approvals, timeout=60)
                 anchor.pipe.apply_write_patterns()
+                # as the guard does at a stage start: the WebSocket gate's extension and its
+                # rules in force (supervisor/writes/websockets.py), a cost of its own
+                await guard_websockets(anchor)
+                assert anchor.pipe.websockets is not None and anchor.pipe.websockets.rules
             tabs[name] = await Tab(anchor).open()
         times: dict[str, dict[str, list[list[float]]]] = {}
         seq = 0
