@@ -65,6 +65,9 @@ def display_url(url: str) -> str:
     return f"{p.scheme}://{hostport}{p.path or '/'}"
 
 
+SCREENCAST = {"format": "jpeg", "quality": 70, "maxWidth": MAX_W, "maxHeight": MAX_H, "everyNthFrame": 1}
+
+
 class LiveView:
     """One login tab in an anchor browser, shown to viewers.
 
@@ -88,6 +91,7 @@ class LiveView:
         self.closed = asyncio.Event()
         self.outcome = "ended"
         self._task: asyncio.Task | None = None
+        self._restart: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, url: str, timeout: float = 20.0) -> None:
@@ -106,9 +110,7 @@ class LiveView:
             await self._cdp().call("Emulation.setDeviceMetricsOverride", {
                 "width": VIEW_W, "height": VIEW_H, "deviceScaleFactor": 1, "mobile": False}, session=s)
             self._task = asyncio.get_running_loop().create_task(self._events())
-            await self._cdp().call("Page.startScreencast", {
-                "format": "jpeg", "quality": 70, "maxWidth": MAX_W, "maxHeight": MAX_H,
-                "everyNthFrame": 1}, session=s)
+            await self._cdp().call("Page.startScreencast", SCREENCAST, session=s)
             await self._cdp().call("Page.navigate", {"url": url}, session=s)
 
     async def close(self) -> None:
@@ -120,6 +122,8 @@ class LiveView:
                 with swallowed(log, "closing the live view's tab"):
                     await self._cdp().call("Target.closeTarget", {"targetId": self.target}, timeout=5)
             await self.cdp.close()
+        if self._restart is not None:
+            self._restart.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -176,6 +180,8 @@ class LiveView:
                 elif method == "Page.frameNavigated" and not (params.get("frame") or {}).get("parentId"):
                     self.url = str((params.get("frame") or {}).get("url") or "")
                     self._broadcast(("state", self.state()))
+                elif method == "Page.loadEventFired":
+                    self._restart_stream()
                 elif method == "Fetch.requestPaused":
                     await self._navigation(params)
                 elif method == "Inspector.detached":
@@ -187,6 +193,19 @@ class LiveView:
             log.exception("live view %s: reading the tab's events failed", self.name)
         finally:
             self._finish()
+
+    def _restart_stream(self) -> None:
+        """A page has loaded: the screencast is started again, which sends the page as it is
+        now. A page done painting sends no more frames, and under load the stream was seen to
+        send none after a navigation (a person would look at the previous page)."""
+        if self._restart is not None and not self._restart.done():
+            return
+
+        async def restart() -> None:
+            with swallowed(log, "restarting the live view's screencast"):
+                await self._cdp().call("Page.stopScreencast", session=self.session, timeout=5)
+                await self._cdp().call("Page.startScreencast", SCREENCAST, session=self.session, timeout=5)
+        self._restart = asyncio.get_running_loop().create_task(restart())
 
     def _cdp(self) -> CdpSession:
         if self.cdp is None:
