@@ -36,7 +36,6 @@ set_guard_prefs), so a sealed profile never loads it by itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import json
 import logging
@@ -218,10 +217,11 @@ class WebSocketGate:
         self.rules = None
         cdp = await self.pipe.session("websocket write gate")
         try:
-            # Loaded, uninstalled, loaded again: a profile keeps the extension's service worker
-            # registration, and sealing drops the worker's script cache (profiles/sealing.py),
-            # so the worker an earlier run registered never starts again (measured: Runtime.enable
-            # on it hangs). Uninstalling drops that registration; the second load registers anew.
+            # Loaded, uninstalled, loaded again: a profile can hold the extension's service
+            # worker registration without its script (measured before sealing left the whole
+            # Service Worker folder out: Runtime.enable on that worker hung; a profile left
+            # unsealed by a crash may still hold one). Uninstalling drops any such registration;
+            # the second load registers anew.
             self.step = "loading the extension"
             await self._load(cdp)
             await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
@@ -292,13 +292,6 @@ class WebSocketGate:
         verdict = WriteVerdict(True, "deny", "websocket_upgrade",
                                explanation="a WebSocket upgrade to a host whose writes are gated or refused")
         writes._log("refused", "GET", host, path, verdict, who)
-
-    async def close(self) -> None:
-        if self._cdp is not None:
-            with contextlib.suppress(PipeClosed, OSError):
-                await self._cdp.close()
-        if self._reader is not None:
-            self._reader.cancel()
 
 
 async def guard_websockets(anchor: Any) -> None:

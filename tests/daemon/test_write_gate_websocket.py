@@ -25,6 +25,7 @@ from tests.tls_site import issue, make_ca
 
 from .conftest import ROOT, Daemon
 from .test_real_browser import as_stage
+from .test_real_site_features import result_of
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(trust.certutil() is None, reason="certutil comes with ./dev setup (libnss3-tools)")]
@@ -178,15 +179,11 @@ def guarded(tmp_path_factory):
 
 
 def sockets_of(env: dict, url: str, bound: float = 20.0) -> str:
-    """Open `url` as the stage and wait (bounded) for the page's window.__result."""
-    opened = as_stage(env, "open", url)
-    assert opened.returncode == 0, opened.stderr
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        got = as_stage(env, "eval", "String(window.__result ?? '')").stdout.strip().strip('"')
-        if got:
-            return got
-        time.sleep(0.2)
+    """Open `url` as the stage and wait (bounded) for the page's window.__result; on a timeout,
+    the parts that did end (a failure message shows which one hangs)."""
+    got = result_of(env, url, bound)
+    if got:
+        return got
     parts = as_stage(env, "eval", "JSON.stringify(window.__parts ?? null)").stdout.strip()
     return f"timeout={parts[:300]}"
 
