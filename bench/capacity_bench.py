@@ -1,6 +1,7 @@
 """Capacity benchmark: how many runs one host holds, and what each run costs.
 
     ./dev bench capacity_bench [--levels 1,5,10,20] [--idle 10]
+    SFGUARD_PROXIES=shared ./dev bench capacity_bench ...   (one proxy process for every run)
     SFGUARD_PROXY_ZYGOTE=0 ./dev bench capacity_bench ...   (each run's proxy its own process: the old way)
 
 One guard (`sfguard start`, real Chromium and agent-browser, every browser as the browser user
@@ -148,7 +149,8 @@ def main() -> int:
                                "--policy", str(pol), "--resolve", "site.test=127.0.0.1", "--no-console"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               env={"PATH": os.environ["PATH"], "HOME": str(work), "LANG": "C.UTF-8",
-                                   ZYGOTE_SWITCH: os.environ.get(ZYGOTE_SWITCH, "1")})
+                                   ZYGOTE_SWITCH: os.environ.get(ZYGOTE_SWITCH, "1"),
+                                   "SFGUARD_PROXIES": os.environ.get("SFGUARD_PROXIES", "per-run")})
     assert daemon.stdout is not None
     results = []
     try:
@@ -196,7 +198,8 @@ def main() -> int:
     forked = os.environ.get(ZYGOTE_SWITCH, "1") != "0"
     print(f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}; memory is PSS in MB per run "
           "(total / runs); first stage: median ms and ratio to the first level; run proxies "
-          + ("forked from the zygote" if forked else f"started as processes of their own ({ZYGOTE_SWITCH}=0)"))
+          + ("forked from the zygote" if forked else f"started as processes of their own ({ZYGOTE_SWITCH}=0)")
+          + f"; proxies {os.environ.get('SFGUARD_PROXIES', 'per-run')} (SFGUARD_PROXIES)")
     print(f"{'runs':>5} {'first ms':>9} {'ratio':>6} {'browser':>8} {'proxy':>7} {'agent-br':>9} "
           f"{'guard':>7} {'ours/run':>9} {'idle CPU %':>11}")
     for n, f, sizes, idle in results:

@@ -61,6 +61,11 @@ def register(sub) -> None:
                    help="when the guard runs as root: the unprivileged user every browser runs "
                         "as, with Chromium's sandbox on (default sfguard-browser, created when "
                         "missing); it must differ from the stage user")
+    p.add_argument("--proxies", choices=("per-run", "shared"), default=None,
+                   help="per-run (default): a guard proxy process per run; shared: one proxy "
+                        "process for every run, each run with its own listener and credentials "
+                        "(less memory per run, one process for all: docs/design.md 4.2); the "
+                        "environment variable SFGUARD_PROXIES sets the default")
     p.add_argument("--console", metavar="[HOST:]PORT", default="127.0.0.1:0",
                    help="the operator console's address (default: a free port on 127.0.0.1; "
                         "sign in with `sfguard console`)")
@@ -81,6 +86,15 @@ def register(sub) -> None:
                    help="how long a console sign-in lasts, from 1 to 28800 seconds (default "
                         "28800, 8 hours); open pages and their update streams end with it")
     p.set_defaults(func=run)
+
+
+def _proxies(flag: str | None) -> str:
+    """--proxies, else SFGUARD_PROXIES, else per-run (checked like the flag)."""
+    from sfguard.supervisor.daemon.settings import PROXIES_CHOICES, PROXIES_DEFAULT
+    value = flag or os.environ.get("SFGUARD_PROXIES") or PROXIES_DEFAULT
+    if value not in PROXIES_CHOICES:
+        raise CliError(f"SFGUARD_PROXIES={value[:20]!r}: use one of {', '.join(PROXIES_CHOICES)}", 2)
+    return value
 
 
 def _parse_resolve(values: list[str]) -> dict[str, str]:
@@ -159,7 +173,8 @@ def run(args) -> int:
         keep_ended_runs=keep_runs, keep_ended_seconds=keep_hours * 3600,
         write_gate_timeout=args.write_gate_timeout, log_retention=retention, api_gid=api_gid,
         stage_user_name=args.stage_user or defaults.stage_user_name,
-        browser_user_name=args.browser_user or defaults.browser_user_name)
+        browser_user_name=args.browser_user or defaults.browser_user_name,
+        proxies=_proxies(args.proxies))
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
                       store=args.store, browser_host=_browser_host(args.ca_file), settings=settings)

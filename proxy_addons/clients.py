@@ -58,6 +58,9 @@ class Client:
     #: refused for the stage (by it or by the site policy's floor) are refused to this client
     #: (policy.writes.shell_verdict). None: a browser's client, judged by its write gate instead.
     writes: str | None = None
+    #: the one listener port this client may use (a proxy shared by many runs gives each run
+    #: its own listener); None: any listener of its proxy
+    port: int | None = None
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -171,14 +174,17 @@ def load_clients_file(path: str | os.PathLike[str]) -> str:
 
 
 def make_client(name: str, token: str, allow: Iterable[str], run: str | None = None,
-                writes: str | None = None) -> Client:
+                writes: str | None = None, port: int | None = None) -> Client:
     """Build a Client, compiling its allowlist (raises ClientSpecError or policy.PolicyError)."""
     patterns = tuple(allow)
     Client(name=name, token=token)  # validate before compiling
     ruleset = policy.compile_patterns(patterns, source="--allow")
     if writes is not None and writes not in WRITE_MODES:
         raise ClientSpecError(f"client {name!r}: writes is one of {', '.join(WRITE_MODES)}")
-    return Client(name=name, token=token, allow=ruleset, allow_patterns=patterns, run=run, writes=writes)
+    if port is not None and (type(port) is not int or not 0 < port <= 65535):
+        raise ClientSpecError(f"client {name!r}: port must be a TCP port number")
+    return Client(name=name, token=token, allow=ruleset, allow_patterns=patterns, run=run,
+                  writes=writes, port=port)
 
 
 class ClientRegistry:
@@ -216,7 +222,7 @@ class ClientRegistry:
             if old is None:
                 raise KeyError(name)
             new_client = Client(name=old.name, token=old.token, allow=ruleset,
-                                allow_patterns=patterns, run=old.run, writes=old.writes)
+                                allow_patterns=patterns, run=old.run, writes=old.writes, port=old.port)
             new = dict(self._clients)
             new[name] = new_client
             self._clients = MappingProxyType(new)
@@ -253,8 +259,9 @@ class ClientRegistry:
     def __len__(self) -> int:
         return len(self._clients)
 
-    def authenticate(self, header_value: str | None) -> Client | None:
-        """The client whose credentials are in this Proxy-Authorization value, or None.
+    def authenticate(self, header_value: str | None, port: int | None = None) -> Client | None:
+        """The client whose credentials are in this Proxy-Authorization value, or None; a
+        client bound to a listener (`Client.port`) only on that listener's `port`.
 
         The token comparison is constant-time; an unknown name is compared against a dummy so
         that timing does not reveal which names exist.
@@ -267,4 +274,6 @@ class ClientRegistry:
         expected = client.token if client is not None else "\x00" * 32
         ok = hmac.compare_digest(token.encode("utf-8", "surrogateescape"),
                                  expected.encode("utf-8"))
-        return client if (ok and client is not None) else None
+        if not ok or client is None:
+            return None
+        return client if client.port is None or client.port == port else None

@@ -54,7 +54,7 @@ class ConnectGuard:
                 reason="proxy_starting", rule=None, addr=None)
             flow.kill()
             return None
-        client = self.s.registry.authenticate(value)
+        client = self.s.registry.authenticate(value, flow.client_conn.proxy_mode.custom_listen_port)
         if client is None:
             flow.response = auth_required_response()
             if value is not None:

@@ -36,6 +36,7 @@ if UNTESTED is None:
 from mitmproxy import options
 from mitmproxy.addons import proxyserver
 from mitmproxy.master import Master
+from mitmproxy.proxy import mode_specs
 
 from sfguard import policy
 from sfguard.errors import SfguardError
@@ -115,6 +116,9 @@ class GuardProxy:
         self.address: tuple[str, int] | None = None
         self.decision_log: DecisionLog | None = None
         self.state: GuardState | None = None
+        self._base_modes: list[mode_specs.ProxyMode] = []
+        #: listeners of runs beside the first one (a proxy shared by many runs): port -> mode
+        self._extra: dict[int, mode_specs.ProxyMode] = {}
 
     @property
     def url(self) -> str:
@@ -173,9 +177,36 @@ class GuardProxy:
             raise GuardStartError(
                 f"cannot listen on {policy.join_host_port(self.config.listen_host, self.config.listen_port)}{detail}")
         self.address = (str(addrs[0][0]), int(addrs[0][1]))
+        self._base_modes = [s.mode for s in ps.servers]
         self._flush_task = asyncio.get_running_loop().create_task(self._flush_quiet())
         logger.info("guard proxy listening at %s:%d (%s)", *self.address, versions.describe())
         return self.address
+
+    async def set_listeners(self, ports: Iterable[int]) -> list[int]:
+        """Listen on exactly these extra ports (on the listen host) beside the first listener,
+        each for the clients bound to it (`Client.port`): a proxy that serves many runs gives
+        each run its own. A port no longer listed stops listening and every connection that
+        came in through it is closed. Returns the ports that could not be listened on."""
+        if self._master is None:
+            raise GuardStartError("not started")
+        ps = self._master.addons.get("proxyserver")
+        wanted = {p: self._extra.get(p) or mode_specs.ProxyMode.parse(
+            f"regular@{policy.join_host_port(self.config.listen_host, p)}") for p in set(ports)}
+        removed = set(self._extra) - set(wanted)
+        await ps.servers.update([*self._base_modes, *wanted.values()])
+        failed = sorted(p for p, m in wanted.items() if not ps.servers[m].listen_addrs)
+        if failed:       # keep no half-started instance: the caller may try another port
+            for p in failed:
+                del wanted[p]
+            await ps.servers.update([*self._base_modes, *wanted.values()])
+        self._extra = wanted
+        if removed:
+            for handler in list(ps.connections.values()):
+                if handler.client.proxy_mode.custom_listen_port in removed:
+                    io = handler.transports.get(handler.client)
+                    if io is not None and io.handler is not None:
+                        io.handler.cancel("the run's listener closed")
+        return failed
 
     async def _flush_quiet(self) -> None:
         while True:

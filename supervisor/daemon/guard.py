@@ -2,7 +2,7 @@
 
   runs.py        Run, Stage and Browser records; the stage states and their transitions
   stages.py      the stage state machine and the browsers behind it (lease, anchor, session)
-  run_proxy.py   each run's guard proxy child, and the pool that keeps one spare started
+  run_proxy.py   each run's guard proxy child and its pool; shared_proxy.py: one for all runs
   teardown.py    end_stage / close_browser / end_run: one path per level, a named outcome
   watchdog.py    waiting stages, dead proxies and browsers (restart and reattach)
   crash.py       crash records (`runs/<id>.json`, no secrets) and the sweep after a crash
@@ -47,7 +47,7 @@ from sfguard.supervisor.daemon.inventory import Inventory
 from sfguard.supervisor.daemon.log_rotation import keep_rotated, write_decision
 from sfguard.supervisor.daemon.logins import Logins
 from sfguard.supervisor.daemon.metrics import GuardMetrics
-from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunProxy
+from sfguard.supervisor.daemon.run_proxy import RunProxy
 from sfguard.supervisor.daemon.runs import (
     WAITING_STATES,
     Run,
@@ -58,6 +58,7 @@ from sfguard.supervisor.daemon.runs import (
     StageState,
 )
 from sfguard.supervisor.daemon.settings import GuardSettings
+from sfguard.supervisor.daemon.shared_proxy import proxy_pool
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
 from sfguard.supervisor.daemon.status_view import guard_status
@@ -139,8 +140,7 @@ class Guard:
         self.sessions = StageSessions(self.gate, self.host, self.socket_dir, self.config_path,
                                       STAGE_ENV_KEYS)
         self.records = RunRecords(self.runs_dir, self.scope, self.sessions)
-        # the runs' proxies, forked from one pre-loaded parent (supervisor/daemon/proxy_zygote.py)
-        self.proxies = ProxyPool.forked(self.policy_path, self.logs_dir / "decisions.log", self.resolve)
+        self.proxies = proxy_pool(settings.proxies, self.policy_path, self.logs_dir / "decisions.log", self.resolve)
         # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
         self.metrics = GuardMetrics(self.logs_dir / "decisions.log")
         # the decision log rotates by size and age (supervisor/daemon/log_rotation.py)

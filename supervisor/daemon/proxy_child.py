@@ -13,9 +13,13 @@ exactly as the daemon does) measures the process the daemon runs.
 
 Control protocol (with `control=True`, the daemon's way):
 
-  daemon -> child   one JSON object per line: {"id": N, "clients": [{"name", "token", "allow", "run", "writes"?}]}
-                    (the complete client set; it replaces the previous one atomically)
-  child -> daemon   `ready http://127.0.0.1:PORT` once, then {"ack": N} after each update is live
+  daemon -> child   one JSON object per line: {"id": N, "clients": [{"name", "token", "allow", "run",
+                    "writes"?, "port"?}], "listeners"?: [PORT, ...]}
+                    (the complete client set; it replaces the previous one atomically). A proxy
+                    shared by many runs (run_proxy.SharedProxy) also gets the complete set of
+                    its runs' listener ports; each client is bound to its run's port.
+  child -> daemon   `ready http://127.0.0.1:PORT` once, then {"ack": N} after each update is
+                    live ({"ack": N, "failed": [PORT, ...]} names listeners that could not open)
 
 When stdin closes (the daemon ended or was killed) the proxy stops: a run's proxy never
 outlives its guard, and its browsers get connection errors, never a direct route.
@@ -72,7 +76,7 @@ def install_logging(run_proxy: bool = True) -> None:
     redaction.install()
 
 
-async def _control(registry: ClientRegistry, stop: asyncio.Event) -> None:
+async def _control(registry: ClientRegistry, stop: asyncio.Event, proxy: GuardProxy) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=MAX_LINE)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -87,12 +91,17 @@ async def _control(registry: ClientRegistry, stop: asyncio.Event) -> None:
         try:
             msg = json.loads(line)
             clients = [make_client(c["name"], c["token"], c.get("allow", []), run=c.get("run"),
-                                   writes=c.get("writes"))
+                                   writes=c.get("writes"), port=c.get("port"))
                        for c in msg["clients"]]
+            listeners = msg.get("listeners")
+            if listeners is not None and not all(type(p) is int and 0 < p <= 65535 for p in listeners):
+                raise ValueError("listeners")
             for c in clients:
                 redaction.register_secret(c.token)
             registry.replace_all(clients)
             out = {"ack": msg.get("id")}
+            if listeners is not None:
+                out["failed"] = await proxy.set_listeners(listeners)
         except (ValueError, KeyError, TypeError, ClientSpecError, policy.PolicyError) as exc:
             out = {"error": type(exc).__name__, "id": None}
             log.error("bad control message from the daemon: %s", type(exc).__name__)
@@ -125,7 +134,7 @@ async def _serve(config: GuardConfig, clients: Iterable[Client], control: bool,
         # without any client made one).
         sys.stdout.write(f"http://{credential}@{policy.join_host_port(*address)}\n")
     sys.stdout.flush()
-    control_task = loop.create_task(_control(registry, stop)) if control else None
+    control_task = loop.create_task(_control(registry, stop, proxy)) if control else None
     try:
         await stop.wait()
     finally:

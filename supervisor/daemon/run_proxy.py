@@ -71,6 +71,15 @@ def proxy_args(port: int, policy_path: Path, decision_log: Path, resolve: dict[s
     return argv
 
 
+def client_specs(run_id: str | None, clients: dict[str, tuple[str, list[str]]],
+                 writes: dict[str, str], port: int | None = None) -> list[dict]:
+    """A run's clients as the proxy child takes them (each bound to `port` when given)."""
+    return [{"name": n, "token": t, "allow": a, "run": run_id}
+            | ({"writes": writes[n]} if n in writes else {})
+            | ({"port": port} if port is not None else {})
+            for n, (t, a) in sorted(clients.items())]
+
+
 class RunProxy:
     """The guard proxy child of one run (`python -m sfguard.supervisor.daemon.proxy_child`).
 
@@ -100,24 +109,24 @@ class RunProxy:
         self._lock = asyncio.Lock()
         self._urgent = False   # a run waits for this proxy: no lower priority from then on
 
-    async def _push(self) -> None:
-        """Send the whole client set and wait until the proxy has it live."""
+    def _message(self) -> dict:
+        return {"clients": client_specs(self.run_id, self.clients, self.client_writes)}
+
+    async def _push(self) -> dict:
+        """Send the whole client set and wait until the proxy has it live; the proxy's answer."""
         if self.proc is None or self.proc.returncode is not None:
-            return  # the watchdog restarts it with the current set
+            return {}  # the watchdog restarts it with the current set
         async with self._lock:
             self._seq += 1
             fut = asyncio.get_running_loop().create_future()
             self._acks[self._seq] = fut
-            msg = {"id": self._seq, "clients": [
-                {"name": n, "token": t, "allow": a, "run": self.run_id}
-                | ({"writes": self.client_writes[n]} if n in self.client_writes else {})
-                for n, (t, a) in sorted(self.clients.items())]}
+            msg = {"id": self._seq} | self._message()
             stdin = self.proc.stdin
             assert stdin is not None  # started with stdin=PIPE
             try:
                 stdin.write(json.dumps(msg).encode() + b"\n")
                 await stdin.drain()
-                await asyncio.wait_for(fut, self.ACK_TIMEOUT)
+                return dict(await asyncio.wait_for(fut, self.ACK_TIMEOUT))
             except (TimeoutError, ConnectionError) as exc:
                 raise BrowserStartError("the run's guard proxy did not take the new allowlist "
                                    f"({type(exc).__name__})") from None
@@ -193,7 +202,7 @@ class RunProxy:
                 msg = json.loads(line)
                 fut = self._acks.get(msg.get("ack"))
                 if fut is not None and not fut.done():
-                    fut.set_result(True)
+                    fut.set_result(msg)
 
     def to_guard_priority(self) -> None:
         """Back to the guard's own CPU priority (a spare started at a lower one)."""

@@ -33,7 +33,7 @@ from sfguard.supervisor.states import (
 )
 
 if TYPE_CHECKING:
-    from sfguard.supervisor.daemon.run_proxy import RunProxy
+    from sfguard.supervisor.daemon.shared_proxy import AnyRunProxy
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -115,7 +115,7 @@ class Run:
     outcome: RunOutcome | None = None
     stages: dict[str, Stage] = field(default_factory=dict)
     browsers: dict[str, Browser] = field(default_factory=dict)
-    proxy: RunProxy | None = None
+    proxy: AnyRunProxy | None = None
     workdir: Path | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     problems: list[str] = field(default_factory=list)

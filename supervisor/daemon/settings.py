@@ -17,6 +17,12 @@ KEEP_ENDED_RUNS = 200
 KEEP_ENDED_SECONDS = 24 * 3600.0
 
 
+#: `sfguard start --proxies`: the choices, and the default (the environment variable
+#: SFGUARD_PROXIES gives another default, e.g. to run a test suite in the other mode)
+PROXIES_CHOICES = ("per-run", "shared")
+PROXIES_DEFAULT = "per-run"
+
+
 @dataclass(frozen=True)
 class GuardSettings:
     keep_ended_runs: int = KEEP_ENDED_RUNS
@@ -30,3 +36,6 @@ class GuardSettings:
     #: under root: the user stages run as (--stage-user) and browsers run as (--browser-user)
     stage_user_name: str = DEFAULT_STAGE_USER
     browser_user_name: str = DEFAULT_BROWSER_USER
+    #: "per-run": a proxy process per run; "shared": one proxy process serves every run, each
+    #: with its own listener and credentials (--proxies; docs/design.md 4.2)
+    proxies: str = PROXIES_DEFAULT

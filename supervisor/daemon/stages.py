@@ -14,8 +14,9 @@ from sfguard.supervisor import models
 from sfguard.supervisor.browsers import browser_user, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon.deferred import no_space
-from sfguard.supervisor.daemon.run_proxy import RunProxy, short_id
+from sfguard.supervisor.daemon.run_proxy import short_id
 from sfguard.supervisor.daemon.runs import WAITING_STATES, Browser, Run, RunState, Stage, StageOutcome, StageState
+from sfguard.supervisor.daemon.shared_proxy import AnyPool, AnyRunProxy
 from sfguard.supervisor.errors import BadRequest, BrowserStartError, Conflict, GuardError, Unavailable, swallowed
 from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, PipeClosed
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from sfguard.supervisor.browsers.tools import Tool
     from sfguard.supervisor.daemon.crash import RunRecords
     from sfguard.supervisor.daemon.metrics import GuardMetrics
-    from sfguard.supervisor.daemon.run_proxy import ProxyPool
     from sfguard.supervisor.daemon.stage_sessions import StageSessions
     from sfguard.supervisor.gate.cdp_gate import CdpGate
     from sfguard.supervisor.profiles.store_ops import StoreCalls
@@ -71,7 +71,7 @@ class Stages:
                  store_call: Callable[..., Awaitable[Any]], records: RunRecords, metrics: GuardMetrics,
                  policy_watch: PolicyWatcher, host: BrowserHost, browser_tool: Tool,
                  browser_user: Callable[[], browser_user.BrowserUser | None], gate: CdpGate,
-                 sessions: StageSessions, bridges: BridgeHost, proxies: ProxyPool, runtime: Path,
+                 sessions: StageSessions, bridges: BridgeHost, proxies: AnyPool, runtime: Path,
                  socket_dir: Path, config_path: Path, write_approver: WriteApprover,
                  write_gate_timeout: float, write_record: WriteRecorder):
         """Given exactly what it uses: the guard's runs and scope, the profile store (and its
@@ -282,7 +282,7 @@ class Stages:
         stage.waiting = None
 
     # -- browsers ------------------------------------------------------------------------------
-    async def ensure_proxy(self, run: Run) -> RunProxy:
+    async def ensure_proxy(self, run: Run) -> AnyRunProxy:
         """The run's proxy: the pool's warm spare when one is ready (a proxy child takes ~0.7 s
         to start), else a new one; then a new spare is started in the background."""
         if run.proxy is None:

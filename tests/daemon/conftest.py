@@ -69,6 +69,8 @@ def browser_uids() -> tuple[int, ...]:
 class Daemon:
     def __init__(self, home: Path, env: dict[str, str], log: Path):
         self.home, self.env, self.log = home, env, log
+        if os.environ.get("SFGUARD_PROXIES"):   # the suite run with the other proxy mode
+            env["SFGUARD_PROXIES"] = os.environ["SFGUARD_PROXIES"]
         self.proc: subprocess.Popen | None = None
         self.client = GuardClient(home, timeout=60)
         self.out = b""
