@@ -25,8 +25,11 @@ Target (issue 14): <= 1.15x.
 Write gates (issue 32): `guard-gated` is a second guarded browser through the same run proxy
 whose write gate holds writes to all three origins (`WriteInterceptor`, mode gate: every request
 to them pauses in the browser's Fetch and is judged; the page only reads, so each continues at
-once), with the WebSocket gate's extension loaded as at a stage start. guard-gated / guard is
-what the gate costs a page that only reads. Target: <= 1.05x.
+once), with the WebSocket rules in force as at a stage start. Every browser the guard launches
+carries its extension from the start (its rule refuses service workers: supervisor/writes/
+websockets.py), so guard-gated / guard is what the gate's interception costs a page that only
+reads. Target: <= 1.05x. `direct-noext` is the direct launch with that extension uninstalled
+again: direct / direct-noext is what the extension costs every guarded browser.
 After the page loads, the gated browser's page POSTs `--releases` times; each write is held in
 the approvals store (supervisor/writes/approvals.py) and approved by the benchmark; the time
 from the approval to the origin receiving the request is printed (p50 target: <= 100 ms).
@@ -79,7 +82,7 @@ from sfguard.supervisor.daemon.run_proxy import RunProxy  # noqa: E402
 from sfguard.supervisor.gate.cdp_pipe import FETCH_ENABLE  # noqa: E402
 from sfguard.supervisor.writes.approvals import Approvals  # noqa: E402
 from sfguard.supervisor.writes.intercept import WriteContext, WriteInterceptor  # noqa: E402
-from sfguard.supervisor.writes.websockets import guard_websockets  # noqa: E402
+from sfguard.supervisor.writes.websockets import EXTENSION_ID, guard_websockets  # noqa: E402
 
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")
 LOAD_TIMEOUT = 30.0
@@ -298,7 +301,7 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         await proxy.start()
         client = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
         gated = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
-        browsers = [("direct", None), ("direct-fetch", None), ("guard", proxy.url_for(client)),
+        browsers = [("direct", None), ("direct-noext", None), ("direct-fetch", None), ("guard", proxy.url_for(client)),
                     ("guard-gated", proxy.url_for(gated))]
         if squid_port is not None:
             browsers.append(("squid", f"http://bench:squid@127.0.0.1:{squid_port}"))
@@ -311,6 +314,10 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
             anchors[name] = anchor
             # the https origins are self-signed: every browser alike ignores certificate errors
             await anchor.pipe.call("Security.setIgnoreCertificateErrors", {"ignore": True})
+            if name == "direct-noext":
+                # the guard's extension (loaded by every launch: its service-worker rule) taken
+                # out again: direct / direct-noext is what the extension costs every browser
+                await anchor.pipe.call("Extensions.uninstall", {"id": EXTENSION_ID})
             if name == "direct-fetch":
                 # What the pipe turned on for a proxied anchor before it switched Fetch off once
                 # answered, without a proxy: the cost of the Fetch domain left on.
@@ -328,7 +335,7 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         times: dict[str, dict[str, list[list[float]]]] = {}
         seq = 0
         for scheme in SCHEMES:
-            key = {"direct": (scheme, "direct"), "direct-fetch": (scheme, "direct"),
+            key = {"direct": (scheme, "direct"), "direct-noext": (scheme, "direct"), "direct-fetch": (scheme, "direct"),
                    "guard": (scheme, "named"), "guard-gated": (scheme, "named"), "squid": (scheme, "named")}
             times[scheme] = {name: [] for name in names}
             for name in names:  # warm-up: caches, connections, the proxy's credential
@@ -452,6 +459,11 @@ def main() -> int:
             print(f"{scheme} {name} / direct, median per round: {med:.2f}x "
                   f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]{target}; rounds: "
                   + ", ".join(f"{r:.2f}" for r in ratios))
+        ratios = sorted(statistics.median(g) / statistics.median(d)
+                        for d, g in zip(times[scheme]["direct-noext"], times[scheme]["direct"], strict=True))
+        print(f"{scheme} direct / direct-noext (the guard's extension, in every browser), median per round: "
+              f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]; rounds: "
+              + ", ".join(f"{r:.2f}" for r in ratios))
         ratios = sorted(statistics.median(g) / statistics.median(d)
                         for d, g in zip(times[scheme]["guard"], times[scheme]["guard-gated"], strict=True))
         med = statistics.median(ratios)

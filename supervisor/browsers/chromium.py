@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -63,8 +64,14 @@ GUARD_FLAGS = (
     "--disable-quic",
     "--disable-background-timer-throttling",
     "--disable-renderer-backgrounding",
+    # No shared workers: declarativeNetRequest does not see a WebSocket a shared worker opens,
+    # so the write gate could not refuse it (measured on Chromium 156; writes/websockets.py).
+    # Measured: `SharedWorker` is then undefined in pages and frames (http, blob: and data:).
+    "--disable-shared-workers",
 )
 PROXY_BYPASS = "<-loopback>"
+#: a profile's service worker registrations (and their scripts), under Default/
+SERVICE_WORKER_DIR = "Service Worker"
 #: Crash reports, inside the profile dir.
 CRASH_DIR = "Crash Reports"
 #: DevTools pipe fds inside the browser (Chromium's fixed numbers).
@@ -104,7 +111,8 @@ GUARD_PREFS = {"credentials_enable_service": False, "profile": {"password_manage
 
 def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> None:
     """Merge GUARD_PREFS into `profile_dir/Default/Preferences` (atomic: temp, fsync, rename,
-    no symlink followed). `owner`: uid and gid for what is written (the browser user's)."""
+    no symlink followed) and remove the profile's service worker registrations. `owner`: uid
+    and gid for what is written (the browser user's)."""
     from sfguard.supervisor.writes.websockets import EXTENSION_ID  # noqa: PLC0415
 
     pdir = os.open(profile_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -119,6 +127,11 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
     finally:
         os.close(pdir)
     try:
+        # No service worker registered in an earlier run starts in this one (a guarded browser
+        # refuses new ones: writes/websockets.py). Sealing leaves the folder out already; this
+        # also covers a profile a crash left unsealed.
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(SERVICE_WORKER_DIR, dir_fd=ddir)
         data: dict = {}
         try:
             fd = os.open("Preferences", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=ddir)

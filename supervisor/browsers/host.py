@@ -38,6 +38,7 @@ from sfguard.supervisor.browsers import agent_browser as ab
 from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers import chromium, trust, xdisplay
 from sfguard.supervisor.browsers.chromium import find_browser_process
+from sfguard.supervisor.errors import BrowserStartError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
 from sfguard.supervisor.home import HomeError, private_dir
 from sfguard.supervisor.procs import ProcRecord, terminate_recorded, wait_gone
@@ -323,7 +324,11 @@ agent-browser sessions attached to the CDP gate."""
             pipe = CdpPipe(reader, writer)
             await pipe.start(proxy_auth=proxy_auth, timeout=self.launch_timeout)
             blank_tab = await _start_up_tab(pipe)
-        except (OSError, CdpCallError, PipeClosed, TimeoutError) as exc:
+            # the guard's extension and its rules, before any page loads: no service worker can
+            # be registered in this browser (writes/websockets.py)
+            pipe.websockets = websockets.WebSocketGate(pipe, ext_dir)
+            await pipe.websockets.apply(websockets.dnr_rules(None))
+        except (OSError, CdpCallError, PipeClosed, TimeoutError, BrowserStartError) as exc:
             what = "did not answer in time" if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) \
                 else ("exited during start" if isinstance(exc, PipeClosed) else str(exc))
             if pipe is not None:

@@ -10,21 +10,34 @@ frames and dedicated workers, so a page or a renderer it took over cannot skip i
 So the guard owns one small extension per browser (this module writes its two files into a folder
 of the anchor; `host.launch_anchor` makes it): no content scripts, no host permissions, nothing a
 page can message. It is loaded over the guard's own DevTools pipe (`Extensions.loadUnpacked`;
-Chromium allows it only on a pipe and with `--enable-unsafe-extension-debugging`), lazily: the
-first time a browser has a host whose mode is gate or deny. The guard keeps a session on the
-extension's service worker (an attached DevTools session also keeps the worker alive) and
-replaces its *session* rules (kept in memory by the browser, gone when it closes, never written
-into the profile) with one block rule per guarded host pattern, resource type `websocket`:
+Chromium allows it only on a pipe and with `--enable-unsafe-extension-debugging`) when the
+browser starts, before any page loads. The guard keeps a session on the extension's service
+worker (an attached DevTools session also keeps the worker alive) and replaces its *session*
+rules (kept in memory by the browser, gone when it closes, never written into the profile) with
+one block rule per guarded host pattern, resource type `websocket`:
 
   deny   refused: the page sees the socket fail (error, then close 1006); the site sees nothing;
   gate   refused too, never held: approving one handshake would release an unbounded stream of
          later frames in both directions that no person sees.
 
 declarativeNetRequest does not see a WebSocket that a service worker or a shared worker opens
-(measured: one reached a deny host). Holding such workers at their start through a browser-level
-auto-attach and taking WebSocket out of their scope worked, but any browser-level auto-attach
-made `window.open` hang its opener (measured on Chromium 156), so it is not done: those two
-remain open (docs/threat-model.md).
+(measured: one reached a deny host). So a guarded browser has neither, whatever its hosts' modes
+(a host's mode can turn to gate by a live policy edit or a later stage, and a worker started
+before would outlive that):
+
+  shared workers  off by a launch flag (browsers/chromium.py `--disable-shared-workers`:
+                  `SharedWorker` is undefined in pages and frames, for http, blob: and data:);
+  service workers one more rule, always in force (WORKER_RULE): every request no tab made is
+                  refused. Measured on Chromium 156: a service worker's script and its requests
+                  carry tabId -1; pages, frames, dedicated workers, beacons, prefetches and their
+                  requests carry their tab's; so no page can register a service worker (also as
+                  a module, from a cached script or from another origin's frame), and nothing a
+                  page does otherwise is refused. A registration made before the rule would
+                  survive it: the rule is in force before any page loads, and the profile's
+                  `Service Worker` folder is removed before every start (chromium.set_guard_prefs).
+
+Holding such workers at their start through a browser-level auto-attach worked too, but any
+browser-level auto-attach made `window.open` hang its opener (measured on Chromium 156).
 
 Each refusal is reported by the extension (`onRuleMatchedDebug`, an unpacked extension's own
 feedback) on that session and logged like the other writes: `write_refused`, reason
@@ -70,7 +83,7 @@ REPORT_TAG = "sfguard-ws-refused"
 WORKER_JS = f"""// sfguard: refuses WebSocket upgrades to the hosts the guard names (session rules only)
 const dnr = chrome.declarativeNetRequest;
 dnr.onRuleMatchedDebug.addListener((info) => {{
-  console.debug({json.dumps(REPORT_TAG)}, String(info.request.url));
+  console.debug({json.dumps(REPORT_TAG)}, String(info.request.url), Number(info.rule.ruleId));
 }});
 globalThis.sfguardSetRules = async (rules) => {{
   const old = await dnr.getSessionRules();
@@ -78,8 +91,16 @@ globalThis.sfguardSetRules = async (rules) => {{
   return (await dnr.getSessionRules()).length;
 }};
 """
+#: the rule that refuses every request no tab made: a service worker's script and its requests
+#: (measured on Chromium 156: tabId -1; pages, frames, dedicated workers and their requests carry
+#: their tab's id), so no page can register a service worker (see the module docstring)
+WORKER_RULE_ID = 9999
+WORKER_RULE = {"id": WORKER_RULE_ID, "priority": 1, "action": {"type": "block"}, "condition": {"tabIds": [-1]}}
 #: seconds for loading the extension and for one rule update
 LOAD_TIMEOUT = 15.0
+#: seconds a load's worker has to show, and how many loads are tried
+WORKER_WAIT = 5.0
+LOAD_ATTEMPTS = 3
 #: Chromium caps an extension's regex rules at 1000; far more guarded patterns than that
 #: block every WebSocket instead (fail closed)
 MAX_REGEX_RULES = 900
@@ -97,6 +118,7 @@ def extension_dir(parent: Path, gid: int | None = None) -> Path:
     try:
         for name, text in (("manifest.json", json.dumps(MANIFEST, indent=1)), (WORKER_FILE, WORKER_JS)):
             fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+            os.fchmod(fd, 0o640)    # whatever the umask (the service unit's is 0077)
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
             if gid is not None:
@@ -143,10 +165,15 @@ def host_regex(pattern: str) -> str:
 
 
 def dnr_rules(writes: Any) -> list[dict]:
-    """The block rules for a browser's write gate (intercept.WriteInterceptor): every host pattern
-    whose mode is gate or deny, for the stages or by a floor of the site policy. A retry of a
-    replay-unsafe stage that wrote before (every write held), a pattern that does not parse or
-    more patterns than Chromium takes regexes for: every WebSocket is blocked (fail closed)."""
+    """The block rules of a browser: the service-worker rule (WORKER_RULE, always), and for its
+    write gate (intercept.WriteInterceptor) every host pattern whose mode is gate or deny, for the
+    stages or by a floor of the site policy. A retry of a replay-unsafe stage that wrote before
+    (every write held), a pattern that does not parse or more patterns than Chromium takes
+    regexes for: every WebSocket is blocked (fail closed)."""
+    return [*_websocket_rules(writes), WORKER_RULE]
+
+
+def _websocket_rules(writes: Any) -> list[dict]:
     if writes is None:
         return []
     if writes.ctx.earlier:
@@ -179,6 +206,7 @@ class WebSocketGate:
         self.rules: list[dict] | None = None    # the rules in force
         self.step = ""                          # what the last start was doing (its errors)
         self.refused: list[str] = []            # host/path of each refusal (tests, metrics)
+        self.worker_refused = 0                 # requests of service workers refused
         self._cdp: CdpSession | None = None
         self._sid: str | None = None
         self._lock = asyncio.Lock()
@@ -217,30 +245,25 @@ class WebSocketGate:
         self.rules = None
         cdp = await self.pipe.session("websocket write gate")
         try:
-            # Loaded, uninstalled, loaded again: a profile can hold the extension's service
-            # worker registration without its script (measured before sealing left the whole
-            # Service Worker folder out: Runtime.enable on that worker hung; a profile left
-            # unsealed by a crash may still hold one). Uninstalling drops any such registration;
-            # the second load registers anew.
-            self.step = "loading the extension"
-            await self._load(cdp)
-            await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
-            stale = set(self._worker_targets())
-            self.step = "loading the extension again"
-            await self._load(cdp)
-            self.step = "attaching to its worker"
-            async with asyncio.timeout(LOAD_TIMEOUT):
-                while True:     # the worker may stop and start again meanwhile: its next target
-                    fresh = [t for t in self._worker_targets() if t not in stale]
-                    if not fresh:
-                        await asyncio.sleep(0.02)
-                        continue
-                    try:
-                        sid = (await cdp.call("Target.attachToTarget", {"targetId": fresh[0], "flatten": True}))[
-                            "sessionId"]
-                        break
-                    except CdpCallError:
-                        stale.add(fresh[0])
+            # One load, then its worker's target. Measured at browser start under load: now and
+            # then no worker target came (about 1 start in 25 with a load, an uninstall and a
+            # second load; the second load was there for a registration kept without its script,
+            # which cannot happen since the profile's Service Worker folder is removed before
+            # every start). So a load whose worker does not show within WORKER_WAIT is done again.
+            sid = None
+            for attempt in range(LOAD_ATTEMPTS):
+                self.step = "loading the extension" + (f" (attempt {attempt + 1})" if attempt else "")
+                if attempt:
+                    await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
+                stale = set(self._worker_targets())
+                await self._load(cdp)
+                self.step = "attaching to its worker"
+                sid = await self._attach_worker(cdp, stale)
+                if sid is not None:
+                    break
+                log.warning("the guard's extension showed no worker within %.0f s; loading it again", WORKER_WAIT)
+            if sid is None:
+                raise TimeoutError(f"no worker after {LOAD_ATTEMPTS} loads")
             await cdp.call("Runtime.enable", session=sid, timeout=LOAD_TIMEOUT)
             # the worker's target can be there before its script has run (seen on a cold start)
             self.step = "waiting for its worker's script"
@@ -254,6 +277,23 @@ class WebSocketGate:
             raise
         self._cdp, self._sid = cdp, sid
         self._reader = asyncio.get_running_loop().create_task(self._read(cdp))
+
+    async def _attach_worker(self, cdp: CdpSession, stale: set[str]) -> str | None:
+        """A session on the extension's worker: its first target not in `stale` (the worker may
+        stop and start again meanwhile: then its next one); None if none within WORKER_WAIT."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WORKER_WAIT
+        while loop.time() < deadline:
+            fresh = [t for t in self._worker_targets() if t not in stale]
+            if not fresh:
+                await asyncio.sleep(0.02)
+                continue
+            try:
+                res = await cdp.call("Target.attachToTarget", {"targetId": fresh[0], "flatten": True})
+                return str(res["sessionId"])
+            except CdpCallError:
+                stale.add(fresh[0])
+        return None
 
     async def _load(self, cdp: CdpSession) -> None:
         res = await cdp.call("Extensions.loadUnpacked", {"path": str(self.ext_dir)}, timeout=LOAD_TIMEOUT)
@@ -270,7 +310,12 @@ class WebSocketGate:
             if ev.get("method") != "Runtime.consoleAPICalled" or ev.get("sessionId") != self._sid:
                 continue
             args = [a.get("value") for a in params.get("args") or [] if isinstance(a, dict)]
-            if len(args) == 2 and args[0] == REPORT_TAG and isinstance(args[1], str):
+            if len(args) == 3 and args[0] == REPORT_TAG and isinstance(args[1], str):
+                if args[2] == WORKER_RULE_ID:
+                    self.worker_refused += 1
+                    log.info("refused a request no tab made (a service worker's: none run in a guarded "
+                             "browser): %s", _host_path(args[1]))
+                    continue
                 with swallowed(log, "logging a refused WebSocket upgrade"):
                     self._refused(args[1])
 
@@ -295,17 +340,16 @@ class WebSocketGate:
 
 
 async def guard_websockets(anchor: Any) -> None:
-    """Bring the browser's WebSocket rules in step with its write gate (`pipe.writes`). Nothing is
-    loaded while no host needs it; an anchor without an extension folder (a fake host) has none."""
+    """Bring the browser's rules in step with its write gate (`pipe.writes`): called when the
+    browser starts (before any page loads: the service-worker rule), at each stage's start and
+    after a policy reload. An anchor without an extension folder (a fake host) has none."""
     pipe = getattr(anchor, "pipe", None)
     ext_dir = getattr(anchor, "ext_dir", None)
     if pipe is None or ext_dir is None:
         return
-    rules = dnr_rules(pipe.writes)
-    gate: WebSocketGate | None = pipe.websockets
+    rules = dnr_rules(getattr(pipe, "writes", None))
+    gate: WebSocketGate | None = getattr(pipe, "websockets", None)
     if gate is None:
-        if not rules:
-            return
         gate = pipe.websockets = WebSocketGate(pipe, ext_dir)
     gate.writes = pipe.writes
     await gate.apply(rules)
@@ -328,3 +372,12 @@ def schedule_websockets(anchor: Any) -> None:
         return
     _updates.add(task)
     task.add_done_callback(_updates.discard)
+
+
+def _host_path(url: str) -> str:
+    """host/path of a URL for a log line (never its query)."""
+    try:
+        parts = urlsplit(url)
+        return f"{normalize_host_ex(parts.hostname or '')[0]}{parts.path or '/'}"
+    except (ValueError, MalformedHost):
+        return "?"

@@ -4,6 +4,7 @@ gate asks for, and that the guard removes its extension's entry from a profile b
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from sfguard.policy import parse_policy
 from sfguard.supervisor.browsers.chromium import set_guard_prefs
 from sfguard.supervisor.writes.intercept import WriteContext, WriteInterceptor
-from sfguard.supervisor.writes.websockets import EXTENSION_ID, dnr_rules, host_regex
+from sfguard.supervisor.writes.websockets import EXTENSION_ID, WORKER_RULE, dnr_rules, host_regex
 
 
 @pytest.mark.parametrize("pattern, blocked, passed", [
@@ -39,16 +40,20 @@ def gate(modes: dict[str, str], floors: str = "", earlier=()) -> WriteIntercepto
 
 
 def test_the_rules_are_the_gate_and_deny_hosts_and_the_floors():
-    assert dnr_rules(None) == [] and dnr_rules(gate({"a.test": "allow"})) == []
+    # always: every request no tab made is refused (a service worker's), in every browser
+    assert dnr_rules(None) == dnr_rules(gate({"a.test": "allow"})) == [WORKER_RULE]
+    assert WORKER_RULE["condition"] == {"tabIds": [-1]} and WORKER_RULE["action"] == {"type": "block"}
     rules = dnr_rules(gate({"a.test": "allow", "b.test": "deny", "c.test": "gate"},
                            'writes:\n  - pattern: "*.d.test"\n    mode: gate\n    reason: "r"\n'))
+    assert rules[-1] == WORKER_RULE
+    rules = rules[:-1]
     assert [r["id"] for r in rules] == [1, 2, 3]
     assert all(r["action"] == {"type": "block"} and r["condition"]["resourceTypes"] == ["websocket"] for r in rules)
     assert [r["condition"]["regexFilter"] for r in rules] == [host_regex(p) for p in ("b.test", "c.test", "*.d.test")]
     # a retry of a replay-unsafe stage that wrote before holds every write: every WebSocket is refused
     everything = dnr_rules(gate({"a.test": "allow"}, earlier=({"method": "POST"},)))
     assert everything == [{"id": 1, "priority": 1, "action": {"type": "block"},
-                           "condition": {"resourceTypes": ["websocket"]}}]
+                           "condition": {"resourceTypes": ["websocket"]}}, WORKER_RULE]
 
 
 def test_the_extensions_entry_is_removed_from_a_profile_before_a_start(tmp_path):
@@ -59,3 +64,20 @@ def test_the_extensions_entry_is_removed_from_a_profile_before_a_start(tmp_path)
                                  "extensions": {"settings": {EXTENSION_ID: {"path": "/gone"}, "other": other}}}))
     set_guard_prefs(tmp_path)
     assert json.loads(prefs.read_text())["extensions"]["settings"] == {"other": other}
+
+
+def test_the_extensions_files_are_readable_by_the_browser_users_group_whatever_the_umask(tmp_path):
+    """Under the service unit's umask (0077) the browser user, another user in the group, must
+    still read the extension (found by the unit's test once every browser loaded it)."""
+    import stat
+
+    from sfguard.supervisor.writes.websockets import extension_dir
+    old = os.umask(0o077)
+    try:
+        folder = extension_dir(tmp_path, os.getgid())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o750
+    files = sorted(folder.iterdir())
+    assert [f.name for f in files] == ["manifest.json", "sw.js"]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o640 and f.stat().st_gid == os.getgid() for f in files)
