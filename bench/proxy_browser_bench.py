@@ -353,6 +353,7 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
                         got[name].append(await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}"))
                 for name in names:
                     times[scheme][name].append(got[name])
+        origin_state["page"] = origins[("http", "named")]    # the page's own origins (not the last load's)
         times["release"] = {"ms": [await release_latencies(tabs["guard-gated"], approvals,
                                                            origins[("http", "named")][0], args.releases)]}
         return times, {name: anchors[name].pipe.fetch_on for name in ("guard", "squid") if name in anchors}
