@@ -80,7 +80,48 @@ def client_specs(run_id: str | None, clients: dict[str, tuple[str, list[str]]],
             for n, (t, a) in sorted(clients.items())]
 
 
-class RunProxy:
+class RunClients:
+    """A run's proxy clients (one per browser or stage shell, each with its own credential and
+    allowlist) and its listener port; each change is live in the proxy before it returns
+    (`_sync`). Shared by RunProxy (a process of its own) and shared_proxy.SharedRunProxy."""
+
+    port: int
+    run_id: str | None
+    clients: dict[str, tuple[str, list[str]]]   # name -> (token, allow patterns)
+    client_writes: dict[str, str]              # a stage shell's client -> the stage's browser.writes
+
+    async def _sync(self) -> None:
+        raise NotImplementedError
+
+    async def add_client(self, allow: list[str], writes: str | None = None) -> str:
+        """A client with its own credential; `writes` (a stage's shell): hosts whose writes are
+        gated or refused for the stage are refused to it (proxy_addons/clients.py)."""
+        name = f"b-{short_id()}"
+        token = secrets.token_urlsafe(24)
+        redaction.register_secret(token)
+        self.clients[name] = (token, sorted(set(allow)))
+        if writes is not None:
+            self.client_writes[name] = writes
+        await self._sync()
+        return name
+
+    async def set_allow(self, name: str, allow: list[str]) -> None:
+        token, old = self.clients[name]
+        new = sorted(set(allow))
+        if new != old:
+            self.clients[name] = (token, new)
+            await self._sync()
+
+    async def remove_client(self, name: str) -> None:
+        self.client_writes.pop(name, None)
+        if self.clients.pop(name, None) is not None:
+            await self._sync()
+
+    def url_for(self, name: str) -> str:
+        return f"http://{name}:{self.clients[name][0]}@127.0.0.1:{self.port}"
+
+
+class RunProxy(RunClients):
     """The guard proxy child of one run (`python -m sfguard.supervisor.daemon.proxy_child`).
 
     Clients (one per browser, each with its own credentials and allowlist) are sent over the
@@ -133,32 +174,8 @@ class RunProxy:
             finally:
                 self._acks.pop(self._seq, None)
 
-    async def add_client(self, allow: list[str], writes: str | None = None) -> str:
-        """A client with its own credential; `writes` (a stage's shell): hosts whose writes are
-        gated or refused for the stage are refused to it (proxy_addons/clients.py)."""
-        name = f"b-{short_id()}"
-        token = secrets.token_urlsafe(24)
-        redaction.register_secret(token)
-        self.clients[name] = (token, sorted(set(allow)))
-        if writes is not None:
-            self.client_writes[name] = writes
+    async def _sync(self) -> None:
         await self._push()
-        return name
-
-    async def set_allow(self, name: str, allow: list[str]) -> None:
-        token, old = self.clients[name]
-        new = sorted(set(allow))
-        if new != old:
-            self.clients[name] = (token, new)
-            await self._push()
-
-    async def remove_client(self, name: str) -> None:
-        self.client_writes.pop(name, None)
-        if self.clients.pop(name, None) is not None:
-            await self._push()
-
-    def url_for(self, name: str) -> str:
-        return f"http://{name}:{self.clients[name][0]}@127.0.0.1:{self.port}"
 
     async def start(self, nice: int = 0) -> None:
         """Start the child (at niceness `nice`, through coreutils' `nice`, which execs it in the

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import socket
 from pathlib import Path
 
-from sfguard.supervisor import redaction
 from sfguard.supervisor.daemon.proxy_zygote import ForkedProxy, Zygote
-from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunProxy, client_specs, short_id
+from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunClients, RunProxy, client_specs, short_id
 from sfguard.supervisor.errors import BrowserStartError, swallowed
 from sfguard.supervisor.procs import ProcRecord
 
@@ -83,7 +81,7 @@ class SharedProxy(RunProxy):
         await RunProxy.stop(self)
 
 
-class SharedRunProxy:
+class SharedRunProxy(RunClients):
     """One run's part of the shared proxy: RunProxy's interface over SharedProxy."""
 
     def __init__(self, host: SharedProxy, run_id: str | None):
@@ -119,31 +117,9 @@ class SharedRunProxy:
     def to_guard_priority(self) -> None:
         """The shared process always runs at the guard's priority."""
 
-    def url_for(self, name: str) -> str:
-        return f"http://{name}:{self.clients[name][0]}@127.0.0.1:{self.port}"
-
-    # -- changes: each is live in the proxy before it returns --------------------------------
-    async def add_client(self, allow: list[str], writes: str | None = None) -> str:
-        name = f"b-{short_id()}"
-        token = secrets.token_urlsafe(24)
-        redaction.register_secret(token)
-        self.clients[name] = (token, sorted(set(allow)))
-        if writes is not None:
-            self.client_writes[name] = writes
+    async def _sync(self) -> None:
+        """Every change (RunClients) goes out with every run's clients and listeners."""
         await self.host.push()
-        return name
-
-    async def set_allow(self, name: str, allow: list[str]) -> None:
-        token, old = self.clients[name]
-        new = sorted(set(allow))
-        if new != old:
-            self.clients[name] = (token, new)
-            await self.host.push()
-
-    async def remove_client(self, name: str) -> None:
-        self.client_writes.pop(name, None)
-        if self.clients.pop(name, None) is not None:
-            await self.host.push()
 
     async def start(self, nice: int = 0) -> None:
         """Open this run's listener (the process started first if it is not running). A port

@@ -73,10 +73,16 @@ async def test_runs_share_one_process_each_with_its_own_listener_and_credentials
     # run a's credential is nothing on run b's listener, though one process holds both
     stolen = a.url_for(ca).replace(f":{a.port}", f":{b.port}")
     assert await afetch(stolen, f"http://site.test:{site}/y") == 407
+    # nor on the process's own first listener, which no run's client is bound to
+    assert p.host.port not in (a.port, b.port)
+    assert await afetch(a.url_for(ca).replace(f":{a.port}", f":{p.host.port}"), f"http://site.test:{site}/h") == 407
+    # and no credential at all is nothing on a run's own listener
+    assert await afetch(f"http://127.0.0.1:{a.port}", f"http://site.test:{site}/n") == 407
     assert Site.hits == ["/a", "/b"]
     seen = [(d["run"], d["host"], d["decision"]) for d in map(json.loads, log.read_text().splitlines())]
     assert seen == [("run-a", "site.test", "allow"), ("run-b", "other.test", "allow"),
-                    ("run-a", "other.test", "deny"), (None, "site.test", "deny")], seen
+                    ("run-a", "other.test", "deny"), (None, "site.test", "deny"),   # on b's port
+                    (None, "site.test", "deny")], seen          # on the first listener; none: no line
     # a client removed from run a is refused on its listener at once
     url_a = a.url_for(ca)
     await a.remove_client(ca)
