@@ -23,9 +23,10 @@ then in the next.)
 Target (issue 14): <= 1.15x.
 
 Write gates (issue 32): `guard-gated` is a second guarded browser through the same run proxy
-whose write gate holds writes to all three origins (`WriteInterceptor`, mode gate: every request
-to them pauses in the browser's Fetch and is judged; the page only reads, so each continues at
-once), with the WebSocket rules in force as at a stage start. Every browser the guard launches
+whose write gate holds writes to all three origins (`WriteInterceptor`, mode gate: the requests
+to them that can carry a write, here each page's document, pause in the browser's Fetch and are
+judged; its scripts and images are not paused, yet Fetch being on at all slows every request),
+with the WebSocket rules in force as at a stage start. Every browser the guard launches
 carries its extension from the start (its rule refuses service workers: supervisor/writes/
 websockets.py), so guard-gated / guard is what the gate's interception costs a page that only
 reads. Target: <= 1.05x. `direct-noext` is the direct launch with that extension uninstalled

@@ -6,8 +6,7 @@ NUL byte. No DevTools port exists; whoever does not hold these two pipe ends can
 the browser. `CdpPipe` holds both ends and multiplexes several logical *clients* onto the one
 browser-level connection, as if each had its own WebSocket:
 
-  * ids: each client numbers its commands as it likes; the pipe sends them under a pipe-wide id
-    and gives the reply back under the client's own id;
+  * ids: a client's own command ids, sent under pipe-wide ids, its replies under its own;
   * flat sessions: a session attached by a client (`Target.attachToTarget` with flatten, or a
     child auto-attached inside one of its sessions) belongs to that client; events and replies
     carrying that sessionId go to it only. When a client goes away its sessions are detached,
@@ -17,13 +16,12 @@ browser-level connection, as if each had its own WebSocket:
     target events passed on while it is on), so one client cannot switch it off for another;
   * proxy authentication: `Fetch.enable {handleAuthRequests}` at browser level, answered by the
     pipe with the run proxy's credential (and only to the proxy's challenge). The credential never
-    leaves the guard process: clients cannot use the Fetch domain (the gate's policy).
-    Fetch pauses every request, so it is on only while needed: Chromium keeps the credential it
-    was given in its HTTP auth cache and sends it unasked on every later request and connection
-    to the same proxy (measured, tests/browser_host/test_fetch_switch_off.py). Once
-    `FETCH_QUIET` seconds pass without a new proxy challenge after one was answered, the pipe
-    sends `Fetch.disable`; a client's `Target.createBrowserContext` (a new context has a cache
-    of its own) turns it back on first.
+    leaves the guard process: clients cannot use the Fetch domain (the gate's policy). Any Fetch
+    interception slows every request of the browser (measured 1.2x on a page load, patterns or
+    not), so it is on only while needed: Chromium caches the credential and sends it unasked on
+    later requests and connections to the proxy (tests/browser_host/test_fetch_switch_off.py).
+    `FETCH_QUIET` seconds after the last challenge the pipe keeps only the write gate's patterns
+    (`apply_write_patterns`), or none; `Target.createBrowserContext` turns it back on first.
 
 The pipe closing (EOF on fd 4) means the browser is gone: `closed` is set, every pending call
 fails, every client gets end-of-stream. Nothing here logs message contents or the credential.
@@ -381,6 +379,8 @@ class CdpPipe:
                     return
                 self._owner.setdefault(sid, client)
                 self._parent.setdefault(sid, None)
+        if client is None and method == "Fetch.enable":
+            self._fetch_enabled(data if data is not None else json.loads(text or "null"), params)
         if client is None or client.closed:
             return
         if data is not None:
@@ -462,6 +462,15 @@ class CdpPipe:
         self._fire("Fetch.continueWithAuth", {"requestId": params.get("requestId"),
                                               "authChallengeResponse": answer})
 
+    def _fetch_enabled(self, reply: Any, params: dict) -> None:
+        """A refused Fetch.enable leaves the patterns before it, which may name fewer hosts than
+        the write gate needs now, in force: every request pauses instead (fail closed)."""
+        if isinstance(reply, dict) and "error" in reply and params.get("patterns") != [{"urlPattern": "*"}]:
+            log.error("the browser refused the write gate's patterns (%s); every request pauses instead",
+                      str(reply["error"])[:200])
+            with contextlib.suppress(PipeClosed):
+                self._fire("Fetch.enable", {"handleAuthRequests": bool(params.get("handleAuthRequests")),
+                                            "patterns": [{"urlPattern": "*"}]})
 
     def _fetch_off(self) -> None:
         """No proxy challenge for FETCH_QUIET seconds: the credential is in Chromium's auth
@@ -473,14 +482,14 @@ class CdpPipe:
         self.apply_write_patterns()
 
     def apply_write_patterns(self) -> None:
-        """After the proxy challenges: Fetch stays on only for the write gate's hosts."""
+        """After the proxy challenges: Fetch stays on only for the write gate's patterns; Chromium
+        answers challenges from its cache, as when Fetch is off (see FETCH_ENABLE)."""
         if self.closed.is_set() or self.fetch_on:
             return
         patterns = self.writes.patterns() if self.writes is not None else []
         with contextlib.suppress(PipeClosed):
             if patterns:
-                self._fire("Fetch.enable", {"handleAuthRequests": self._auth is not None,
-                                            "patterns": patterns})
+                self._fire("Fetch.enable", {"handleAuthRequests": False, "patterns": patterns})
             else:
                 self._fire("Fetch.disable", {})
 

@@ -83,7 +83,8 @@ REPORT_TAG = "sfguard-ws-refused"
 WORKER_JS = f"""// sfguard: refuses WebSocket upgrades to the hosts the guard names (session rules only)
 const dnr = chrome.declarativeNetRequest;
 dnr.onRuleMatchedDebug.addListener((info) => {{
-  console.debug({json.dumps(REPORT_TAG)}, String(info.request.url), Number(info.rule.ruleId));
+  console.debug({json.dumps(REPORT_TAG)}, String(info.request.url), Number(info.rule.ruleId),
+                String(info.request.method), String(info.request.type));
 }});
 globalThis.sfguardSetRules = async (rules) => {{
   const old = await dnr.getSessionRules();
@@ -96,6 +97,14 @@ globalThis.sfguardSetRules = async (rules) => {{
 #: their tab's id), so no page can register a service worker (see the module docstring)
 WORKER_RULE_ID = 9999
 WORKER_RULE = {"id": WORKER_RULE_ID, "priority": 1, "action": {"type": "block"}, "condition": {"tabIds": [-1]}}
+#: the rule that refuses every method but GET and HEAD for the resource types the write gate does
+#: not pause (intercept.GET_ONLY_TYPES): no web API sends anything else as an image, a script, a
+#: style sheet, a font or a medium, so only a renderer that lies about a request's type would,
+#: and its write is refused here instead of walking past the gate. In force in every browser.
+GET_ONLY_RULE_ID = 9998
+GET_ONLY_RULE = {"id": GET_ONLY_RULE_ID, "priority": 1, "action": {"type": "block"},
+                 "condition": {"resourceTypes": ["image", "script", "stylesheet", "font", "media"],
+                               "excludedRequestMethods": ["get", "head"]}}
 #: seconds for loading the extension and for one rule update
 LOAD_TIMEOUT = 15.0
 #: seconds a load's worker has to show, and how many loads are tried
@@ -165,12 +174,13 @@ def host_regex(pattern: str) -> str:
 
 
 def dnr_rules(writes: Any) -> list[dict]:
-    """The block rules of a browser: the service-worker rule (WORKER_RULE, always), and for its
+    """The block rules of a browser: the service-worker rule (WORKER_RULE) and the rule for
+    writes disguised as reads of a GET-only type (GET_ONLY_RULE), both always; and for its
     write gate (intercept.WriteInterceptor) every host pattern whose mode is gate or deny, for the
     stages or by a floor of the site policy. A retry of a replay-unsafe stage that wrote before
     (every write held), a pattern that does not parse or more patterns than Chromium takes
     regexes for: every WebSocket is blocked (fail closed)."""
-    return [*_websocket_rules(writes), WORKER_RULE]
+    return [*_websocket_rules(writes), GET_ONLY_RULE, WORKER_RULE]
 
 
 def _websocket_rules(writes: Any) -> list[dict]:
@@ -207,6 +217,7 @@ class WebSocketGate:
         self.step = ""                          # what the last start was doing (its errors)
         self.refused: list[str] = []            # host/path of each refusal (tests, metrics)
         self.worker_refused = 0                 # requests of service workers refused
+        self.get_only_refused = 0               # non-GETs sent as a GET-only type, refused
         self._cdp: CdpSession | None = None
         self._sid: str | None = None
         self._lock = asyncio.Lock()
@@ -310,7 +321,13 @@ class WebSocketGate:
             if ev.get("method") != "Runtime.consoleAPICalled" or ev.get("sessionId") != self._sid:
                 continue
             args = [a.get("value") for a in params.get("args") or [] if isinstance(a, dict)]
-            if len(args) == 3 and args[0] == REPORT_TAG and isinstance(args[1], str):
+            if len(args) >= 3 and args[0] == REPORT_TAG and isinstance(args[1], str):
+                if args[2] == GET_ONLY_RULE_ID:
+                    self.get_only_refused += 1
+                    log.warning("refused a %s sent as a request of a type only ever fetched with GET "
+                                "(%s): %s", str(args[3] if len(args) > 3 else "?")[:10].upper(),
+                                str(args[4] if len(args) > 4 else "?")[:20], _host_path(args[1]))
+                    continue
                 if args[2] == WORKER_RULE_ID:
                     self.worker_refused += 1
                     log.info("refused a request no tab made (a service worker's: none run in a guarded "

@@ -12,7 +12,7 @@ import pytest
 from sfguard.policy import parse_policy
 from sfguard.supervisor.browsers.chromium import set_guard_prefs
 from sfguard.supervisor.writes.intercept import WriteContext, WriteInterceptor
-from sfguard.supervisor.writes.websockets import EXTENSION_ID, WORKER_RULE, dnr_rules, host_regex
+from sfguard.supervisor.writes.websockets import EXTENSION_ID, GET_ONLY_RULE, WORKER_RULE, dnr_rules, host_regex
 
 
 @pytest.mark.parametrize("pattern, blocked, passed", [
@@ -40,20 +40,24 @@ def gate(modes: dict[str, str], floors: str = "", earlier=()) -> WriteIntercepto
 
 
 def test_the_rules_are_the_gate_and_deny_hosts_and_the_floors():
-    # always: every request no tab made is refused (a service worker's), in every browser
-    assert dnr_rules(None) == dnr_rules(gate({"a.test": "allow"})) == [WORKER_RULE]
+    # always: every request no tab made is refused (a service worker's), and every method but
+    # GET and HEAD of the types the write gate does not pause, in every browser
+    always = [GET_ONLY_RULE, WORKER_RULE]
+    assert dnr_rules(None) == dnr_rules(gate({"a.test": "allow"})) == always
     assert WORKER_RULE["condition"] == {"tabIds": [-1]} and WORKER_RULE["action"] == {"type": "block"}
+    assert GET_ONLY_RULE["action"] == {"type": "block"} and GET_ONLY_RULE["condition"] == {
+        "resourceTypes": ["image", "script", "stylesheet", "font", "media"], "excludedRequestMethods": ["get", "head"]}
     rules = dnr_rules(gate({"a.test": "allow", "b.test": "deny", "c.test": "gate"},
                            'writes:\n  - pattern: "*.d.test"\n    mode: gate\n    reason: "r"\n'))
-    assert rules[-1] == WORKER_RULE
-    rules = rules[:-1]
+    assert rules[-2:] == always
+    rules = rules[:-2]
     assert [r["id"] for r in rules] == [1, 2, 3]
     assert all(r["action"] == {"type": "block"} and r["condition"]["resourceTypes"] == ["websocket"] for r in rules)
     assert [r["condition"]["regexFilter"] for r in rules] == [host_regex(p) for p in ("b.test", "c.test", "*.d.test")]
     # a retry of a replay-unsafe stage that wrote before holds every write: every WebSocket is refused
     everything = dnr_rules(gate({"a.test": "allow"}, earlier=({"method": "POST"},)))
     assert everything == [{"id": 1, "priority": 1, "action": {"type": "block"},
-                           "condition": {"resourceTypes": ["websocket"]}}, WORKER_RULE]
+                           "condition": {"resourceTypes": ["websocket"]}}, *always]
 
 
 def test_the_extensions_entry_is_removed_from_a_profile_before_a_start(tmp_path):
