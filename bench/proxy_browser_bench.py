@@ -29,8 +29,11 @@ judged; its scripts and images are not paused, yet Fetch being on at all slows e
 with the WebSocket rules in force as at a stage start. Every browser the guard launches
 carries its extension from the start (its rule refuses service workers: supervisor/writes/
 websockets.py), so guard-gated / guard is what the gate's interception costs a page that only
-reads. Target: <= 1.05x. `direct-noext` is the direct launch with that extension uninstalled
-again: direct / direct-noext is what the extension costs every guarded browser.
+reads. Target: <= 1.05x. `direct-fetch-idle` is a direct browser with Fetch on and a pattern no
+URL matches: nothing pauses, so direct-fetch-idle / direct is what interception being on costs
+every request, the floor under guard-gated / guard (docs/threat-model.md, "Cost, measured").
+`direct-noext` is the direct launch with that extension uninstalled again: direct /
+direct-noext is what the extension costs every guarded browser.
 After the page loads, the gated browser's page POSTs `--releases` times; each write is held in
 the approvals store (supervisor/writes/approvals.py) and approved by the benchmark; the time
 from the approval to the origin receiving the request is printed (p50 target: <= 100 ms).
@@ -302,7 +305,8 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         await proxy.start()
         client = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
         gated = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
-        browsers = [("direct", None), ("direct-noext", None), ("direct-fetch", None), ("guard", proxy.url_for(client)),
+        browsers = [("direct", None), ("direct-noext", None), ("direct-fetch", None), ("direct-fetch-idle", None),
+                    ("guard", proxy.url_for(client)),
                     ("guard-gated", proxy.url_for(gated))]
         if squid_port is not None:
             browsers.append(("squid", f"http://bench:squid@127.0.0.1:{squid_port}"))
@@ -319,6 +323,10 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
                 # the guard's extension (loaded by every launch: its service-worker rule) taken
                 # out again: direct / direct-noext is what the extension costs every browser
                 await anchor.pipe.call("Extensions.uninstall", {"id": EXTENSION_ID})
+            if name == "direct-fetch-idle":
+                # Fetch on with a pattern no URL matches: nothing pauses; what interception
+                # being on at all costs (the floor under any write gate that holds in Fetch)
+                await anchor.pipe.call("Fetch.enable", {"patterns": [{"urlPattern": "http://nothing.invalid/*"}]})
             if name == "direct-fetch":
                 # What the pipe turned on for a proxied anchor before it switched Fetch off once
                 # answered, without a proxy: the cost of the Fetch domain left on.
@@ -337,12 +345,20 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         seq = 0
         for scheme in SCHEMES:
             key = {"direct": (scheme, "direct"), "direct-noext": (scheme, "direct"), "direct-fetch": (scheme, "direct"),
+                   "direct-fetch-idle": (scheme, "direct"),
                    "guard": (scheme, "named"), "guard-gated": (scheme, "named"), "squid": (scheme, "named")}
             times[scheme] = {name: [] for name in names}
             for name in names:  # warm-up: caches, connections, the proxy's credential
                 origin_state["page"] = origins[key[name]]
                 seq += 1
                 await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}")
+            # measured once each proxied browser has its credential cached and its proxy
+            # authentication off (until then every request pauses in Fetch)
+            for name in ("guard", "guard-gated"):
+                for _ in range(100):
+                    if not anchors[name].pipe.fetch_on:
+                        break
+                    await asyncio.sleep(0.05)
             for _ in range(max(1, args.rounds)):
                 got: dict[str, list[float]] = {name: [] for name in names}
                 for i in range(args.loads):
@@ -451,7 +467,7 @@ def main() -> int:
         print(f"{'':14}{'median':>10}{'p90':>10}{'min':>10}{'max':>10}")
         for name, xs in every.items():
             print(f"{name:14}{statistics.median(xs):10.1f}{p90(xs):10.1f}{min(xs):10.1f}{max(xs):10.1f}")
-        for name in [n for n in ("direct-fetch", "squid", "guard") if n in times[scheme]]:
+        for name in [n for n in ("direct-fetch", "direct-fetch-idle", "squid", "guard") if n in times[scheme]]:
             ratios = sorted(statistics.median(g) / statistics.median(d)
                             for d, g in zip(times[scheme]["direct"], times[scheme][name], strict=True))
             med = statistics.median(ratios)
@@ -478,6 +494,8 @@ def main() -> int:
           f"{'met' if p50 <= 100 else 'NOT met'})")
     print("\ndirect-fetch = no proxy, with the Fetch interception left on all the time (what a "
           "guarded anchor had before it switched Fetch off once its challenge was answered)")
+    print("direct-fetch-idle = no proxy, Fetch on with a pattern no URL matches: nothing pauses, so this is "
+          "what interception being on costs every request (the floor under guard-gated / guard)")
     if squid is None:
         print("squid = not measured (squid or /usr/lib/squid/basic_fake_auth not installed)")
     else:
