@@ -85,8 +85,22 @@ def desktop(site, xserver):  # noqa: F811
     d = Daemon(base / "home", env, base / "daemon.log")
     d.argv_prefix, d.ready_timeout = as_user(user.uid, user.gid), 60.0
     d.start("--policy", str(pol), "--resolve", "site-a.test=127.0.0.1", "--no-console")
+
+    def stop(sig=None, timeout: float = 60) -> int:
+        """The Daemon's own stop signals its process, bwrap, which neither passes the signal on
+        nor takes the guard with it: teardown (and the sweep's start and stop in `finish`)
+        stops the guard by its pid, then waits for bwrap to end with the guard's status."""
+        stop_guard(d.home, timeout)
+        if d.proc is None:
+            return 0
+        try:
+            return d.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            return d.proc.wait(10)
+
+    d.stop = stop  # type: ignore[method-assign]
     yield d, user
-    stop_guard(d.home)
     d.finish()
     subprocess.run(["chown", "-R", "root:root", str(base)], check=False)
     shutil.rmtree(base, ignore_errors=True)
