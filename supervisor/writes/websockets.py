@@ -249,6 +249,22 @@ class WebSocketGate:
                                         f"({str(detail)[:200]})")
             self.rules = rules
 
+    async def matched(self, url: str, resource_type: str, method: str) -> list[int]:
+        """The ids of the rules in force that the browser's own matcher applies to a request
+        (`declarativeNetRequest.testMatchOutcome`): a check of the rules as Chromium reads them,
+        for requests no page can make (a POST filed as an image)."""
+        if self._cdp is None or self._sid is None:
+            raise BrowserStartError("the guard's extension is not loaded")
+        req = {"url": url, "type": resource_type, "method": method, "tabId": 1}
+        res = await self._cdp.call("Runtime.evaluate", {
+            "expression": f"chrome.declarativeNetRequest.testMatchOutcome({json.dumps(req)})"
+                          ".then((r) => r.matchedRules.map((m) => m.ruleId))",
+            "awaitPromise": True, "returnByValue": True}, session=self._sid, timeout=LOAD_TIMEOUT)
+        value = (res.get("result") or {}).get("value")
+        if res.get("exceptionDetails") or not isinstance(value, list):
+            raise CdpCallError("declarativeNetRequest.testMatchOutcome failed")
+        return [int(v) for v in value]
+
     async def _start(self) -> None:
         if self._cdp is not None:
             await self._cdp.close()

@@ -395,3 +395,24 @@ async def test_patterns_the_browser_refuses_leave_every_request_paused(guarded, 
     await asyncio.sleep(1.0)
     assert [g for g in site.got[n:] if g[1] != "GET"] == []
     assert {r["decision"] for r in w.logged} == {"write_refused"}
+
+
+@pytest.mark.browser
+async def test_a_write_filed_under_a_type_the_gate_does_not_pause_is_refused_by_the_browser(real_rig):
+    """A renderer a page took over chooses the type of its requests: a POST filed as an image
+    passes the write gate's Fetch patterns, so the extension's GET_ONLY_RULE must refuse it. No
+    page can send one, so the browser's own rule matcher is asked, for every browser's rules."""
+    from sfguard.supervisor.writes.websockets import GET_ONLY_RULE_ID
+    anchor = await real_rig.host.launch_anchor(real_rig.spec(None))
+    try:
+        gate_ = anchor.pipe.websockets
+        for rtype in ("image", "script", "stylesheet", "font", "media"):
+            for method in ("post", "put", "delete", "patch", "options"):
+                assert await gate_.matched("https://b.test/w/x", rtype, method) == [GET_ONLY_RULE_ID], (rtype, method)
+            for method in ("get", "head"):
+                assert await gate_.matched("https://b.test/x.png", rtype, method) == [], (rtype, method)
+        # the types the gate pauses are left to it
+        for rtype in ("main_frame", "sub_frame", "xmlhttprequest", "ping", "csp_report", "other"):
+            assert await gate_.matched("https://b.test/w/x", rtype, "post") == [], rtype
+    finally:
+        await real_rig.host.close_anchor(anchor)
