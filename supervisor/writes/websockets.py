@@ -63,6 +63,7 @@ from sfguard.policy.hosts import normalize_host_ex, split_host_port_raw
 from sfguard.policy.writes import WriteVerdict
 from sfguard.supervisor.errors import BrowserStartError, swallowed
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpSession, PipeClosed
+from sfguard.supervisor.writes.intercept import GET_ONLY_TYPES
 
 log = logging.getLogger("sfguard.writes")
 
@@ -103,7 +104,7 @@ WORKER_RULE = {"id": WORKER_RULE_ID, "priority": 1, "action": {"type": "block"},
 #: and its write is refused here instead of walking past the gate. In force in every browser.
 GET_ONLY_RULE_ID = 9998
 GET_ONLY_RULE = {"id": GET_ONLY_RULE_ID, "priority": 1, "action": {"type": "block"},
-                 "condition": {"resourceTypes": ["image", "script", "stylesheet", "font", "media"],
+                 "condition": {"resourceTypes": [t.lower() for t in GET_ONLY_TYPES],
                                "excludedRequestMethods": ["get", "head"]}}
 #: seconds for loading the extension and for one rule update
 LOAD_TIMEOUT = 15.0
@@ -216,8 +217,6 @@ class WebSocketGate:
         self.rules: list[dict] | None = None    # the rules in force
         self.step = ""                          # what the last start was doing (its errors)
         self.refused: list[str] = []            # host/path of each refusal (tests, metrics)
-        self.worker_refused = 0                 # requests of service workers refused
-        self.get_only_refused = 0               # non-GETs sent as a GET-only type, refused
         self._cdp: CdpSession | None = None
         self._sid: str | None = None
         self._lock = asyncio.Lock()
@@ -339,13 +338,11 @@ class WebSocketGate:
             args = [a.get("value") for a in params.get("args") or [] if isinstance(a, dict)]
             if len(args) >= 3 and args[0] == REPORT_TAG and isinstance(args[1], str):
                 if args[2] == GET_ONLY_RULE_ID:
-                    self.get_only_refused += 1
                     log.warning("refused a %s sent as a request of a type only ever fetched with GET "
                                 "(%s): %s", str(args[3] if len(args) > 3 else "?")[:10].upper(),
                                 str(args[4] if len(args) > 4 else "?")[:20], _host_path(args[1]))
                     continue
                 if args[2] == WORKER_RULE_ID:
-                    self.worker_refused += 1
                     log.info("refused a request no tab made (a service worker's: none run in a guarded "
                              "browser): %s", _host_path(args[1]))
                     continue
