@@ -22,8 +22,9 @@ def register(sub) -> None:
     ls.add_argument("--all", action="store_true", help="also decided ones (default: pending only)")
     ls.add_argument("--json", action="store_true")
     show = acts.add_parser("show", help="one held write: request, form fields, earlier writes",
-                           description="One held write: the request, its form fields (password-like "
-                                       "values masked), the earlier writes of a retry, its state.")
+                           description="One held write: the request, why it is held, the headers that "
+                                       "change its meaning, its form fields or body (secret values masked), "
+                                       "the earlier writes of a retry, its state, who decided and why.")
     add_home(show)
     show.add_argument("id", metavar="ID")
     show.add_argument("--json", action="store_true")
@@ -33,7 +34,7 @@ def register(sub) -> None:
                                         "is unknown or already decided.")
         add_home(a)
         a.add_argument("id", metavar="ID")
-        a.add_argument("--reason", default="", help="shown with the approval (not in the audit chain)")
+        a.add_argument("--reason", default="", help="why: shown with the approval and kept in the audit chain")
     p.set_defaults(func=run)
 
 
@@ -54,7 +55,8 @@ def _call(args, method: str, route: str, body=None):
 
 def _line(a: dict) -> str:
     return (f"{a['id']}  {a['state']:<9} run {a['run_id']} stage {a['stage_id']} (attempt {a['attempt']})  "
-            f"{a['method']} {a['host']}{a['path']}" + ("  [retry of a stage that wrote]" if a["why"] != "gate" else ""))
+            f"{a['method']} {a['host']}{a['path']}" + ("  [retry of a stage that wrote]"
+                                                      if a["why"] == "replay_unsafe_retry" else ""))
 
 
 def run(args) -> int:
@@ -76,14 +78,21 @@ def run(args) -> int:
             return 0
         print(_line(a))
         print(f"url      {a['url']}")
+        print(f"why      {a['why']}" + (f" ({a['rule']})" if a.get("rule") else ""))
         print(f"tab      {a['tab_url'] or '-'}")
         print(f"body     {a['body_size']} bytes {a['body_type'] or ''}")
+        for name, value in a.get("headers") or []:
+            print(f"header   {name}: {value}")
         for name, value in a["form"] or []:
             print(f"field    {name} = {value}")
+        if a.get("body_text"):
+            print("text     " + a["body_text"].replace("\n", "\n         "))
         for e in a["earlier"]:
             print(f"earlier  {e.get('method')} {e.get('url')} (sent at {e.get('at')})")
         pending = a["state"] == "pending"
         print(f"expires  {a['expires']}" if pending else f"decided  {a['decided_by']} {a['decided_at']}")
+        if a.get("reason"):
+            print(f"reason   {a['reason']}")
         return 0
     a = _call(args, "POST", f"/v1/approvals/{args.id}",
               {"decision": "approve" if args.action == "approve" else "deny", "reason": args.reason})

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sfguard.policy.engine import DEFAULT_PORTS, SitePolicy
 from sfguard.policy.errors import PolicyError, PolicyIssue
 from sfguard.policy.index import RuleSet
-from sfguard.policy.patterns import PatternError, parse_pattern
+from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
 from sfguard.policy.writes import WriteEntry, WriteRules, parse_request_pattern
 from sfguard.policy.yamlpos import Loc, loc_path, validate_at
 from sfguard.policy.yamltree import COL_BITS, Composer, YMap, YSeq, at_root, child, unpack
@@ -67,6 +67,13 @@ class BlockEntry(_Strict):
         return self
 
 
+class WriteRequestModel(_Strict):
+    """A GET listed under `writes` with its options: `{request: "GET /Logout", ignore_case: true}`."""
+
+    request: str
+    ignore_case: bool = False
+
+
 class WriteEntryModel(_Strict):
     """One entry of `writes` (policy/writes.py): a floor and the exceptions for some hosts."""
 
@@ -75,7 +82,7 @@ class WriteEntryModel(_Strict):
     mode: Literal["allow", "gate", "deny"] = "allow"
     reason: str
     reads: list[str] = []
-    writes: list[str] = []
+    writes: list[str | WriteRequestModel] = []
 
     @model_validator(mode="after")
     def _one_of(self) -> WriteEntryModel:
@@ -112,6 +119,7 @@ _KEYS: dict[tuple[str, ...], list[str]] = {
     ("block",): list(BlockEntry.model_fields),
     ("private_networks",): list(PrivateNetworks.model_fields),
     ("writes",): list(WriteEntryModel.model_fields),
+    ("writes", "writes"): list(WriteRequestModel.model_fields),
 }
 
 
@@ -218,51 +226,59 @@ class _Builder:
         hosts = RuleSet(label)
         texts: list[str] = []
         before = len(self.issues)
+        # the canonical text of each host pattern (`PAY.Corp.test.` -> `pay.corp.test`): what
+        # the write gate's interception, the stage answer and the logs name
         if "pattern" in entry:
-            self.one(entry["pattern"], entry.valpos.get("pattern", entry.pos), f"writes[{i}].pattern",
-                     hosts, allow_list=False, reason=reason)
-            texts.append(entry["pattern"])
+            found_pattern = self.one(entry["pattern"], entry.valpos.get("pattern", entry.pos),
+                                     f"writes[{i}].pattern", hosts, allow_list=False, reason=reason)
+            texts += [found_pattern.text] if found_pattern is not None else []
         if isinstance(entry.get("patterns"), YSeq):
             for j, text in enumerate(entry["patterns"]):
-                self.one(text, entry["patterns"].itempos[j], f"writes[{i}].patterns[{j}]", hosts,
-                         allow_list=False, reason=reason)
-                texts.append(text)
+                found_pattern = self.one(text, entry["patterns"].itempos[j], f"writes[{i}].patterns[{j}]",
+                                         hosts, allow_list=False, reason=reason)
+                texts += [found_pattern.text] if found_pattern is not None else []
         found: dict[str, list[Any]] = {"reads": [], "writes": []}
         for kind in found:
             seq = entry.get(kind)
             if not isinstance(seq, YSeq):
                 continue
-            for j, text in enumerate(seq):
+            for j, item in enumerate(seq):
                 pos = seq.itempos[j]
+                text, ignore_case = item, False
+                if isinstance(item, YMap):     # {request: "GET /x", ignore_case: true}
+                    text, ignore_case = item.get("request"), item.get("ignore_case") is True
                 try:
-                    found[kind].append(parse_request_pattern(text, kind, unpack(pos)[0]))
+                    found[kind].append(parse_request_pattern(text, kind, unpack(pos)[0], ignore_case=ignore_case))
                 except PatternError as exc:
                     if isinstance(text, str):
                         self.issue(pos, f"writes[{i}].{kind}[{j}]", exc.message, exc.hint)
         if len(self.issues) == before and texts and reason and mode in ("allow", "gate", "deny"):
-            self.writes.append(WriteEntry(tuple(str(t) for t in texts), hosts, mode, reason,
+            self.writes.append(WriteEntry(tuple(texts), hosts, mode, reason,
                                           unpack(entry.pos)[0], tuple(found["reads"]),
                                           tuple(found["writes"]), label))
 
     def one(self, text: Any, pos: int, field: str, rules: RuleSet | None, *, allow_list: bool,
-            reason: str | None = None, networks_only: bool = False) -> None:
+            reason: str | None = None, networks_only: bool = False) -> Pattern | None:
+        """One host pattern into `rules` (or the private networks); the parsed pattern, or None
+        when it is not usable (the issue is recorded)."""
         if not isinstance(text, str):
-            return  # the schema reports wrong types
+            return None  # the schema reports wrong types
         try:
             pattern = parse_pattern(text, allow_list=allow_list)
         except PatternError as exc:
             self.issue(pos, field, f"{exc.message}: {_short(text)}", exc.hint)
-            return
+            return None
         if networks_only:
             if pattern.kind not in ("ip", "cidr") or pattern.port is not None:
                 self.issue(pos, field, f"only IP addresses and CIDR ranges go here: {_short(text)}",
                            "name hosts in allow_always; list address ranges here, e.g. 10.0.0.0/8")
-                return
+                return None
             self.private.append(pattern.key if pattern.kind == "cidr" else str(pattern.network))
             self.private_lines.append(unpack(pos)[0])
-            return
+            return pattern
         if rules is not None:
             rules.add(pattern, unpack(pos)[0], reason)
+        return pattern
 
 
 def _short(text: str) -> str:

@@ -26,14 +26,19 @@ The `writes` section of sites.yaml (read by policy/schema.py into `WriteRules`):
           - "GET /api/*/delete"
 
 A request pattern is `METHOD /path`: `*` matches within one path segment, `**` across segments,
-the query string is not part of the path. Every entry whose host pattern matches a request's
-host applies: the strictest floor wins, and an exception of any of them counts.
+the query string is not part of the path. A GET named a write also matches the path as a server
+would route it (`server_path`: unreserved %-escapes decoded, `;params`, dot segments, duplicate
+and trailing slashes dropped), and written as `{request: "GET /Logout", ignore_case: true}` in
+any case; a `reads` exception matches the path only as sent (it loosens, so it stays narrow).
+Every entry whose host pattern matches a request's host applies: the strictest floor wins, and
+an exception of any of them counts.
 """
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
 import re
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -48,6 +53,30 @@ READ_METHODS = frozenset({"GET", "HEAD"})
 SHELL_REFUSAL = "writes_guarded_host"
 _METHOD_RE = re.compile(r"^[A-Z]{1,20}$")
 _PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()+,;=:@%*/-]*$")
+_PCT_RE = re.compile(r"%([0-9A-Fa-f]{2})")
+_UNRESERVED = frozenset(string.ascii_letters + string.digits + "-._~")
+
+
+def _unescape(match: re.Match[str]) -> str:
+    ch = chr(int(match.group(1), 16))
+    return ch if ch in _UNRESERVED else match.group(0).upper()
+
+
+def server_path(path: str) -> str:
+    """`path` as a typical server routes it: %-escapes of unreserved characters decoded
+    (`/%6cogout`), `;params` dropped from every segment (`/logout;x`), dot segments resolved,
+    empty segments (duplicate slashes) and a trailing slash dropped. `/` stays `/`."""
+    segments: list[str] = []
+    for segment in _PCT_RE.sub(_unescape, path).split("/"):
+        segment = segment.split(";", 1)[0]
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(segment)
+    return "/" + "/".join(segments)
 
 
 def stricter(a: str, b: str) -> str:
@@ -75,25 +104,40 @@ class WriteVerdict:
         return dataclasses.asdict(self)
 
 
+def _glob(path: str, ignore_case: bool) -> re.Pattern[str]:
+    rx = "".join(".*" if tok == "**" else "[^/]*" if tok == "*" else re.escape(tok)
+                 for tok in re.split(r"(\*\*|\*)", path) if tok)
+    return re.compile(rx, re.IGNORECASE if ignore_case else 0)
+
+
 @dataclass(frozen=True)
 class RequestPattern:
-    """`METHOD /path` of a `reads` or `writes` exception."""
+    """`METHOD /path` of a `reads` or `writes` exception. A `writes` one (`loose`) matches the
+    path as sent and as a server routes it (`server_path`), in any case with `ignore_case`."""
     method: str
     path: str
     line: int
     regex: re.Pattern[str]
+    loose: bool = False
+    ignore_case: bool = False
+    routed: re.Pattern[str] | None = None
 
     @property
     def text(self) -> str:
-        return f"{self.method} {self.path}"
+        return f"{self.method} {self.path}" + (" (any case)" if self.ignore_case else "")
 
     def matches(self, method: str, path: str) -> bool:
-        return method == self.method and self.regex.fullmatch(path) is not None
+        if method != self.method:
+            return False
+        if not self.loose:
+            return self.regex.fullmatch(path) is not None
+        forms = (path, server_path(path))
+        return any(rx.fullmatch(p) is not None for rx in (self.regex, self.routed or self.regex) for p in forms)
 
 
-def parse_request_pattern(text: object, kind: str, line: int = 0) -> RequestPattern:
+def parse_request_pattern(text: object, kind: str, line: int = 0, *, ignore_case: bool = False) -> RequestPattern:
     """Parse `METHOD /path` for the `reads` or `writes` list of an entry. Raises PatternError
-    (message and a hint saying what to write instead)."""
+    (message and a hint saying what to write instead). `ignore_case` only for `writes`."""
     example = '"POST /search"' if kind == "reads" else '"GET /logout"'
     if not isinstance(text, str):
         raise PatternError("a request is text", f"quote it, e.g. {example}")
@@ -113,9 +157,13 @@ def parse_request_pattern(text: object, kind: str, line: int = 0) -> RequestPatt
         raise PatternError(f"the path {path[:80]!r} is not usable",
                            "start it with /, no query (?), no spaces; * matches within a segment, "
                            "** across segments")
-    rx = "".join(".*" if tok == "**" else "[^/]*" if tok == "*" else re.escape(tok)
-                 for tok in re.split(r"(\*\*|\*)", path) if tok)
-    return RequestPattern(method, path, line, re.compile(rx))
+    if ignore_case and kind != "writes":
+        raise PatternError("ignore_case is for the GETs listed under writes",
+                           "a read exception matches its path exactly as sent")
+    if kind != "writes":
+        return RequestPattern(method, path, line, _glob(path, False))
+    return RequestPattern(method, path, line, _glob(path, ignore_case), loose=True, ignore_case=ignore_case,
+                          routed=_glob(server_path(path), ignore_case))
 
 
 @dataclass(frozen=True)

@@ -86,15 +86,19 @@ class DecisionLog:
 
     def write(self, *, run: str | None, client: str | None, method: str, host: str | None,
               port: int | None, decision: str, reason: str, rule: str | None,
-              addr: str | None) -> bool:
+              addr: str | None, extra: dict[str, object] | None = None) -> bool:
         """Write one decision line. False when it could not be written (a full disk): the
-        caller must not let the request through (fail closed)."""
+        caller must not let the request through (fail closed). `extra`: the write gate's own
+        fields (stage, attempt, path with the query hidden, approval)."""
         self.counts[decision] += 1
-        return self._emit({
+        line: dict[str, object] = {
             "ts": _now(), "run": run, "client": client, "method": method,
             "host": _clean_host(host), "port": port, "decision": decision, "reason": reason,
             "rule": rule, "addr": addr,
-        })
+        }
+        if extra:
+            line.update({k: v for k, v in extra.items() if k not in line})
+        return self._emit(line)
 
     def count_quiet(self, *, run: str | None, client: str | None, host: str | None) -> None:
         """Count a quiet denial instead of writing it."""

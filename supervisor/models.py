@@ -66,12 +66,13 @@ class LoginCheck(StrictTypes):
 
 
 def _one_pattern(text: str) -> str:
-    """One allow_domains entry (an error names its index: browser.allow_domains.2)."""
+    """One allow_domains entry, in its canonical spelling (`Shop.Test.:8080` -> `shop.test:8080`:
+    what the proxy, the write gate, the stage answer and the logs all name). An error names its
+    index: browser.allow_domains.2."""
     try:
-        policy.parse_pattern(text, allow_list=True)
+        return policy.parse_pattern(text, allow_list=True).text
     except policy.PatternError as exc:
         raise ValueError(f"{exc.message}: {text!r}" + (f" (hint: {exc.hint})" if exc.hint else "")) from None
-    return text
 
 
 AllowPattern = Annotated[str, StringConstraints(min_length=1, max_length=300), AfterValidator(_one_pattern)]

@@ -49,14 +49,15 @@ def make_ca(cn: str, days: int = 30) -> Authority:
     return Authority(cn, key, cert)
 
 
-def issue(ca: Authority, host: str, where: Path) -> tuple[Path, Path]:
-    """A server certificate for `host` from `ca`: (cert chain file, key file) under `where`."""
+def issue(ca: Authority, host: str, where: Path, extra_names: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """A server certificate for `host` (and `extra_names`) from `ca`: (cert chain file, key
+    file) under `where`."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(_name(host)).issuer_name(ca.cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=7))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(host),
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(host), *map(x509.DNSName, extra_names),
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                            critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from sfguard.supervisor import models as m
 from sfguard.supervisor.daemon import approval_models as am
+from sfguard.supervisor.daemon.callers import CALLER, caller_of
 from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sfguard.supervisor.errors import (
     BadRequest,
@@ -398,6 +399,8 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 return error_response(401, "unauthorized", "a valid bearer token is required")
+        transport = request.transport
+        CALLER.set(caller_of(transport.get_extra_info("socket") if transport else None, token is not None))
         try:
             return await handler(request)
         except GuardError as exc:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from sfguard.supervisor.daemon.approval_models import ApprovalDecision
+from sfguard.supervisor.daemon.callers import CALLER
 from sfguard.supervisor.errors import BadRequest, Conflict, NotFound
 from sfguard.supervisor.models import RUN_ID
 from sfguard.supervisor.states import ApprovalState
@@ -53,6 +54,6 @@ class ApprovalsApi:
     async def decide_approval(self, approval_id: str, body: ApprovalDecision) -> dict[str, Any]:
         self._get(approval_id)
         try:
-            return self.approvals.answer(approval_id, body.decision == "approve", "api", body.reason)
+            return self.approvals.answer(approval_id, body.decision == "approve", CALLER.get(), body.reason)
         except ApprovalDecided as exc:
             raise Conflict("approval_decided", str(exc), "approval_id") from None

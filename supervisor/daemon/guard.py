@@ -148,8 +148,11 @@ class Guard:
         self._rotate: asyncio.Task[None] | None = None
         # reseals and lease releases a full disk put off (supervisor/daemon/deferred.py)
         self.deferred = Deferred(self.stores, self.calls)
-        # write gates: held writes wait for a person here (supervisor/writes/approvals.py)
-        self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields))
+        # write gates: held writes wait for a person here; decided ones are kept as long as the
+        # decision log's lines that name them (supervisor/writes/approvals.py)
+        self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields),
+                                   folder=self.home / "approvals",
+                                   keep_seconds=self.log_retention.max_age_s * (self.log_retention.keep + 1))
         self.approvals_api, self.write_approver = ApprovalsApi(self.approvals), self.approvals
         self.write_gate_timeout = settings.write_gate_timeout
         self.write_record = decision_recorder(self.logs_dir / "decisions.log")
@@ -261,6 +264,7 @@ class Guard:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        self.approvals.cancel(None, reason="the guard stopped")   # recorded; nothing held is sent
         await live.close_all(self)
         await self.logins.windows.close_all()
         for run in list(self.runs.values()):

@@ -29,6 +29,7 @@ fails, every client gets end-of-stream. Nothing here logs message contents or th
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import json
@@ -289,6 +290,16 @@ class CdpPipe:
             err = reply["error"] if isinstance(reply["error"], dict) else {}
             raise CdpCallError(f"{method}: {str(err.get('message', 'error'))[:200]}")
         return reply.get("result") or {}
+
+    # -- the write gate's answers to a paused request (supervisor/writes/intercept.py) ---------
+    def continue_request(self, request_id: Any) -> None:
+        """Let a request Fetch paused go on, unchanged."""
+        self._fire("Fetch.continueRequest", {"requestId": request_id})
+
+    def fulfill_request(self, request_id: Any, status: int, headers: list[dict[str, str]], body: bytes) -> None:
+        """Answer a paused request in the guard's name: the site never sees it."""
+        self._fire("Fetch.fulfillRequest", {"requestId": request_id, "responseCode": status,
+                                            "responseHeaders": headers, "body": base64.b64encode(body).decode()})
 
     def _fire(self, method: str, params: dict, session: str | None = None) -> None:
         """A command whose answer nobody waits for."""

@@ -97,6 +97,18 @@ def _digest(v: Any) -> str:
     return v
 
 
+_TEXT_RE = re.compile(r"^[\x20-\x7e\u00a0-\U0010ffff]*$")
+
+
+def _text(limit: int) -> Any:
+    """Printable text of at most `limit` characters (no control characters, no line breaks)."""
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or len(v) > limit or not _TEXT_RE.fullmatch(v):
+            raise AuditFieldError(f"text fields are at most {limit} printable characters on one line")
+        return v
+    return check
+
+
 FIELDS = {
     "scope": _name, "profile": _name, "run": _run, "stage": _stage, "host": _host,
     "hosts": _hosts, "count": _count, "profiles": _count, "pid": _count, "port": _count,
@@ -104,6 +116,10 @@ FIELDS = {
     "logged_in": _flag, "policy_sha256": _digest, "period_s": _count,
     "seq": _count, "segments": _count,
     "approval": _token, "attempt": _count, "method": _token, "why": _token,
+    # a held write's record: its address with query values hidden, its form's field names, its
+    # body's type and size, the sites.yaml rule that held it, the decider's own words
+    "url": _text(2048), "fields": _text(500), "body_type": _text(200), "body_size": _count,
+    "rule": _text(300), "note": _text(500),
 }
 
 

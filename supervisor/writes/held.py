@@ -7,13 +7,20 @@ timeout, which is a denial). The local implementation is the approvals store
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Protocol
 
 
+def new_approval_id() -> str:
+    """A new approval's id (`ap_` and 20 hex digits: approval_models.APPROVAL_ID)."""
+    return "ap_" + secrets.token_hex(10)
+
+
 @dataclass(frozen=True)
 class HeldWrite:
-    """One write held for a person. `url` is shown to the approver; logs redact its query."""
+    """One write held for a person: what is shown is what is sent. `url` is shown to the
+    approver whole; logs and records hide its query values."""
     run_id: str
     stage_id: str | None
     attempt: int | None
@@ -22,19 +29,31 @@ class HeldWrite:
     url: str
     host: str
     path: str
-    #: form field names and values of a form body (password-like values masked when shown)
+    #: form field names and values of a form body (secret values masked when shown)
     form: tuple[tuple[str, str], ...] | None
     body_size: int
     body_type: str | None
     tab_url: str | None
-    #: sha256 over method, URL and body: identical writes pending at once share one approval
+    #: sha256 over method, URL, meaningful headers and body (a record of what was sent)
     fingerprint: str
-    #: why it is held: the write mode `gate`, or `replay_unsafe_retry` (an earlier attempt wrote)
-    why: str = "gate"
+    #: why it is held: stage_mode, site_floor, site_write_get, or replay_unsafe_retry (an
+    #: earlier attempt of this replay-unsafe stage wrote)
+    why: str = "stage_mode"
     #: PNG of the tab when the write was held (None when the tab could not be captured)
     screenshot: bytes | None = field(default=None, repr=False)
     #: for a retry of a replay-unsafe stage: what earlier attempts sent (method, url, at)
     earlier: tuple[dict[str, object], ...] = ()
+    port: int | None = None
+    #: the sites.yaml rule that decided (file:line and patterns), when a rule did
+    rule: str | None = None
+    #: the request headers that change what it means (masking.shown_headers), as sent
+    headers: tuple[tuple[str, str], ...] = ()
+    #: a JSON or text body as shown (masked); None for forms, empty or other bodies
+    body_text: str | None = None
+    #: names of the page's `type=password` inputs (their values are masked wherever shown)
+    password_fields: tuple[str, ...] = ()
+    #: the approval's id, chosen where the write is held (its decision-log lines carry it)
+    approval_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +67,5 @@ class WriteOutcome:
 class WriteApprover(Protocol):
     async def decide(self, held: HeldWrite, timeout: float) -> WriteOutcome:
         """Wait until a person approves or denies `held`, or `timeout` seconds pass (denied,
-        by "timeout"). Identical writes pending at once (same run, stage and fingerprint) are
-        one approval: every waiter gets the same outcome."""
+        by "timeout"). Each held request is its own approval: one approval releases one request."""
         ...

@@ -42,14 +42,18 @@ def stage_write_modes(site_policy: Any, stage_mode: str, patterns: list[str]) ->
 
 def decision_recorder(path: Any) -> Callable[[str, dict[str, object]], None]:
     """Write decisions into the guard's decision log (beside the proxies' host decisions):
-    client `writes:STAGE`, decision write_allowed|refused|held|approved|denied|timeout."""
+    client `writes:STAGE`, decision write_allowed|refused|held|approved|denied|timeout, with the
+    write's stage, attempt, port, path (query hidden), the rule and the approval id."""
     from sfguard.proxy_addons.decision_log import DecisionLog  # noqa: PLC0415
     log = DecisionLog(str(path))
 
     def record(_decision: str, rec: dict[str, object]) -> None:
+        extra = {k: rec[k] for k in ("stage", "attempt", "path", "approval", "by") if rec.get(k) is not None}
+        port = rec.get("port")
         log.write(run=str(rec["run"]), client=f"writes:{rec.get('stage')}", method=str(rec["method"]),
-                  host=str(rec["host"]), port=None, decision=str(rec["decision"]), reason=str(rec["reason"]),
-                  rule=None, addr=None)
+                  host=str(rec["host"]), port=port if isinstance(port, int) else None, decision=str(rec["decision"]),
+                  reason=str(rec["reason"]), rule=str(rec["rule"]) if rec.get("rule") else None, addr=None,
+                  extra=extra)
     return record
 
 

@@ -366,7 +366,7 @@ class WebSocketGate:
         who = mine[0] if len(mine) == 1 else writes.who(None)
         verdict = WriteVerdict(True, "deny", "websocket_upgrade",
                                explanation="a WebSocket upgrade to a host whose writes are gated or refused")
-        writes._log("refused", "GET", host, path, verdict, who)
+        writes.record_decision("refused", "GET", host, port, path, verdict, who)
 
 
 async def guard_websockets(anchor: Any) -> None:

@@ -47,16 +47,18 @@ async def test_approve_releases_exactly_once_and_is_audited(api):  # noqa: F811
     assert "hunter2" not in repr(api.stores.audit.records(run="r1"))
 
 
-async def test_deny_timeout_cancel_and_one_approval_for_identical_writes(api):  # noqa: F811
+async def test_deny_timeout_cancel_and_one_approval_per_request(api):  # noqa: F811
     g = api.guard
     a = asyncio.create_task(g.write_approver.decide(held(2), 30))
-    b = asyncio.create_task(g.write_approver.decide(held(2), 30))            # identical: the same approval
+    b = asyncio.create_task(g.write_approver.decide(held(2), 30))            # identical: still two requests
     await asyncio.sleep(0.05)
     pending = (await api.call("GET", "/v1/approvals?state=pending"))[1]["approvals"]
-    assert len(pending) == 1
+    assert len(pending) == 2 and pending[0]["id"] != pending[1]["id"]
     await api.call("POST", f"/v1/approvals/{pending[0]['id']}", {"decision": "deny", "reason": "not today"})
-    outs = await asyncio.gather(a, b)
-    assert [o.approved for o in outs] == [False, False] and outs[0].reason == "not today"
+    out_a = await asyncio.wait_for(a, 5)
+    assert not out_a.approved and out_a.reason == "not today" and not b.done()   # one answer, one request
+    await api.call("POST", f"/v1/approvals/{pending[1]['id']}", {"decision": "approve"})
+    assert (await asyncio.wait_for(b, 5)).approved
     # a timeout is a denial
     out = await g.write_approver.decide(held(3), 0.2)
     assert not out.approved and out.by == "timeout"
@@ -66,7 +68,12 @@ async def test_deny_timeout_cancel_and_one_approval_for_identical_writes(api):  
     assert g.approvals.cancel("r1", "s2") == 1
     assert not (await c).approved
     states = sorted(x["state"] for x in (await api.call("GET", "/v1/approvals"))[1]["approvals"])
-    assert states == ["cancelled", "denied", "timed_out"]
+    assert states == ["approved", "cancelled", "denied", "timed_out"]
+    # the audit chain keeps what was held, why, who decided and their words; never a value
+    recs = [r["fields"] for r in api.stores.audit.records(run="r1") if r["event"] == "write_denied"]
+    assert recs and recs[0]["note"] == "not today" and recs[0]["url"] == "https://app.test/items?id=...&key=..."
+    assert recs[0]["fields"] == "title,password" and recs[0]["body_size"] == 30 and recs[0]["why"] == "stage_mode"
+    assert "hunter2" not in repr(api.stores.audit.records(run="r1"))
 
 
 async def test_long_poll_answers_when_a_write_is_held(api):  # noqa: F811
@@ -93,3 +100,40 @@ async def test_long_poll_answers_when_a_write_is_held(api):  # noqa: F811
 async def test_bad_requests(api, method, path, body, status, code):  # noqa: F811
     got, answer = await api.call(method, path, body)
     assert (got, answer["error"]["code"]) == (status, code)
+
+
+async def test_decided_approvals_outlive_the_guard_and_pending_ones_end_cancelled(api, tmp_path):  # noqa: F811
+    """A decided approval is a record: listed and shown by the next guard on the same home (query
+    values hidden), for the retention period; one pending when the guard stops ends cancelled."""
+    from sfguard.supervisor.daemon.api import build_app
+    from sfguard.supervisor.daemon.guard import Guard
+    g = api.guard
+    w = asyncio.create_task(g.write_approver.decide(held(7), 30))
+    pending_w = asyncio.create_task(g.write_approver.decide(held(8), 30))
+    await asyncio.sleep(0.05)
+    first, second = (await api.call("GET", "/v1/approvals?state=pending"))[1]["approvals"]
+    await api.call("POST", f"/v1/approvals/{first['id']}", {"decision": "approve", "reason": "checked the cart"})
+    assert (await w).approved
+    await g.stop()
+    assert not (await pending_w).approved                      # the stop denied it: nothing is sent
+    home = g.home
+    assert oct((home / "approvals").stat().st_mode & 0o777) == "0o700"
+    assert oct((home / "approvals" / "decided.jsonl").stat().st_mode & 0o777) == "0o600"
+    again = Guard(home, stores=api.stores)
+    try:
+        app = build_app(again)
+        from aiohttp.test_utils import TestClient, TestServer
+        async with TestClient(TestServer(app)) as client:
+            res = await client.get("/v1/approvals")
+            listed = {a["id"]: a for a in (await res.json())["approvals"]}
+            assert listed[first["id"]]["state"] == "approved" and listed[second["id"]]["state"] == "cancelled"
+            one = await (await client.get(f"/v1/approvals/{first['id']}")).json()
+            assert (one["decided_by"], one["reason"], one["method"], one["path"]) == (
+                "api", "checked the cart", "POST", "/items")
+            assert one["url"] == "https://app.test/items?id=...&key=..." and one["form"] == [
+                ["title", "hello"], ["password", "********"]]
+            status = (await client.post(f"/v1/approvals/{first['id']}", json={"decision": "deny"})).status
+            assert status == 409
+    finally:
+        await again.stop()
+    assert "hunter2" not in (home / "approvals" / "decided.jsonl").read_text()
