@@ -29,7 +29,11 @@ judged; its scripts and images are not paused, yet Fetch being on at all slows e
 with the WebSocket rules in force as at a stage start. Every browser the guard launches
 carries its extension from the start (its rule refuses service workers: supervisor/writes/
 websockets.py), so guard-gated / guard is what the gate's interception costs a page that only
-reads. Target: <= 1.05x. `direct-fetch-idle` is a direct browser with Fetch on and a pattern no
+reads. Target (issue 45): <= 1.20x (the 1.05x of issue 32 was retired: any interception that
+can hold a request costs at least ~1.14x here). `guard-noext` is a guarded browser through the
+same run proxy with the guard's extension uninstalled: guard / guard-noext is what a guarded
+browser with no gated or denied host costs against plain Chromium behind the same proxy
+(target, issue 45: <= 1.05x). `direct-fetch-idle` is a direct browser with Fetch on and a pattern no
 URL matches: nothing pauses, so direct-fetch-idle / direct is what interception being on costs
 every request, the floor under guard-gated / guard (docs/threat-model.md, "Cost, measured").
 `direct-noext` is the direct launch with that extension uninstalled again: direct /
@@ -305,9 +309,10 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         await proxy.start()
         client = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
         gated = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
+        noext = await proxy.add_client([f"site-{i + 1}.test" for i in range(3)])
         browsers = [("direct", None), ("direct-noext", None), ("direct-fetch", None), ("direct-fetch-idle", None),
                     ("guard", proxy.url_for(client)),
-                    ("guard-gated", proxy.url_for(gated))]
+                    ("guard-gated", proxy.url_for(gated)), ("guard-noext", proxy.url_for(noext))]
         if squid_port is not None:
             browsers.append(("squid", f"http://bench:squid@127.0.0.1:{squid_port}"))
         names = tuple(name for name, _ in browsers)
@@ -319,7 +324,7 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
             anchors[name] = anchor
             # the https origins are self-signed: every browser alike ignores certificate errors
             await anchor.pipe.call("Security.setIgnoreCertificateErrors", {"ignore": True})
-            if name == "direct-noext":
+            if name in ("direct-noext", "guard-noext"):
                 # the guard's extension (loaded by every launch: its service-worker rule) taken
                 # out again: direct / direct-noext is what the extension costs every browser
                 await anchor.pipe.call("Extensions.uninstall", {"id": EXTENSION_ID})
@@ -346,7 +351,8 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         for scheme in SCHEMES:
             key = {"direct": (scheme, "direct"), "direct-noext": (scheme, "direct"), "direct-fetch": (scheme, "direct"),
                    "direct-fetch-idle": (scheme, "direct"),
-                   "guard": (scheme, "named"), "guard-gated": (scheme, "named"), "squid": (scheme, "named")}
+                   "guard": (scheme, "named"), "guard-gated": (scheme, "named"), "guard-noext": (scheme, "named"),
+                   "squid": (scheme, "named")}
             times[scheme] = {name: [] for name in names}
             for name in names:  # warm-up: caches, connections, the proxy's credential
                 origin_state["page"] = origins[key[name]]
@@ -354,7 +360,7 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
                 await tabs[name].load(f"{origins[key[name]][0]}/?load={seq}")
             # measured once each proxied browser has its credential cached and its proxy
             # authentication off (until then every request pauses in Fetch)
-            for name in ("guard", "guard-gated"):
+            for name in ("guard", "guard-gated", "guard-noext"):
                 for _ in range(100):
                     if not anchors[name].pipe.fetch_on:
                         break
@@ -486,8 +492,15 @@ def main() -> int:
                         for d, g in zip(times[scheme]["guard"], times[scheme]["guard-gated"], strict=True))
         med = statistics.median(ratios)
         print(f"{scheme} guard-gated / guard (write gate on, reads only), median per round: {med:.2f}x "
-              f"[{ratios[0]:.2f}-{ratios[-1]:.2f}] (target <= 1.05: {'met' if med <= 1.05 else 'NOT met'}); "
+              f"[{ratios[0]:.2f}-{ratios[-1]:.2f}] (target <= 1.20: {'met' if med <= 1.20 else 'NOT met'}); "
               "rounds: " + ", ".join(f"{r:.2f}" for r in ratios))
+        ratios = sorted(statistics.median(g) / statistics.median(d)
+                        for d, g in zip(times[scheme]["guard-noext"], times[scheme]["guard"], strict=True))
+        med = statistics.median(ratios)
+        print(f"{scheme} guard / guard-noext (a guarded browser with no gated host against plain Chromium "
+              f"through the same proxy), median per round: {med:.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}] "
+              f"(target <= 1.05: {'met' if med <= 1.05 else 'NOT met'}); rounds: "
+              + ", ".join(f"{r:.2f}" for r in ratios))
     p50 = statistics.median(release)
     print(f"\nheld write released to the origin after its approval: p50 {p50:.1f} ms, p90 {p90(release):.1f} ms, "
           f"max {release[-1]:.1f} ms over {len(release)} (target p50 <= 100 ms: "

@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from sfguard.policy.engine import DEFAULT_PORTS, SitePolicy
 from sfguard.policy.errors import PolicyError, PolicyIssue
@@ -74,6 +74,12 @@ class WriteRequestModel(_Strict):
     ignore_case: bool = False
 
 
+#: a GET listed under `writes`: text, or a mapping with its options (one branch validated, so
+#: an error names the mapping's own key; the "~" tags are left out of error paths)
+ListedGet = Annotated[Annotated[str, Tag("~text")] | Annotated[WriteRequestModel, Tag("~mapping")],
+                      Discriminator(lambda v: "~mapping" if isinstance(v, dict) else "~text")]
+
+
 class WriteEntryModel(_Strict):
     """One entry of `writes` (policy/writes.py): a floor and the exceptions for some hosts."""
 
@@ -82,7 +88,7 @@ class WriteEntryModel(_Strict):
     mode: Literal["allow", "gate", "deny"] = "allow"
     reason: str
     reads: list[str] = []
-    writes: list[str | WriteRequestModel] = []
+    writes: list[ListedGet] = []
 
     @model_validator(mode="after")
     def _one_of(self) -> WriteEntryModel:

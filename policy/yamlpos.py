@@ -65,6 +65,8 @@ def validate_at(model: type[M], value: Any, root: Node,
     except ValidationError as exc:
         placed: list[tuple[dict[str, Any], Node, int]] = []
         for err in exc.errors(include_url=False):
+            # a tagged union's tag ("~text") names no place in the file: left out of the path
+            err["loc"] = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("~")))
             node, depth = locate(root, tuple(err["loc"]), child,
                                  at_key=err["type"] == "extra_forbidden")
             placed.append((dict(err), node, depth))

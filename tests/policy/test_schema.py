@@ -42,6 +42,9 @@ EXPECTED = {
     "writes_writes_post.yaml": [(6, 9, "writes[0].writes[0]", "every POST already is a write", '"GET /logout"')],
     "writes_bad_path.yaml": [(6, 9, "writes[0].reads[0]", "'search?q=1' is not usable", "no query")],
     "writes_public_suffix.yaml": [(3, 14, "writes[0].pattern", "public suffix com", "registrable domain")],
+    "writes_ignore_case_unknown_key.yaml": [(7, 9, "writes[0].writes[0].any_case", "unknown key 'any_case'",
+                                             "did you mean 'ignore_case'?")],
+    "writes_request_post.yaml": [(6, 9, "writes[0].writes[0]", "every POST already is a write", '"GET /logout"')],
     "many_errors.yaml": [
         (2, 7, "mode", "'loud'", "mode: enforce"),
         (3, 9, "ports[0]", "valid integer", "without quotes"),

@@ -170,3 +170,58 @@ cases:
     assert proc.returncode == 2
     assert "method and expect_write go together" in proc.stderr
     assert "expect_write: one of read, allow, gate, deny (got 'hold')" in proc.stderr
+
+
+# the path as a server routes it: what a listed GET is matched against, beside the path as sent
+SERVER_PATHS = [
+    ("/logout", "/logout"), ("/%6cogout", "/logout"), ("/%6Cogout", "/logout"), ("/logout/", "/logout"),
+    ("/logout;jsessionid=1", "/logout"), ("//logout", "/logout"), ("/a/../logout", "/logout"),
+    ("/./logout", "/logout"), ("/a/./b/../../logout", "/logout"), ("/%2e%2e/logout", "/logout"),
+    ("/", "/"), ("", "/"), ("/..", "/"), ("/a%2fb", "/a%2Fb"), ("/%41%7e", "/A~"), ("/x%20y", "/x%20y"),
+    ("/a;b/c;d/", "/a/c"),
+]
+
+
+@pytest.mark.parametrize("raw, routed", SERVER_PATHS)
+def test_server_path(raw, routed):
+    from sfguard.policy.writes import server_path
+    assert server_path(raw) == routed
+
+
+LISTED = """\
+version: 1
+writes:
+  - pattern: "shop.example"
+    reason: "signing out and wiping are writes"
+    writes:
+      - "GET /logout"
+      - "GET /api/*/delete"
+      - request: "GET /Admin/Wipe"
+        ignore_case: true
+    reads:
+      - "POST /search"
+"""
+
+
+@pytest.mark.parametrize("method, path, write", [
+    # a listed GET in every spelling a server routes to it
+    ("GET", "/logout", True), ("GET", "/%6cogout", True), ("GET", "/logout/", True), ("GET", "/logout;x", True),
+    ("GET", "//logout", True), ("GET", "/a/../logout", True), ("GET", "/api/7/delete", True),
+    ("GET", "/api/7/delete/", True), ("GET", "/api//7//delete", True),
+    ("GET", "/admin/wipe", True), ("GET", "/ADMIN/WIPE/", True), ("GET", "/Admin/%57ipe", True),
+    # case matters unless the pattern says ignore_case; other paths are reads
+    ("GET", "/Logout", False), ("GET", "/logoutx", False), ("GET", "/api/7/8/delete", False),
+    ("GET", "/admin/wiped", False),
+    # a read exception matches only the path as sent: it loosens, so it stays narrow
+    ("POST", "/search", False), ("POST", "/search/", True), ("POST", "/%73earch", True), ("POST", "/Search", True),
+])
+def test_listed_gets_match_the_routed_path_and_reads_only_the_sent_one(method, path, write):
+    rules = parse_policy(LISTED, "sites.yaml").writes
+    assert rules.judge("shop.example", method, path).write is write, (method, path)
+
+
+def test_floor_patterns_are_kept_canonical():
+    rules = parse_policy('version: 1\nwrites:\n  - patterns: ["PAY.Shop.Example.", "*.B\u00fccher.de:8080"]\n'
+                         '    mode: deny\n    reason: "r"\n', "sites.yaml").writes
+    assert rules.entries[0].patterns == ("pay.shop.example", "*.xn--bcher-kva.de:8080")
+    assert rules.floor("pay.shop.example").mode == "deny"
