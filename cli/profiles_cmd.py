@@ -219,12 +219,26 @@ def cmd_show(args) -> int:
     except ProfileNotFound as exc:
         raise CliError(str(exc), 1) from None
     d["key_provider"] = ctx.keys.describe()
+    d["cleaned"] = _last_cleaned(ctx, key.name)
     if args.json:
         print(json.dumps(d, indent=2))
     else:
         for k, v in d.items():
             print(f"{k + ':':<14} {v if v not in (None, []) else '-'}")
     return 0
+
+
+def _last_cleaned(ctx, name: str) -> str | None:
+    """When the profile last carried what would run before the guard (a saved session, start-up
+    pages, an extension), and what was removed (the audit chain's `profile_cleaned`)."""
+    try:
+        recs = [r for r in ctx.audit.records(profile=name) if r.get("event") == "profile_cleaned"]
+    except (OSError, ValueError):
+        return None
+    if not recs:
+        return None
+    f = recs[-1].get("fields") or {}
+    return f"{_when(recs[-1].get('ts'))} (run {f.get('run')}): {f.get('removed')}"
 
 
 def cmd_create(args) -> int:

@@ -61,6 +61,9 @@ class Client:
     #: the one listener port this client may use (a proxy shared by many runs gives each run
     #: its own listener); None: any listener of its proxy
     port: int | None = None
+    #: a browser the guard has not yet put under its rules (its write gate, its extension's
+    #: rules): every request of it is refused, whatever the host (`browser_not_ready`)
+    held: bool = False
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -174,7 +177,7 @@ def load_clients_file(path: str | os.PathLike[str]) -> str:
 
 
 def make_client(name: str, token: str, allow: Iterable[str], run: str | None = None,
-                writes: str | None = None, port: int | None = None) -> Client:
+                writes: str | None = None, port: int | None = None, held: bool = False) -> Client:
     """Build a Client, compiling its allowlist (raises ClientSpecError or policy.PolicyError)."""
     patterns = tuple(allow)
     Client(name=name, token=token)  # validate before compiling
@@ -183,8 +186,10 @@ def make_client(name: str, token: str, allow: Iterable[str], run: str | None = N
         raise ClientSpecError(f"client {name!r}: writes is one of {', '.join(WRITE_MODES)}")
     if port is not None and (type(port) is not int or not 0 < port <= 65535):
         raise ClientSpecError(f"client {name!r}: port must be a TCP port number")
+    if type(held) is not bool:
+        raise ClientSpecError(f"client {name!r}: held is true or false")
     return Client(name=name, token=token, allow=ruleset, allow_patterns=patterns, run=run,
-                  writes=writes, port=port)
+                  writes=writes, port=port, held=held)
 
 
 class ClientRegistry:
@@ -222,7 +227,8 @@ class ClientRegistry:
             if old is None:
                 raise KeyError(name)
             new_client = Client(name=old.name, token=old.token, allow=ruleset,
-                                allow_patterns=patterns, run=old.run, writes=old.writes, port=old.port)
+                                allow_patterns=patterns, run=old.run, writes=old.writes, port=old.port,
+                                held=old.held)
             new = dict(self._clients)
             new[name] = new_client
             self._clients = MappingProxyType(new)

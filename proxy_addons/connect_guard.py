@@ -36,6 +36,8 @@ from sfguard.proxy_addons.state import (
 )
 
 logger = logging.getLogger("sfguard.proxy.connect")
+#: the reason a browser's request is refused before the guard put it under its rules
+BROWSER_NOT_READY = "browser_not_ready"
 
 
 class ConnectGuard:
@@ -71,7 +73,10 @@ class ConnectGuard:
         host, port)) or None."""
         site = self.s.policy
         d = site.decide(host, port, client.allow)
-        if d.allowed and client.writes is not None and d.normalized_host is not None:
+        if client.held:
+            d = site.refuse(d, BROWSER_NOT_READY, "the guard has not yet put this browser under its rules "
+                            "(write gate, extension): nothing leaves it before that")
+        elif d.allowed and client.writes is not None and d.normalized_host is not None:
             refusal = shell_verdict(site.writes, client.writes, d.normalized_host, d.port)
             if refusal is not None:
                 d = site.refuse(d, SHELL_REFUSAL, refusal.explanation)

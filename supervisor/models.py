@@ -301,6 +301,15 @@ class RunBrowserInfo(Answer):
     alive: bool
     stages: list[str]
     restarts: int
+    tabs: list[str] = Field(description=(
+        "scheme://host of each page open in the browser (the stages' tabs and popups, the guard's own), "
+        "read from the guard's pipe"))
+    closed_tabs: list[str] = Field(description=(
+        "scheme://host of tabs the guard closed because nobody opened them (a restored session, a "
+        "start-up page, an extension's): none should come"))
+    carried: list[str] = Field(description=(
+        "what the profile carried that would have run before the guard (a saved session, start-up "
+        "pages, crash restore, extensions), removed or kept from loading at this browser's start"))
 
 
 class RunProxyInfo(Answer):

@@ -21,12 +21,14 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 from pathlib import Path
 
 import psutil
 
 from sfguard.supervisor.procs import ProcRecord, scan_orphans, terminate_recorded, wait_gone
+from sfguard.supervisor.profiles.sealing import SESSION_FILES
 
 #: The flags agent-browser 0.41.2 launched Chromium with, kept because they still serve.
 AGENT_BROWSER_FLAGS = (
@@ -79,9 +81,13 @@ PIPE_READ_FD, PIPE_WRITE_FD = 3, 4
 
 
 def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_port: int | None,
-                  headed: bool, no_sandbox: bool, window_title: str | None = None) -> list[str]:
+                  headed: bool, no_sandbox: bool, window_title: str | None = None,
+                  extension: Path | None = None) -> list[str]:
+    """The command line of a guarded browser. `extension`: the guard's own extension folder, the
+    only extension it may load (a profile's own never load: `--disable-extensions-except`)."""
     argv = [str(browser_path), *AGENT_BROWSER_FLAGS, *GUARD_FLAGS,
             f"--user-data-dir={profile_dir}"]
+    argv.append(f"--disable-extensions-except={extension}" if extension is not None else "--disable-extensions")
     if not headed:
         argv.append("--headless=new")
     elif window_title:
@@ -96,25 +102,76 @@ def chromium_args(*, browser_path: str | os.PathLike, profile_dir: Path, proxy_p
     return argv
 
 
-#: Preferences the guard sets in every profile before its browser starts: the password manager
-#: off, so a password a person types into a guarded window is never saved in the profile, and
-#: never filled into a login form a stage later reads (an autofilled value reaches the page's
-#: script after any click, and a stage's agent clicks). And the entry of the guard's WebSocket
-#: gate extension, which the guard loads per run, removed (a profile never loads it by itself).
-#: Preloading off too (`net.network_prediction_options` 2, "never"): speculation-rules prefetch
-#: and prerender fetch in the browser where its interception does not look (measured on Chromium
-#: 156: neither paused in browser-level Fetch), so a GET the site policy names a write could go
-#: that way past the write gate.
+#: Preferences the guard owns in every profile, set before its browser starts:
+#: - the password manager off, so a password a person types into a guarded window is never
+#:   saved in the profile, and never filled into a login form a stage later reads;
+#: - preloading off (`net.network_prediction_options` 2, "never"): speculation-rules prefetch
+#:   and prerender fetch where the browser's interception does not look (measured on Chromium
+#:   156), so a GET the site policy names a write could go that way past the write gate;
+#: - no page of the browser's own choosing at start (issue 52): no session restore, no start-up
+#:   pages (`session.restore_on_startup` 5, `session.startup_urls` empty), the last exit clean
+#:   (no "restore pages" after a crash), developer mode off (no unpacked extension loads);
+#: - the entry of the guard's own extension removed (loaded per run, never by itself).
+#: What else a profile carries that would run before the guard (session files, extensions) is
+#: removed or kept from loading: see `set_guard_prefs` and `--disable-extensions-except`.
 GUARD_PREFS = {"credentials_enable_service": False, "profile": {"password_manager_enabled": False},
                "net": {"network_prediction_options": 2}}
+#: `session.restore_on_startup`: 5 opens only the new tab page (the guard's command line names
+#: about:blank, which takes its place); 1 (restore) and 4 (start-up URLs) are what it replaces
+RESTORE_NOTHING = 5
 
 
-def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> None:
-    """Merge GUARD_PREFS into `profile_dir/Default/Preferences` (atomic: temp, fsync, rename,
-    no symlink followed) and remove the profile's service worker registrations. `owner`: uid
-    and gid for what is written (the browser user's)."""
+def _carried(data: dict) -> list[str]:
+    """What in a profile's Preferences would open or run something before the guard."""
     from sfguard.supervisor.writes.websockets import EXTENSION_ID  # noqa: PLC0415
+    found = []
+    session = _part(data, "session")
+    if session.get("restore_on_startup") not in (None, RESTORE_NOTHING):
+        found.append(f"session.restore_on_startup={session.get('restore_on_startup')!s:.10}")
+    if session.get("startup_urls"):
+        urls = session["startup_urls"]
+        found.append(f"session.startup_urls ({len(urls) if isinstance(urls, list) else 1})")
+    profile = _part(data, "profile")
+    if profile.get("exit_type") not in (None, "Normal") or profile.get("exited_cleanly") is False:
+        found.append("profile.exit_type (a crash: pages to restore)")
+    exts = _part(data, "extensions")
+    theirs = [k for k, v in _part(exts, "settings").items() if k != EXTENSION_ID and isinstance(v, dict)
+              and v.get("location") not in (5, 10)]     # 5, 10: Chromium's own component extensions
+    if theirs:
+        found.append(f"extensions ({len(theirs)}, never loaded)")
+    if _part(exts, "ui").get("developer_mode"):
+        found.append("extensions.ui.developer_mode")
+    return found
 
+
+def _part(data: dict, key: str) -> dict:
+    value = data.get(key)
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def _guarded(data: dict) -> dict:
+    """`data` (a profile's Preferences) with the guard's own preferences in force."""
+    from sfguard.supervisor.writes.websockets import EXTENSION_ID  # noqa: PLC0415
+    out = dict(data)
+    out["credentials_enable_service"] = False
+    out["profile"] = {**_part(out, "profile"), "password_manager_enabled": False, "exit_type": "Normal",
+                      "exited_cleanly": True}
+    out["net"] = {**_part(out, "net"), "network_prediction_options": 2}
+    out["session"] = {**_part(out, "session"), "restore_on_startup": RESTORE_NOTHING, "startup_urls": []}
+    exts = _part(out, "extensions")
+    settings = exts.get("settings")
+    if isinstance(settings, dict) and EXTENSION_ID in settings:
+        exts["settings"] = {k: v for k, v in settings.items() if k != EXTENSION_ID}
+    exts["ui"] = {**_part(exts, "ui"), "developer_mode": False}
+    out["extensions"] = exts
+    return out
+
+
+def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> list[str]:
+    """The guard's preferences in `profile_dir/Default/Preferences` (atomic: temp, fsync, rename,
+    no symlink followed), the profile's service worker registrations and saved session removed.
+    `owner`: uid and gid for what is written (the browser user's). Returns what the profile
+    carried that would have opened or run something before the guard (for the log and audit)."""
     pdir = os.open(profile_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         try:
@@ -128,10 +185,12 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
         os.close(pdir)
     try:
         # No service worker registered in an earlier run starts in this one (a guarded browser
-        # refuses new ones: writes/websockets.py). Sealing leaves the folder out already; this
-        # also covers a profile a crash left unsealed.
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(SERVICE_WORKER_DIR, dir_fd=ddir)
+        # refuses new ones: writes/websockets.py), and no saved session's tabs come back.
+        # Sealing leaves both out already; this also covers a profile a crash left unsealed.
+        carried = []
+        for name in (SERVICE_WORKER_DIR, *sorted(SESSION_FILES)):
+            if _remove_at(ddir, name) and name != SERVICE_WORKER_DIR:
+                carried.append(f"saved session ({name})")
         data: dict = {}
         try:
             fd = os.open("Preferences", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=ddir)
@@ -142,25 +201,15 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
             pass
         except ValueError:
             data = {}     # Chromium would discard an unreadable file too
-        raw = data.get("profile")
-        profile: dict = raw if isinstance(raw, dict) else {}
-        exts = (data.get("extensions") or {}).get("settings") if isinstance(data.get("extensions"), dict) else None
-        ours = isinstance(exts, dict) and EXTENSION_ID in exts
-        raw_net = data.get("net")
-        net: dict = raw_net if isinstance(raw_net, dict) else {}
-        if data.get("credentials_enable_service") is False and profile.get("password_manager_enabled") is False \
-                and net.get("network_prediction_options") == 2 and not ours:
-            return
-        data["credentials_enable_service"] = False
-        data["profile"] = {**profile, "password_manager_enabled": False}
-        data["net"] = {**net, "network_prediction_options": 2}
-        if ours and isinstance(exts, dict):
-            del exts[EXTENSION_ID]   # the guard's WebSocket gate: loaded per run, never by itself
+        carried += _carried(data)
+        guarded = _guarded(data)
+        if guarded == data:
+            return carried
         tmp = f".Preferences.sfguard-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=ddir)
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(json.dumps(data, separators=(",", ":")).encode())
+                fh.write(json.dumps(guarded, separators=(",", ":")).encode())
                 fh.flush()
                 os.fsync(fh.fileno())
             if owner is not None:
@@ -170,8 +219,22 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=ddir)
             raise
+        return carried
     finally:
         os.close(ddir)
+
+
+def _remove_at(dir_fd: int, name: str) -> bool:
+    """Remove a file or folder `name` in `dir_fd` (never following a link); True if it was there."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
+    return True
 
 
 def browser_env(base: dict[str, str] | None = None, *,

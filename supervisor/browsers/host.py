@@ -91,6 +91,9 @@ class Anchor:
     #: a root guard's headed browser: its grant of the display (xdisplay.grant, removed at close)
     xauth_file: Path | None = field(default=None, repr=False)
     blank_tab: str | None = field(default=None, repr=False)   # Chromium's start-up tab, until taken
+    #: what the profile carried that would have run before the guard (chromium.set_guard_prefs):
+    #: removed or kept from loading, said in the log and the audit chain
+    carried: tuple[str, ...] = ()
 
     def take_blank_tab(self) -> str | None:
         """The browser's start-up tab, once (the first stage session attaches to it: a new tab is
@@ -173,18 +176,24 @@ def _proxy_parts(proxy_url: str | None) -> tuple[int | None, tuple[str, str] | N
 
 
 async def _start_up_tab(pipe: CdpPipe) -> str | None:
-    """The one tab a just-started browser has, when it is a plain about:blank page (the last
-    word of its command line); None otherwise (not there yet, restored pages, several tabs):
-    such tabs stay hidden from every stage, as any tab no stage made."""
+    """The one tab a just-started browser keeps: the about:blank page its command line names.
+    Every other page it has (a restored session, start-up pages: none should come, the guard's
+    preferences forbid them) is closed, and from now on the pipe's warden closes any page that
+    appears with no opener and that no client asked for (supervisor/gate/warden.py). None when
+    there is no such blank page (not there yet): the warden still watches."""
     try:
         res = await pipe.call("Target.getTargets", timeout=5)
     except (CdpCallError, PipeClosed, TimeoutError):
+        pipe.warden.arm(None)
         return None
     pages = [t for t in res.get("targetInfos", []) if isinstance(t, dict) and t.get("type") == "page"]
-    if len(pages) != 1 or pages[0].get("url") != "about:blank" or pages[0].get("openerId"):
-        return None
-    tid = pages[0].get("targetId")
-    return tid if isinstance(tid, str) and tid else None
+    keep = next((t.get("targetId") for t in pages if t.get("url") == "about:blank" and not t.get("openerId")
+                 and isinstance(t.get("targetId"), str) and t.get("targetId")), None)
+    pipe.warden.arm(keep)
+    for t in pages:
+        if t.get("targetId") != keep:
+            pipe.warden.appeared(t)    # not the guard's: closed (and said)
+    return keep
 
 
 def _daemon_record(socket_dir: Path, session: str) -> ProcRecord | None:
@@ -261,6 +270,7 @@ agent-browser sessions attached to the CDP gate."""
         profile_dir: Path | None = None
         home_dir: Path | None = None
         ext_dir: Path | None = None
+        carried: list[str] = []
         try:
             # where a temp profile and a HOME go (made only when one is needed)
             work = Path(spec.temp_root or socket_dir.parent)
@@ -270,16 +280,16 @@ agent-browser sessions attached to the CDP gate."""
                 bu.open_path(work)   # the browser user crosses to its HOME and temp profile
             if spec.profile_dir is None:
                 profile_dir = bu.owned_dir(work, f"tp-{spec.session[:20]}-", user)
-                chromium.set_guard_prefs(profile_dir, (user.uid, user.gid) if user else None)
+                carried = chromium.set_guard_prefs(profile_dir, (user.uid, user.gid) if user else None)
             else:
                 profile_dir = Path(spec.profile_dir)
                 if user is not None:
                     bu.open_path(profile_dir.parent)
-                    chromium.set_guard_prefs(profile_dir)       # before it is handed over
+                    carried = chromium.set_guard_prefs(profile_dir)       # before it is handed over
                     bu.hand_over(profile_dir, user)
                 else:
                     private_dir(profile_dir)
-                    chromium.set_guard_prefs(profile_dir)
+                    carried = chromium.set_guard_prefs(profile_dir)
             # a HOME of its own: the browser user's, or one holding the --ca-file authorities
             home_dir = bu.owned_dir(work, bu.HOME_PREFIX, user) if user is not None or self.ca else None
             if self.ca and home_dir is not None:
@@ -311,7 +321,8 @@ agent-browser sessions attached to the CDP gate."""
             raise AnchorError(f"the profile of session {spec.session} is already open in another browser")
         argv = chromium.chromium_args(browser_path=spec.browser_path, profile_dir=profile_dir,
                                       proxy_port=proxy_port, headed=spec.headed,
-                                      no_sandbox=self.no_sandbox, window_title=spec.window_title)
+                                      no_sandbox=self.no_sandbox, window_title=spec.window_title,
+                                      extension=ext_dir)
         proc = pipe = None
         records: list[ProcRecord] = []
         try:
@@ -344,7 +355,8 @@ agent-browser sessions attached to the CDP gate."""
         return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
                       temp_profile=temp_profile, socket_dir=socket_dir, processes=records,
                       launch_seconds=time.monotonic() - started, headed=spec.headed,
-                      home_dir=home_dir, blank_tab=blank_tab, xauth_file=xauth_file, ext_dir=ext_dir)
+                      home_dir=home_dir, blank_tab=blank_tab, xauth_file=xauth_file, ext_dir=ext_dir,
+                      carried=tuple(carried))
 
     @staticmethod
     def _drop_temp(profile_dir: Path, temp_profile: bool, *dirs: Path | None) -> None:

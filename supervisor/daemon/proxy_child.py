@@ -14,7 +14,7 @@ exactly as the daemon does) measures the process the daemon runs.
 Control protocol (with `control=True`, the daemon's way):
 
   daemon -> child   one JSON object per line: {"id": N, "clients": [{"name", "token", "allow", "run",
-                    "writes"?, "port"?}], "listeners"?: [PORT, ...]}
+                    "writes"?, "port"?, "held"?}], "listeners"?: [PORT, ...]}
                     (the complete client set; it replaces the previous one atomically). A proxy
                     shared by many runs (run_proxy.SharedProxy) also gets the complete set of
                     its runs' listener ports; each client is bound to its run's port.
@@ -91,7 +91,7 @@ async def _control(registry: ClientRegistry, stop: asyncio.Event, proxy: GuardPr
         try:
             msg = json.loads(line)
             clients = [make_client(c["name"], c["token"], c.get("allow", []), run=c.get("run"),
-                                   writes=c.get("writes"), port=c.get("port"))
+                                   writes=c.get("writes"), port=c.get("port"), held=c.get("held", False))
                        for c in msg["clients"]]
             listeners = msg.get("listeners")
             if listeners is not None and not all(type(p) is int and 0 < p <= 65535 for p in listeners):

@@ -72,11 +72,13 @@ def proxy_args(port: int, policy_path: Path, decision_log: Path, resolve: dict[s
 
 
 def client_specs(run_id: str | None, clients: dict[str, tuple[str, list[str]]],
-                 writes: dict[str, str], port: int | None = None) -> list[dict]:
-    """A run's clients as the proxy child takes them (each bound to `port` when given)."""
+                 writes: dict[str, str], port: int | None = None, held: set[str] | None = None) -> list[dict]:
+    """A run's clients as the proxy child takes them (each bound to `port` when given; the
+    `held` ones refused everything until the guard lets them go)."""
     return [{"name": n, "token": t, "allow": a, "run": run_id}
             | ({"writes": writes[n]} if n in writes else {})
             | ({"port": port} if port is not None else {})
+            | ({"held": True} if held and n in held else {})
             for n, (t, a) in sorted(clients.items())]
 
 
@@ -89,31 +91,40 @@ class RunClients:
     run_id: str | None
     clients: dict[str, tuple[str, list[str]]]   # name -> (token, allow patterns)
     client_writes: dict[str, str]              # a stage shell's client -> the stage's browser.writes
+    #: browsers the guard has not yet put under its rules: every request refused
+    client_held: set[str]
 
     async def _sync(self) -> None:
         raise NotImplementedError
 
-    async def add_client(self, allow: list[str], writes: str | None = None) -> str:
+    async def add_client(self, allow: list[str], writes: str | None = None, held: bool = False) -> str:
         """A client with its own credential; `writes` (a stage's shell): hosts whose writes are
-        gated or refused for the stage are refused to it (proxy_addons/clients.py)."""
+        gated or refused for the stage are refused to it (proxy_addons/clients.py); `held` (a
+        browser about to start): every request refused until `set_allow` lets it go."""
         name = f"b-{short_id()}"
         token = secrets.token_urlsafe(24)
         redaction.register_secret(token)
         self.clients[name] = (token, sorted(set(allow)))
         if writes is not None:
             self.client_writes[name] = writes
+        if held:
+            self.client_held.add(name)
         await self._sync()
         return name
 
     async def set_allow(self, name: str, allow: list[str]) -> None:
+        """The client's allow list, in force when this returns; a held client is let go (the
+        guard calls it once the browser's rules are in force)."""
         token, old = self.clients[name]
         new = sorted(set(allow))
-        if new != old:
+        if new != old or name in self.client_held:
             self.clients[name] = (token, new)
+            self.client_held.discard(name)
             await self._sync()
 
     async def remove_client(self, name: str) -> None:
         self.client_writes.pop(name, None)
+        self.client_held.discard(name)
         if self.clients.pop(name, None) is not None:
             await self._sync()
 
@@ -143,6 +154,7 @@ class RunProxy(RunClients):
         self.record: ProcRecord | None = None
         self.clients: dict[str, tuple[str, list[str]]] = {}  # name -> (token, allow patterns)
         self.client_writes: dict[str, str] = {}   # a stage shell's client -> the stage's browser.writes
+        self.client_held: set[str] = set()        # browsers not yet under the guard's rules
         self.restarts = 0
         self._seq = 0
         self._acks: dict[int, asyncio.Future] = {}
@@ -151,7 +163,7 @@ class RunProxy(RunClients):
         self._urgent = False   # a run waits for this proxy: no lower priority from then on
 
     def _message(self) -> dict:
-        return {"clients": client_specs(self.run_id, self.clients, self.client_writes)}
+        return {"clients": client_specs(self.run_id, self.clients, self.client_writes, held=self.client_held)}
 
     async def _push(self) -> dict:
         """Send the whole client set and wait until the proxy has it live; the proxy's answer."""

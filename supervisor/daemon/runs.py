@@ -21,6 +21,7 @@ from sfguard.supervisor import models
 from sfguard.supervisor.browsers.host import Anchor
 from sfguard.supervisor.browsers.login import LoginResult
 from sfguard.supervisor.errors import GuardError, IllegalTransition
+from sfguard.supervisor.gate.warden import scheme_host
 from sfguard.supervisor.procs import ProcRecord
 from sfguard.supervisor.protocols import ProfileKey, Waiting
 from sfguard.supervisor.states import (
@@ -58,6 +59,19 @@ class Browser:
     restarts: int = 0
     closing: bool = False          # being closed: the watchdog must not restart it
     site: str | None = None        # the site a login handoff shows it for (in its window's title)
+
+    def public(self) -> dict[str, Any]:
+        """The browser as run answers show it: no address but a closed tab's scheme and host."""
+        pipe = getattr(self.anchor, "pipe", None) if self.anchor is not None else None
+        targets = getattr(pipe, "targets", {}) or {}
+        warden = getattr(pipe, "warden", None)
+        return {"profile": self.profile.name if self.profile else None, "throwaway": self.profile is None,
+                "headed": self.headed, "alive": self.anchor is not None, "stages": sorted(self.stages),
+                "restarts": self.restarts,
+                "tabs": sorted(scheme_host(str(t.get("url") or "")) for t in list(targets.values())
+                               if t.get("type") == "page")[:100],
+                "closed_tabs": [scheme_host(u) for u in getattr(warden, "closed", [])][:50],
+                "carried": list(getattr(self.anchor, "carried", ()) or ())}
 
 
 @dataclass
@@ -135,9 +149,7 @@ class Run:
                         if s.state == StageState.WAITING and s.waiting else None,
                         "events": list(s.events)}
                        for s in self.stages.values()],
-            "browsers": [{"profile": b.profile.name if b.profile else None, "throwaway": b.profile is None,
-                          "headed": b.headed, "alive": b.anchor is not None, "stages": sorted(b.stages),
-                          "restarts": b.restarts} for b in self.browsers.values()],
+            "browsers": [b.public() for b in self.browsers.values()],
             "proxy": None if self.proxy is None else {"port": self.proxy.port, "alive": self.proxy.alive(),
                                                        "restarts": self.proxy.restarts},
             "problems": list(self.problems),

@@ -57,7 +57,7 @@ class SharedProxy(RunProxy):
     def _message(self) -> dict:
         members = [m for m in self.members.values() if m.port]
         return {"clients": [c for m in members
-                            for c in client_specs(m.run_id, m.clients, m.client_writes, m.port)],
+                            for c in client_specs(m.run_id, m.clients, m.client_writes, m.port, m.client_held)],
                 "listeners": sorted(m.port for m in members)}
 
     async def push(self) -> None:
@@ -91,6 +91,7 @@ class SharedRunProxy(RunClients):
         self.port = 0
         self.clients: dict[str, tuple[str, list[str]]] = {}
         self.client_writes: dict[str, str] = {}
+        self.client_held: set[str] = set()
 
     # -- what the daemon reads ---------------------------------------------------------------
     @property

@@ -222,13 +222,16 @@ class Stages:
     async def attach(self, run: Run, browser: Browser, stage: Stage) -> None:
         assert run.proxy is not None and run.workdir is not None and browser.anchor is not None
         browser.stages.add(stage.stage_id)
-        await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
         stage.browser_key = browser.key
         stage.write_modes = stage_write_modes(self.site_policy, stage.browser_req.writes,
                                               list(stage.browser_req.allow_domains))
+        # the browser's rules first (its write gate, its extension's rules), then its proxy lets
+        # it reach the stage's hosts: nothing leaves a browser before the guard's rules are in
+        # force (a new browser's proxy client is held until this set_allow)
         guard_writes(run, browser, stage, self.write_approver, self.write_gate_timeout, self.write_record,
                      self.write_rules, self.write_owner(browser))
         await guard_websockets(browser.anchor)   # before the stage gets the browser
+        await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
         anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", self.site_policy.tab_quota
         # The stage's session (a gate token, an agent-browser session through it with the
@@ -316,7 +319,7 @@ class Stages:
         if not await self.calls.run(self.store.exists, key):   # the grant made it; deleted since?
             await self.calls.run(store_ops.create_profile, self.stores, key, self.identity(run, key),
                               run=run.run_id)
-        name = await proxy.add_client([])
+        name = await proxy.add_client([], held=True)     # refused everything until attach
         browser = Browser(key.name, key, headed, name)
         run.browsers[key.name] = browser
         profile_dir = await self.calls.run(self.store.open, key)
@@ -336,11 +339,18 @@ class Stages:
         log.info("run %s: anchor for profile %s ready (profile opened in %.0f ms, browser "
                  "launched in %.0f ms)", run.run_id, key.name, (t1 - t0) * 1000,
                  browser.anchor.launch_seconds * 1000)
+        if browser.anchor.carried:    # what would have run before the guard: removed, and said
+            removed = "; ".join(browser.anchor.carried)
+            log.warning("run %s: profile %s carried what would have run before the guard; removed or "
+                        "kept from loading: %s", run.run_id, key.name, removed)
+            with swallowed(log, "the audit record of a cleaned profile"):
+                await self.calls.run(self.stores.audit.record, "profile_cleaned", profile=key.name,
+                                     run=run.run_id, removed=removed[:500])
         return browser
 
     async def throwaway(self, run: Run, stage: Stage) -> Browser:
         proxy = await self.ensure_proxy(run)
-        name = await proxy.add_client([])
+        name = await proxy.add_client([], held=True)     # refused everything until attach
         browser = Browser(f"tmp-{stage.stage_id}", None, stage.headed, name)
         run.browsers[browser.key] = browser
         browser.anchor = await self.launch(run, browser, None)

@@ -39,6 +39,7 @@ from collections import defaultdict
 from typing import Any
 
 from sfguard.errors import SfguardError
+from sfguard.supervisor.gate.warden import TargetWarden
 
 log = logging.getLogger("sfguard.cdp_pipe")
 
@@ -178,6 +179,8 @@ class CdpPipe:
         self._fetch_off_timer: asyncio.TimerHandle | None = None
         #: the write gate (supervisor/writes/intercept.py): paused requests go to it
         self.writes: Any = None
+        #: closes pages nobody opened (supervisor/gate/warden.py), once the start tab is known
+        self.warden = TargetWarden(lambda tid, _why: self._fire("Target.closeTarget", {"targetId": tid}))
         self.websockets: Any = None   # its WebSocket part (supervisor/writes/websockets.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -253,6 +256,8 @@ class CdpPipe:
             self.fetch_on = True
         if method == "Target.attachToTarget" and sid is None and isinstance(params.get("targetId"), str):
             self._pending_attach[params["targetId"]].append(client)
+        if method == "Target.createTarget":
+            self.warden.creating()
         gid = next(self._ids)
         self._routes[gid] = (client, msg.get("id"), method or "", params)
         out = dict(msg)
@@ -281,11 +286,17 @@ class CdpPipe:
         msg: dict[str, Any] = {"id": gid, "method": method, "params": params or {}}
         if session:
             msg["sessionId"] = session
+        creating = method == "Target.createTarget"
+        if creating:
+            self.warden.creating()
         self._write(msg)
+        reply: dict = {}
         try:
             reply = await asyncio.wait_for(fut, timeout)
         finally:
             self._own.pop(gid, None)
+            if creating:
+                self.warden.answered((reply.get("result") or {}).get("targetId"))
         if "error" in reply:
             err = reply["error"] if isinstance(reply["error"], dict) else {}
             raise CdpCallError(f"{method}: {str(err.get('message', 'error'))[:200]}")
@@ -376,6 +387,9 @@ class CdpPipe:
         if route is None:
             return
         client, orig_id, method, params = route
+        if method == "Target.createTarget":
+            data = data if data is not None else json.loads(text or "null")
+            self.warden.answered(((data or {}).get("result") or {}).get("targetId"))
         if method == "Target.attachToTarget" and "sessionId" not in (data or {}):
             # the session is the client's even if its attachedToTarget event was missed
             data = data if data is not None else json.loads(text or "null")
@@ -413,8 +427,11 @@ class CdpPipe:
             info = params.get("targetInfo") or {}
             if method == "Target.targetDestroyed":
                 self.targets.pop(str(params.get("targetId")), None)
+                self.warden.gone(params.get("targetId"))
             elif isinstance(info.get("targetId"), str):
                 self.targets[info["targetId"]] = info
+                if method == "Target.targetCreated":
+                    self.warden.appeared(info)
             for client in list(self._clients):
                 if client.discover:
                     client._deliver(text)

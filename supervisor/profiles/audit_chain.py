@@ -29,6 +29,9 @@ EVENTS = frozenset({
     "console_signed_in", "console_signed_out", "console_sign_in_refused",
     # write gates: a write held for a person, and what became of it (supervisor/writes/approvals.py)
     "write_held", "write_approved", "write_denied", "write_timed_out", "write_cancelled",
+    # a profile carried what would have run before the guard (a saved session, start-up pages,
+    # an extension): removed or kept from loading at its browser's start (issue 52)
+    "profile_cleaned",
 })
 
 _TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)
@@ -120,6 +123,7 @@ FIELDS = {
     # body's type and size, the sites.yaml rule that held it, the decider's own words
     "url": _text(2048), "fields": _text(500), "body_type": _text(200), "body_size": _count,
     "rule": _text(300), "note": _text(500),
+    "removed": _text(500),
 }
 
 

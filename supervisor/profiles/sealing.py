@@ -65,6 +65,10 @@ CACHE_DIRS = frozenset({
 # cache) never start again in the next run, and a page waiting for its worker waits for ever
 # (measured: tests/daemon/test_write_gate_websocket.py). A site registers its worker again.
 SERVICE_WORKER_DIR = "Service Worker"
+# A saved session (the tabs Chromium restores) is left out: a page a person or an earlier run
+# left open must not come back and run before the guard's rules in the next run (issue 52).
+SESSION_FILES = frozenset({"Sessions", "Sessions_Encrypted", "Current Session", "Current Tabs", "Last Session",
+                           "Last Tabs"})
 
 
 class SealError(ProfileError):
@@ -77,7 +81,8 @@ def is_excluded(rel: str) -> bool:
     if parts[-1].startswith("Singleton"):
         return True
     for i, part in enumerate(parts):
-        if part in CACHE_DIRS or (part == SERVICE_WORKER_DIR and i + 1 < len(parts)):
+        if part in CACHE_DIRS or (part == SERVICE_WORKER_DIR and i + 1 < len(parts)) \
+                or (part in SESSION_FILES and i >= 1):
             return True
     return False
 

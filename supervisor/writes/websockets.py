@@ -276,18 +276,25 @@ class WebSocketGate:
             # second load; the second load was there for a registration kept without its script,
             # which cannot happen since the profile's Service Worker folder is removed before
             # every start). So a load whose worker does not show within WORKER_WAIT is done again.
+            # The browser loads it itself at start (`--disable-extensions-except` names its
+            # folder, the only extension a guarded browser may load): its worker is attached to
+            # first; a worker that does not show is loaded over the pipe instead.
             sid = None
-            for attempt in range(LOAD_ATTEMPTS):
-                self.step = "loading the extension" + (f" (attempt {attempt + 1})" if attempt else "")
-                if attempt:
-                    await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
-                stale = set(self._worker_targets())
-                await self._load(cdp)
-                self.step = "attaching to its worker"
-                sid = await self._attach_worker(cdp, stale)
+            for attempt in range(LOAD_ATTEMPTS + 1):
+                if attempt == 0:
+                    self.step = "attaching to the worker the browser loaded at start"
+                    sid = await self._attach_worker(cdp, set())
+                else:
+                    self.step = "loading the extension" + (f" (attempt {attempt})" if attempt > 1 else "")
+                    if attempt > 1:
+                        await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
+                    stale = set(self._worker_targets())
+                    await self._load(cdp)
+                    self.step = "attaching to its worker"
+                    sid = await self._attach_worker(cdp, stale)
                 if sid is not None:
                     break
-                log.warning("the guard's extension showed no worker within %.0f s; loading it again", WORKER_WAIT)
+                log.warning("the guard's extension showed no worker within %.0f s; loading it (again)", WORKER_WAIT)
             if sid is None:
                 raise TimeoutError(f"no worker after {LOAD_ATTEMPTS} loads")
             await cdp.call("Runtime.enable", session=sid, timeout=LOAD_TIMEOUT)

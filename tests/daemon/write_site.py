@@ -46,6 +46,8 @@ class WriteSite:
     def __init__(self, folder: Path, hosts: tuple[str, ...]):
         self.got: list[Got] = []
         self.lock = threading.Lock()
+        #: more pages by path (a test's own)
+        self.pages: dict[str, str] = {}
         self.ca: Authority = make_ca("sfguard write-gate test authority")
         self.ca_file = self.ca.write(folder / "ca.pem")
         cert, key = issue(self.ca, hosts[0], folder, extra_names=hosts[1:])
@@ -64,8 +66,8 @@ class WriteSite:
                     outer.got.append(Got(scheme, host, self.command, self.path, self.headers.get("Cookie") or "",
                                          self.headers.get("X-HTTP-Method-Override") or ""))
                 path = self.path.split("?")[0]
-                body = (PAGE if path == "/page" else FRAME if path == "/frame"
-                        else "<!doctype html><title>ok</title><p>written</p>").encode()
+                body = (PAGE if path == "/page" else FRAME if path == "/frame" else outer.pages.get(path)
+                        or "<!doctype html><title>ok</title><p>written</p>").encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/html; charset=utf-8")
                 self.send_header("Cache-Control", "no-store")
