@@ -341,9 +341,20 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print("\n".join(lines), flush=True)
+    _say(lines)
     sd_notify.notify("READY=1")    # Type=notify units (sfguard service print)
     await stop.wait()
     sd_notify.notify("STOPPING=1")
-    print("sfguard: stopping; every run is torn down as abandoned", flush=True)
+    _say(["sfguard: stopping; every run is torn down as abandoned"])
     return 0
+
+
+def _say(lines: list[str]) -> None:
+    """The banner and the stop line on stdout: as they are, or with --log-format json one JSON
+    object each (`event` without the `sfguard: ` prefix; the last banner line is "ready")."""
+    from sfguard.supervisor import redaction
+    if os.environ.get(redaction.LOG_FORMAT_ENV) == "json":
+        lines = [redaction.log_line(line.removeprefix("sfguard: ").removeprefix("WARNING "),
+                                    level="WARNING" if line.startswith("sfguard: WARNING") else "INFO")
+                 for line in lines]
+    print("\n".join(lines), flush=True)

@@ -20,6 +20,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from sfguard.supervisor import models as m
+from sfguard.supervisor import redaction
 from sfguard.supervisor.daemon import approval_models as am
 from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sfguard.supervisor.errors import (
@@ -446,7 +447,12 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                 except ValidationError as exc:
                     raise validation_error(exc, route.body) from None
             owner = getattr(target, route.service) if route.service else target
-            answer = await getattr(owner, route.operation)(**kwargs)
+            # every line logged while this request is served names its run and stage (JSON log)
+            ids = redaction.bind_log_ids(run=kwargs.get("run_id"), stage=kwargs.get("stage_id"))
+            try:
+                answer = await getattr(owner, route.operation)(**kwargs)
+            finally:
+                redaction.unbind_log_ids(ids)
             if isinstance(answer, bytes):    # a picture (am.Png): never cached, never sniffed
                 return web.Response(body=answer, content_type="image/png",
                                     headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})

@@ -392,7 +392,7 @@ class Guard:
             raise Conflict("run_exists", f"run {body.run_id!r} already exists", "run_id")
         run = Run(body.run_id, body.pipeline, time.time())
         self.runs[run.run_id] = run
-        log.info("run %s created", run.run_id)
+        log.info("run %s created", run.run_id, extra={"run": run.run_id})
         return {"run_id": run.run_id, "state": run.state}
 
     async def get_run(self, run_id: str) -> dict[str, Any]:

@@ -124,7 +124,8 @@ class Teardown:
             try:
                 await run.proxy.remove_client(browser.client)
             except BrowserStartError as exc:   # the proxy ends with the run: its old set is harmless
-                log.info("run %s: the proxy kept the ended browser's credential: %s", run.run_id, exc)
+                log.info("run %s: the proxy kept the ended browser's credential: %s", run.run_id, exc,
+                         extra={"run": run.run_id})
         run.browsers.pop(browser.key, None)
         return problems
 
@@ -164,4 +165,4 @@ class Teardown:
                     asyncio.get_running_loop().create_task(self.stages.advance(other, st))
         self.flush_refusals()
         log.info("run %s ended: %s%s", run.run_id, outcome,
-                 f" ({len(run.problems)} problem(s))" if run.problems else "")
+                 f" ({len(run.problems)} problem(s))" if run.problems else "", extra={"run": run.run_id})

@@ -57,7 +57,8 @@ class Watchdog:
             for stage in run.waiting_stages():
                 await self.stages.advance(run, stage)
             if run.proxy is not None and run.proxy.proc is not None and not run.proxy.alive():
-                log.warning("run %s: guard proxy died; restarting it on the same port", run.run_id)
+                log.warning("run %s: guard proxy died; restarting it on the same port", run.run_id,
+                            extra={"run": run.run_id})
                 run.proxy.restarts += 1
                 with swallowed(log, f"run {run.run_id}: stopping its dead proxy"):
                     await run.proxy.stop()
@@ -72,7 +73,8 @@ class Watchdog:
         async with browser.lock:
             if browser.closing or run.state != RunState.ACTIVE:
                 return
-            log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key)
+            log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key,
+                        extra={"run": run.run_id})
             dead = browser.anchor
             assert dead is not None
             await self.sessions.drop(dead)
