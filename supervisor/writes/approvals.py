@@ -90,8 +90,11 @@ def _shown_url(url: str) -> str:
 class Approvals:
     """The store. `audit(event, fields)` records held, approved, denied, timed out, cancelled."""
 
-    def __init__(self, audit: Callable[[str, dict[str, Any]], None] | None = None, keep: int = KEEP_DECIDED):
+    def __init__(self, audit: Callable[[str, dict[str, Any]], None] | None = None, keep: int = KEEP_DECIDED,
+                 notify: Callable[[str, dict[str, Any]], None] | None = None):
         self.audit = audit
+        #: the guard's webhooks (supervisor/daemon/notify.py): every event audited is sent too
+        self.notify = notify
         self.keep = keep
         self.items: OrderedDict[str, Approval] = OrderedDict()
         self.changed = asyncio.Event()
@@ -197,3 +200,8 @@ class Approvals:
             self.audit(event, {k: v for k, v in fields.items() if v is not None})
         except Exception as exc:   # the audit chain's own failure is logged by it; the write still waits
             log.warning("could not audit %s of %s: %s", event, ap.id, exc)
+        if self.notify is not None:   # what a person needs, never a form value or the query
+            try:
+                self.notify(event, {k: v for k, v in ap.public().items() if k not in ("form", "url", "earlier")})
+            except Exception as exc:   # a notification never stops the write's decision
+                log.warning("could not notify %s of %s: %s", event, ap.id, exc)
