@@ -229,3 +229,22 @@ def test_an_invalid_notify_yaml_stops_the_start_naming_where(tmp_path, text, mod
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "the webhook configuration is invalid" in proc.stderr and needle in proc.stderr, proc.stderr
     assert "sfguard: ready" not in proc.stdout
+
+
+def test_the_guides_notify_yaml_is_valid_and_names_every_event(tmp_path):
+    """Section 13's example file loads as the guard loads it, and its table lists every event."""
+    import re
+
+    from sfguard.supervisor.daemon.notify_config import EVENTS, load_notify
+    from tests.webhook_receiver import GUIDE
+    guide = GUIDE.read_text()
+    text = guide[guide.index("## 13. Notifications"):]
+    example = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    write_notify(home, example)
+    config = load_notify(home)
+    assert [h.shown for h in config.webhooks] == ["https://relay.example.org/...", "http://127.0.0.1:8787/..."]
+    assert config.webhooks[1].events == frozenset(EVENTS)
+    table = text[:text.index("**Signatures.**")]
+    assert [e for e in EVENTS if f"`{e}`" not in table] == []

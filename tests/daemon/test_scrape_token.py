@@ -101,3 +101,12 @@ def test_a_bad_metrics_token_file_stops_the_start(tmp_path, content, mode, extra
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
     assert "x" * 32 not in proc.stderr
 
+
+
+def test_the_guide_gives_prometheus_the_metrics_token():
+    from tests.webhook_receiver import GUIDE
+    guide = GUIDE.read_text()
+    metrics = guide[guide.index("## 12. Metrics"):guide.index("## 13.")]
+    assert "--metrics-token-file /etc/prometheus/sfguard.token" in metrics
+    assert "credentials_file: /etc/prometheus/sfguard.token}   # the --metrics-token-file" in metrics
+    assert "# the --token-file" not in metrics
