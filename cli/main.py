@@ -87,6 +87,15 @@ def _command_name(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
+def _error_line(text: str) -> str:
+    """An error as the command prints it: one JSON object under `sfguard start --log-format
+    json` (which sets $SFGUARD_LOG_FORMAT), so a log collector reads every line the guard writes."""
+    if os.environ.get("SFGUARD_LOG_FORMAT") != "json":
+        return text
+    from sfguard.supervisor.redaction import log_line
+    return log_line(text, logger="sfguard.cli", level="ERROR")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
@@ -94,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except CliError as exc:
-        print(f"sfguard {_command_name(args)}: error: {exc}", file=sys.stderr)
+        print(_error_line(f"sfguard {_command_name(args)}: error: {exc}"), file=sys.stderr)
         return exc.exit_code
     except HomeError as exc:
-        print(f"sfguard {_command_name(args)}: error: {exc}", file=sys.stderr)
+        print(_error_line(f"sfguard {_command_name(args)}: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

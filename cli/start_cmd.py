@@ -39,6 +39,13 @@ def register(sub) -> None:
     p.add_argument("--token-file", metavar="FILE",
                    help="with --tcp: write the bearer token to FILE (created 0600, replaced "
                         "atomically) instead of printing it")
+    p.add_argument("--metrics-token-file", metavar="FILE",
+                   help="with --tcp: a second bearer token, read from FILE (yours: at least 32 "
+                        "characters, not readable by everyone), that GET /metrics and the health "
+                        "routes accept and every other route refuses (403): give it to Prometheus")
+    p.add_argument("--audit-check", metavar="SECONDS", type=float, default=300.0,
+                   help="how often the running guard verifies the audit chain again (default 300; "
+                        "a broken chain: ERROR line, webhook, status --check alert, metric)")
     p.add_argument("--keep-ended-runs", metavar="N", type=int, default=None,
                    help="ended runs kept in memory for status, the console and GET (default 200); "
                         "older ones leave memory, their record stays in <home>/runs/ended/")
@@ -88,6 +95,20 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _logging(kind: str) -> None:
+    """The guard's log on stderr, text or json, masked; the run proxies (and the lines the
+    guard prints itself: redaction.log_line) read the format from the environment."""
+    from sfguard.supervisor import redaction
+    if kind == "json":
+        os.environ[redaction.LOG_FORMAT_ENV] = "json"
+    else:
+        os.environ.pop(redaction.LOG_FORMAT_ENV, None)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(redaction.formatter(kind))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    redaction.install()
+
+
 def _proxies(flag: str | None) -> str:
     """--proxies, else SFGUARD_PROXIES, else per-run (checked like the flag)."""
     from sfguard.supervisor.daemon.settings import PROXIES_CHOICES, PROXIES_DEFAULT
@@ -121,20 +142,12 @@ def _browser_host(ca_files: list[str]):
 
 def run(args) -> int:
     from sfguard import policy
-    from sfguard.supervisor import redaction
     from sfguard.supervisor.browsers.browser_user import BrowserUserError
     from sfguard.supervisor.daemon.guard import Guard, GuardAlreadyRunning
     from sfguard.supervisor.home import HomeError, resolve_home
     from sfguard.supervisor.protocols import ProfileError
 
-    if args.log_format == "json":   # the run proxies read it from their environment
-        os.environ[redaction.LOG_FORMAT_ENV] = "json"
-    else:
-        os.environ.pop(redaction.LOG_FORMAT_ENV, None)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(redaction.formatter(args.log_format))
-    logging.basicConfig(level=logging.INFO, handlers=[handler])
-    redaction.install()
+    _logging(args.log_format)
     from sfguard.supervisor.daemon.log_rotation import Retention
     from sfguard.supervisor.daemon.settings import KEEP_ENDED_RUNS, KEEP_ENDED_SECONDS, GuardSettings
     from sfguard.supervisor.profiles.stores import StoreError
@@ -158,6 +171,7 @@ def run(args) -> int:
     if args.token_file and args.tcp is None:
         raise CliError("--token-file needs --tcp PORT (the unix socket needs no token)", 2)
     token_file = _token_path(args.token_file) if args.token_file else None
+    scrape_token = _oversight_options(args)
     api_gid = None
     if args.api_group:
         from sfguard.supervisor.stage.sandbox import SandboxError, group_id
@@ -174,7 +188,7 @@ def run(args) -> int:
         write_gate_timeout=args.write_gate_timeout, log_retention=retention, api_gid=api_gid,
         stage_user_name=args.stage_user or defaults.stage_user_name,
         browser_user_name=args.browser_user or defaults.browser_user_name,
-        proxies=_proxies(args.proxies))
+        proxies=_proxies(args.proxies), audit_check_seconds=args.audit_check)
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
                       store=args.store, browser_host=_browser_host(args.ca_file), settings=settings)
@@ -184,7 +198,7 @@ def run(args) -> int:
         raise CliError(f"the store cannot be used: {exc}", 2) from None
     except policy.PolicyError as exc:
         raise CliError(f"the site policy is invalid:\n{exc}", 2) from None
-    except HomeError as exc:
+    except HomeError as exc:     # also an invalid notify.yaml (webhooks)
         raise CliError(str(exc), 2) from None
     console_at = None
     if not args.no_console:
@@ -197,7 +211,7 @@ def run(args) -> int:
         if not 1 <= args.console_session <= 8 * 3600:
             raise CliError("--console-session wants a number of seconds from 1 to 28800", 2)
     try:
-        return asyncio.run(_serve(guard, args.tcp, token_file, console_at))
+        return asyncio.run(_serve(guard, args.tcp, token_file, console_at, scrape_token))
     except GuardAlreadyRunning as exc:
         raise CliError(str(exc), 3) from None
     except BrowserUserError as exc:
@@ -218,6 +232,37 @@ def _token_path(path: str) -> Path:
     return target
 
 
+def _oversight_options(args) -> str | None:
+    """--audit-check checked; the --metrics-token-file token (None without one)."""
+    if not 1 <= args.audit_check <= 86400:   # also refuses nan
+        raise CliError("--audit-check: seconds from 1 to 86400", 2)
+    if args.metrics_token_file and args.tcp is None:
+        raise CliError("--metrics-token-file needs --tcp PORT (the unix socket needs no token)", 2)
+    return _read_scrape_token(args.metrics_token_file) if args.metrics_token_file else None
+
+
+def _read_scrape_token(path: str) -> str:
+    """--metrics-token-file: the operator's own token file (Prometheus reads the same file), read
+    once at start; refused when anyone may read it, or when it is short."""
+    import stat
+    target = Path(path).expanduser()
+    try:
+        st = target.stat()
+        token = target.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--metrics-token-file: cannot read {target}: {getattr(exc, 'strerror', None) or exc} "
+                       "(make it with: openssl rand -hex 32 > FILE; chmod 640 FILE)", 2) from None
+    if st.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
+        raise CliError(f"--metrics-token-file: {target} is readable or writable by others (mode "
+                       f"{stat.S_IMODE(st.st_mode):04o}); chmod 600, or 640 with Prometheus's group", 2)
+    if len(token) < 32 or any(c.isspace() for c in token) or not token.isprintable():
+        raise CliError(f"--metrics-token-file: {target} must hold one token of at least 32 characters "
+                       "(openssl rand -hex 32 > FILE)", 2)
+    from sfguard.supervisor import redaction
+    redaction.register_secret(token)
+    return token
+
+
 def _write_token(target: Path, token: str) -> Path:
     """The TCP token in a 0600 file, replaced atomically (never a half-written token)."""
     from sfguard.supervisor.home import atomic_write
@@ -226,7 +271,7 @@ def _write_token(target: Path, token: str) -> Path:
 
 
 async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
-                 console_at: tuple[str, int, float] | None = None) -> int:
+                 console_at: tuple[str, int, float] | None = None, scrape_token: str | None = None) -> int:
     from sfguard.supervisor.client.guard_client import socket_path
     from sfguard.supervisor.errors import swallowed
 
@@ -236,7 +281,7 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
     token_path: list[Path] = []       # set once the token file is written
     try:
         return await _serve_started(guard, report, sock, runners, token_path, tcp_port,
-                                    token_file, console_at)
+                                    token_file, console_at, scrape_token)
     finally:
         # every way out (a signal, a port that cannot be bound, an error) stops the guard: its
         # runs, browsers, proxies, bridge and runtime folders go with it. Console sessions end
@@ -259,8 +304,7 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
 
 async def _serve_started(guard, report: dict, sock: Path, runners: list, token_paths: list[Path],
                          tcp_port: int | None, token_file: Path | None,
-                         console_at: tuple[str, int, float] | None) -> int:
-    from sfguard.supervisor.browsers.browser_user import describe as describe_browser_user
+                         console_at: tuple[str, int, float] | None, scrape_token: str | None = None) -> int:
     from sfguard.supervisor.daemon import sd_notify
     from sfguard.supervisor.daemon.api import build_app
     from sfguard.supervisor.errors import swallowed
@@ -291,7 +335,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
         if token_file:
             token_path = _write_token(token_file, token)
             token_paths.append(token_path)
-        tcp_runner = web.AppRunner(build_app(guard, token=token), access_log=None,
+        tcp_runner = web.AppRunner(build_app(guard, token=token, scrape_token=scrape_token), access_log=None,
                                    handle_signals=False, max_line_size=65536, max_field_size=65536)
         await tcp_runner.setup()
         runners.append(tcp_runner)
@@ -304,6 +348,9 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
         guard.listening(api_tcp_port=port)
         lines.append(f"sfguard: API on http://127.0.0.1:{port} (bearer token in {token_path})"
                      if token_path else f"sfguard: API on http://127.0.0.1:{port} (bearer token: {token})")
+        if scrape_token is not None:
+            lines.append("sfguard: metrics token (--metrics-token-file): GET /metrics and the health "
+                         "routes only")
     if console_at is not None:
         from sfguard.supervisor.console.server import ConsoleServer
         console = ConsoleServer(guard, *console_at)
@@ -316,15 +363,36 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                            f"{exc.strerror or exc}", 2) from None
         guard.listening(console=console)
         lines.append(f"sfguard: console on {console.base_url} (sign in: `sfguard console`)")
+    lines += _banner(guard, report)
+    # the handlers go in before "ready": a signal right after it must still stop cleanly
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    _say(lines)
+    sd_notify.notify("READY=1")    # Type=notify units (sfguard service print)
+    await stop.wait()
+    guard.health.stopping = True   # not ready from now on (GET /v1/health/ready)
+    sd_notify.notify("STOPPING=1")
+    _say(["sfguard: stopping; every run is torn down as abandoned"])
+    return 0
+
+
+def _banner(guard, report: dict) -> list[str]:
+    """The start banner after the listeners: tools, users, trust, store, policy, webhooks,
+    sandbox, the sweep's report, warnings, and "ready" last."""
+    from sfguard.supervisor.browsers.browser_user import describe as describe_browser_user
     ab, br = guard.host_tool_report()
-    lines += [f"sfguard: home {guard.home} (runtime {guard.runtime})",
+    lines = [f"sfguard: home {guard.home} (runtime {guard.runtime})",
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
               f"sfguard: browsers run {describe_browser_user(guard.browser_user)}",
               "sfguard: browsers trust the system's certificate authorities"
               + (f" and --ca-file {guard.host.ca.describe()}" if getattr(guard.host, "ca", None) else ""),
+              f"sfguard: version {guard.metrics.version}",
               f"sfguard: store {guard.stores.shown}",
               f"sfguard: keys {guard.keys.describe()}",
               f"sfguard: policy {guard.policy_path} (mode {guard.site_policy.mode})",
+              f"sfguard: notifications {_notify_line(guard)}",
               f"sfguard: stage sandbox (stage-exec): {'ok' if guard.sandbox_ok else 'UNAVAILABLE'}: "
               f"{guard.sandbox_detail}",
               f"sfguard: start-up sweep: {len(report['runs'])} dead run(s), {report['processes'] + report['orphans']} "
@@ -336,14 +404,22 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
     if report.get("damaged_profiles"):
         lines.insert(-1, "sfguard: WARNING sealed profile(s) refused (kept as they are): "
                      + ", ".join(report["damaged_profiles"]))
-    # the handlers go in before "ready": a signal right after it must still stop cleanly
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    return lines
+
+
+def _notify_line(guard) -> str:
+    state = guard.notifier.status()
+    if state is None:
+        return f"off (no {guard.home / 'notify.yaml'})"
+    return f"to {len(state['webhooks'])} webhook(s): " + ", ".join(h["url"] for h in state["webhooks"])
+
+
+def _say(lines: list[str]) -> None:
+    """The banner and the stop line on stdout: as they are, or with --log-format json one JSON
+    object each (`event` without the `sfguard: ` prefix; the last banner line is "ready")."""
+    from sfguard.supervisor import redaction
+    if os.environ.get(redaction.LOG_FORMAT_ENV) == "json":
+        lines = [redaction.log_line(line.removeprefix("sfguard: ").removeprefix("WARNING "),
+                                    level="WARNING" if line.startswith("sfguard: WARNING") else "INFO")
+                 for line in lines]
     print("\n".join(lines), flush=True)
-    sd_notify.notify("READY=1")    # Type=notify units (sfguard service print)
-    await stop.wait()
-    sd_notify.notify("STOPPING=1")
-    print("sfguard: stopping; every run is torn down as abandoned", flush=True)
-    return 0

@@ -7,6 +7,9 @@ import sys
 from sfguard.cli.errors import CliError
 from sfguard.cli.options import add_home
 
+#: `status --check` alerts on an approval or a login handoff waiting longer than this
+DEFAULT_MAX_WAIT = 300.0
+
 
 def register(sub) -> None:
     p = sub.add_parser("status", help="show runs, leases, queues, browsers, proxies and policy state",
@@ -21,7 +24,12 @@ def register(sub) -> None:
     p.add_argument("--check", action="store_true",
                    help="for monitors: exit 1 when something needs the operator (an invalid "
                         "policy edit, the shared store unreachable, a proxy of an active run "
-                        "down), each named on an ALERT line (on stderr with --json)")
+                        "down, a broken audit chain, an approval or login handoff waiting longer "
+                        "than --max-wait, a webhook whose last delivery failed), each named on an "
+                        "ALERT line (on stderr with --json)")
+    p.add_argument("--max-wait", metavar="SECONDS", type=float, default=DEFAULT_MAX_WAIT,
+                   help=f"with --check: alert on an approval or handoff waiting longer than this "
+                        f"(default {DEFAULT_MAX_WAIT:.0f})")
     p.set_defaults(func=run)
 
 
@@ -30,13 +38,15 @@ def run(args) -> int:
     from sfguard.supervisor.client.guard_client import GuardClient, GuardUnavailable
     from sfguard.supervisor.home import resolve_home
     home = resolve_home(args.home)
+    if not 0 <= args.max_wait <= 10 * 86400:    # also refuses nan
+        raise CliError("--max-wait: seconds from 0 to 864000", 2)
     try:
         status, body = GuardClient(home, timeout=10).call("GET", "/v1/status")
     except GuardUnavailable:
         raise no_guard(home, args.home) from None
     if status != 200:
         raise CliError(f"the guard answered {status}: {body}", 1)
-    found = alerts(body)
+    found = alerts(body, args.max_wait)
     if args.json:
         print(json.dumps(body, indent=2))
         for a in found if args.check else []:
@@ -44,7 +54,8 @@ def run(args) -> int:
         return 1 if args.check and found else 0
     g, pol = body["guard"], body["policy"]
     print(f"guard   pid {g['pid']} since {g['since']}, home {g['home']}, keys: {g['key_provider']}"
-          + (f", API also on http://127.0.0.1:{g['tcp_port']}" if g.get("tcp_port") else ""))
+          + (f", API also on http://127.0.0.1:{g['tcp_port']}" if g.get("tcp_port") else "")
+          + (f", version {g['version']}" if g.get("version") else ""))
     if g.get("store"):
         print(f"store   {g['store']}" + (f"  UNREACHABLE ({g['store_error']}): leases and "
                                          "queues unknown" if g.get("store_error") else ""))
@@ -64,6 +75,7 @@ def run(args) -> int:
               + ("  DISK LOW: allowed requests are refused when nothing can be logged" if disk["low"] else ""))
     for line in body.get("pending", []):
         print(f"pending {line}")
+    _print_waiting(body)
     for r in body["runs"]:
         proxy = r["proxy"]
         if proxy and r["state"] != "active":
@@ -100,7 +112,32 @@ def run(args) -> int:
     return 1 if args.check and found else 0
 
 
-def alerts(body: dict) -> list[str]:
+def _print_waiting(body: dict) -> None:
+    """What waits for a person, the audit chain, the webhooks."""
+    for a in body.get("approvals", []):
+        print(f"approval {a['id']} {a['method']} {a['host']}{a['path']} run {a['run']} stage "
+              f"{a['stage'] or '-'}: waiting {_age(a['age_s'])} (sfguard approvals show {a['id']})")
+    for h in body.get("handoffs", []):
+        print(f"handoff {h['kind']} run {h['run']} stage {h['stage'] or '-'} profile {h['profile']} "
+              f"site {h['site']}: waiting {_age(h['age_s'])}")
+    audit = body.get("audit")
+    if audit:
+        state = {True: "verifies", False: f"BROKEN: {audit['problem']}", None: "unknown"}[audit["ok"]]
+        print(f"audit   chain {state} (checked {audit['checked'] or 'never'}, every {audit['interval_s']:g} s)")
+    notes = body.get("notifications")
+    for w in (notes or {}).get("webhooks", []):
+        last = w.get("last")
+        told = (f"; last {last['event']} {last['result']} at {last['at']}"
+                + (f" ({last['error']})" if last.get("error") else "")) if last else ""
+        print(f"webhook {w['url']}: {w['delivered']} delivered, {w['failed']} failed, {w['queued']} "
+              f"queued{told}")
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def alerts(body: dict, max_wait: float = DEFAULT_MAX_WAIT) -> list[str]:
     """What needs the operator in a status answer (`status --check` exits 1 on any)."""
     out = []
     pol, g = body["policy"], body["guard"]
@@ -112,4 +149,17 @@ def alerts(body: dict) -> list[str]:
     for r in body["runs"]:
         if r["state"] == "active" and r["proxy"] and not r["proxy"]["alive"]:
             out.append(f"the proxy of active run {r['run_id']} is down")
+    if (body.get("audit") or {}).get("ok") is False:
+        out.append(f"the audit chain does not verify: {body['audit']['problem']}")
+    for a in body.get("approvals", []):
+        if a["age_s"] > max_wait:
+            out.append(f"approval {a['id']} ({a['method']} {a['host']}{a['path']}, run {a['run']}) has "
+                       f"waited {_age(a['age_s'])} for a person")
+    for h in body.get("handoffs", []):
+        if h["age_s"] > max_wait:
+            out.append(f"the {h['kind']} login handoff of run {h['run']} (profile {h['profile']}) has "
+                       f"waited {_age(h['age_s'])} for a person")
+    for w in (body.get("notifications") or {}).get("webhooks", []):
+        if (w.get("last") or {}).get("result") == "failed":
+            out.append(f"the last notification to {w['url']} was not delivered: {w['last']['error']}")
     return out

@@ -143,6 +143,8 @@ ERROR_CODES = (
     # edge: any route
     "invalid_request", "invalid_json", "body_too_large", "unauthorized", "not_found",
     "method_not_allowed", "http_error", "internal",
+    # the metrics token on a route it does not open; the readiness probe
+    "token_scope", "not_ready",
     # runs and stages
     "run_exists", "run_not_found", "run_ended", "stage_not_found", "stage_active", "attempt_used",
     "reviewer_only_address",
@@ -347,6 +349,7 @@ class GuardInfo(Answer):
         "why `leases` is empty this time: the store did not answer (the shared database is "
         "unreachable or slower than 2 s); null when it answered"))
     tcp_port: int | None = Field(default=None, description="the control API's loopback TCP port (--tcp)")
+    version: str | None = Field(default=None, description="the running sfguard's version")
 
 
 class PolicyState(Answer):
@@ -381,19 +384,6 @@ class DiskState(Answer):
     path: str
     free_bytes: int | None
     low: bool
-
-
-class StatusAnswer(Answer):
-    guard: GuardInfo
-    policy: PolicyState
-    runs: list[RunInfo] = Field(description="the runs not yet ended, then the latest ended ones")
-    runs_summary: dict[str, int | float] = Field(default_factory=dict, description=(
-        "active, ended_shown, ended_in_memory, retired, keep_ended_runs, keep_ended_hours"))
-    leases: list[LeaseInfo]
-    console: ConsoleInfo | None = None
-    disk: list[DiskState] = Field(default_factory=list)
-    pending: list[str] = Field(default_factory=list, description=(
-        "what a full disk put off (a reseal, a lease release), done when space returns"))
 
 
 class ProfileInfoAnswer(Answer):

@@ -25,6 +25,7 @@ the raw values.
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -150,6 +151,7 @@ def install(logger: logging.Logger | None = None) -> RedactionFilter:
             original = logging.Logger.handle
 
             def handle(self, record, _original=original):
+                _add_bound_ids(record)
                 redact_record(record)
                 return _original(self, record)
 
@@ -170,6 +172,28 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_FORMAT_ENV = "SFGUARD_LOG_FORMAT"
 #: ids a log call may carry (`log.info(..., extra={"run": run_id})`): copied into a JSON line
 LOG_IDS = ("run", "stage", "profile", "session")
+#: ids of what this task works for (`bind_log_ids`): a record without its own gets them
+_log_ids: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("sfguard_log_ids", default=None)
+
+
+def bind_log_ids(**ids: str | None) -> contextvars.Token[dict[str, str] | None]:
+    """Every record logged from here on in this task (and the tasks it starts) carries these
+    ids (`run`, `stage`, ...) unless the call gives its own; `unbind_log_ids(token)` ends it.
+    The control API binds a route's run and stage; a run proxy process its run."""
+    bound = {**(_log_ids.get() or {}), **{k: v for k, v in ids.items() if k in LOG_IDS and v}}
+    return _log_ids.set(bound)
+
+
+def unbind_log_ids(token: contextvars.Token[dict[str, str] | None]) -> None:
+    _log_ids.reset(token)
+
+
+def _add_bound_ids(record: logging.LogRecord) -> None:
+    bound = _log_ids.get()
+    if bound:
+        for key, value in bound.items():
+            if not isinstance(getattr(record, key, None), str):
+                setattr(record, key, value)
 
 
 class JsonFormatter(logging.Formatter):
@@ -191,6 +215,21 @@ class JsonFormatter(logging.Formatter):
         elif record.exc_info:
             out["exc"] = redact(self.formatException(record.exc_info))
         return json.dumps(out, ensure_ascii=True, separators=(",", ":"))
+
+
+def log_line(event: str, *, logger: str = "sfguard.start", level: str = "INFO",
+             kind: str | None = None) -> str:
+    """A line a guard process prints itself rather than logs (the start banner, the stop line,
+    a start-up error): as is in the text format, one JSON object like a log record's in the
+    json format (`kind` or $SFGUARD_LOG_FORMAT). Printed as given: the banner names the TCP
+    token on purpose when no --token-file is given."""
+    kind = kind or os.environ.get(LOG_FORMAT_ENV) or "text"
+    if kind != "json":
+        return event
+    now = time.time()
+    return json.dumps({"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
+                       "level": level, "logger": logger, "event": event, "pid": os.getpid()},
+                      ensure_ascii=True, separators=(",", ":"))
 
 
 def formatter(kind: str | None = None) -> logging.Formatter:

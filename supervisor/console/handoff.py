@@ -146,6 +146,8 @@ async def open_live(guard, run, body: models.HandoffRequest) -> dict:
     h.watcher = asyncio.get_running_loop().create_task(_watch(guard, h))
     guard.audit.record("handoff_opened", scope=guard.scope, profile=browser.key, run=run.run_id,
                        host=body.site if _plain_host(body.site) else host, mode="live_view")
+    _notify(guard, "handoff_waiting", {"kind": "live_view", "run": run.run_id, "stage": body.stage_id,
+                                       "profile": body.profile, "site": body.site, "reason": body.reason})
     url = f"{console.base_url}/live/{hid}?t={token}"
     return {"kind": "live_view", "site": body.site, "reason": body.reason, "url": url}
 
@@ -216,8 +218,18 @@ async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
             guard.audit.record("handoff_closed", outcome=outcome, **fields)
     h.changed.set()
     console.notify()
-    log.info("live view %s of run %s ended: %s", h.id, h.run_id, outcome)
+    log.info("live view %s of run %s ended: %s", h.id, h.run_id, outcome, extra={"run": h.run_id})
+    _notify(guard, "handoff_ended", {"kind": "live_view", "run": h.run_id, "stage": h.stage_id,
+                                     "profile": h.profile, "site": h.site, "outcome": outcome})
     return h.public()
+
+
+def _notify(guard, event: str, payload: dict) -> None:
+    """The guard's webhooks (supervisor/daemon/notify.py), where it has them; never the live
+    view's link (it signs a person in)."""
+    notify = getattr(guard, "notify", None)
+    if notify is not None:
+        notify(event, payload)
 
 
 def viewed(guard, h: LiveHandoff, session_id: str) -> None:

@@ -20,7 +20,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from sfguard.supervisor import models as m
+from sfguard.supervisor import redaction
 from sfguard.supervisor.daemon import approval_models as am
+from sfguard.supervisor.daemon import status_models as sm
 from sfguard.supervisor.daemon.callers import CALLER, caller_of
 from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sfguard.supervisor.errors import (
@@ -86,11 +88,17 @@ EDGE_ERRORS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (500, ("internal",)))
 BODY_ERRORS = ((400, ("invalid_json",)), (413, ("body_too_large",)))
 STATUS_TEXT = {400: "bad input", 401: "no or a wrong bearer token (TCP listener only)",
-               403: "refused by the site policy", 404: "no such run, stage or profile",
+               403: "refused: by the site policy, or the metrics token on a route it does not open",
+               404: "no such run, stage or profile",
                405: "method not allowed on this route", 409: "conflicts with the current state",
                413: "body too large", 422: "the check could not decide", 500: "a bug: see the guard's log",
-               503: "the browser could not be started, the shared store is unreachable, or the guard's "
-                    "disk is full"}
+               503: "the browser could not be started, the shared store is unreachable, the guard's "
+                    "disk is full, or (health) the guard is not ready"}
+#: the metrics token (`sfguard start --metrics-token-file`) on a route it does not open
+TOKEN_SCOPE = (403, ("token_scope",))
+#: who may call a route on the TCP listener: `full` (the --tcp token), `scrape` (that token or
+#: the metrics token), `open` (anyone: the health probes). The unix socket's mode is its check.
+ACCESS = ("full", "scrape", "open")
 
 #: What a code means at one status, where the guard answers that code with more than one status
 #: (supervisor/daemon/stages.py browser_failed): each route that lists the pair says so.
@@ -115,6 +123,7 @@ class Route:
     description: str = ""
     query: tuple[str, ...] = ()                   # accepted query parameters
     service: str = ""                             # the Guard's service that answers (default: the Guard)
+    access: str = "full"                          # who may call it over TCP (ACCESS)
 
     @property
     def operation(self) -> str:
@@ -132,7 +141,9 @@ class Route:
     def error_codes(self) -> dict[int, tuple[str, ...]]:
         """status -> error codes this route can answer (edge, body, path and its own)."""
         out: dict[int, list[str]] = {}
-        groups = list(EDGE_ERRORS) + (list(BODY_ERRORS) if self.body else []) + list(self.errors)
+        edge = [e for e in EDGE_ERRORS if self.access != "open" or e[0] != 401]
+        groups = (edge + (list(BODY_ERRORS) if self.body else []) + list(self.errors)
+                  + ([TOKEN_SCOPE] if self.access == "full" else []))
         for status, codes in groups:
             for code in codes:
                 if code not in out.setdefault(status, []):
@@ -245,10 +256,19 @@ ROUTES: tuple[Route, ...] = (
           "The link is good once, for ttl_s seconds; its first use gives an HttpOnly, "
           "SameSite=Strict session cookie. 409 console_off when the guard runs without a console."),
     Route("GET", "/v1/status", "api_status", "Runs, leases, queues, anchors, proxies, policy", None,
-          ((200, m.StatusAnswer),), (),
+          ((200, sm.StatusAnswer),), (),
           "What `sfguard status` prints: every run, profile lease and queue, and the site policy's "
           "state (an invalid edit keeps the last good policy). Answers even when a shared store "
           "does not: then `leases` is empty and `guard.store_error` says why."),
+    Route("GET", "/v1/health/live", "api_health_live", "Liveness: the guard answers", None,
+          ((200, sm.HealthAnswer),), (),
+          "For probes: 200 while the guard's loop answers. Needs no token, also on the TCP "
+          "listener, and says nothing else.", (), "health", "open"),
+    Route("GET", "/v1/health/ready", "api_health_ready", "Readiness: the guard can take stages", None,
+          ((200, sm.HealthAnswer),), ((503, ("not_ready",)),),
+          "For probes: 200 when the guard has started, is not stopping, its watchdog ran in the last "
+          "10 s and its store answers within 2 s; else 503 not_ready. Needs no token, also on the TCP "
+          "listener, and says nothing else (`sfguard status` says why).", (), "health", "open"),
     Route("GET", "/v1/profiles", "api_list_profiles", "Profiles of this guard's scope", None,
           ((200, m.ProfilesAnswer),), ((503, ("store_unreachable",)),),
           "Names, sizes, times, workflow identities and lease holders; never contents. 503 "
@@ -283,92 +303,9 @@ ROUTES: tuple[Route, ...] = (
 
 
 def openapi_document() -> dict[str, Any]:
-    """OpenAPI 3.1 for ROUTES, with the pydantic models as components."""
-    components: dict[str, Any] = {}
-
-    def ref(model: type[BaseModel]) -> dict[str, str]:
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        for name, sub in schema.pop("$defs", {}).items():
-            components[name] = sub
-        components[model.__name__] = schema
-        return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-    def answer_schema(model: Any) -> dict[str, Any]:
-        if isinstance(model, tuple):
-            return {"oneOf": [ref(x) for x in model]}
-        return ref(model)
-
-    err = ref(m.ErrorAnswer)
-    paths: dict[str, Any] = {}
-    for r in ROUTES:
-        op: dict[str, Any] = {"summary": r.summary, "description": r.description,
-                              "operationId": r.handler.removeprefix("api_")}
-        params: list[dict[str, Any]] = [
-            {"name": p, "in": "path", "required": True,
-             "schema": {"type": "string", "pattern": m.PROFILE_NAME if p == "name" else m.RUN_ID}}
-            for p in (seg[1:-1] for seg in r.path.split("/") if seg.startswith("{"))]
-        if "wait" in r.query:
-            params.append({"name": "wait", "in": "query", "required": False,
-                           "description": f"long-poll: hold a waiting answer up to this many seconds "
-                                          f"(0-{MAX_WAIT:.0f})",
-                           "schema": {"type": "number", "minimum": 0, "maximum": MAX_WAIT}})
-        if params:
-            op["parameters"] = params
-        if r.body:
-            op["requestBody"] = {"required": True,
-                                 "content": {"application/json": {"schema": ref(r.body)}}}
-        responses: dict[str, Any] = {}
-        for status, model in r.answers:
-            if model is am.Png:
-                responses[str(status)] = {"description": "ok", "content": {
-                    am.Png.media_type: {"schema": {"type": "string", "format": "binary"}}}}
-                continue
-            responses[str(status)] = {"description": "waiting" if status == 202 else "ok",
-                                      "content": {"application/json": {"schema": answer_schema(model)}}}
-        for status, codes in r.error_codes().items():
-            causes = {code: ERROR_CAUSES[(status, code)] for code in codes if (status, code) in ERROR_CAUSES}
-            text = f"{STATUS_TEXT.get(status, 'error')}; error.code is one of: {', '.join(codes)}"
-            text += "".join(f". {code} here: {cause}" for code, cause in causes.items())
-            responses[str(status)] = {
-                "description": text,
-                "content": {"application/json": {"schema": err}},
-                "x-error-codes": list(codes)}
-            if causes:
-                responses[str(status)]["x-error-causes"] = causes
-        op["responses"] = responses
-        paths.setdefault(r.path, {})[r.method.lower()] = op
-    paths["/v1/openapi.json"] = {"get": {
-        "summary": "This document", "description": "The OpenAPI document of this API.",
-        "operationId": "openapi", "security": [{}, {"bearer": []}],
-        "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}},
-                      "401": {"description": STATUS_TEXT[401], "x-error-codes": ["unauthorized"],
-                              "content": {"application/json": {"schema": err}}}}}}
-    paths["/metrics"] = {"get": {
-        "summary": "Prometheus metrics", "operationId": "metrics", "security": [{}, {"bearer": []}],
-        "description": ("The guard's metrics in the Prometheus text format (version 0.0.4): decisions by "
-                        "outcome and reason, runs and stages by state, lease queue and waits, stage start "
-                        "latency, login checks, open handoffs, processes and memory by kind, free disk, "
-                        "policy and audit state. Labels never carry hosts, runs or profiles."),
-        "responses": {"200": {"description": "ok", "content": {"text/plain": {"schema": {"type": "string"}}}},
-                      "401": {"description": STATUS_TEXT[401], "x-error-codes": ["unauthorized"],
-                              "content": {"application/json": {"schema": err}}}}}}
-    components["ErrorBody"]["properties"]["code"]["enum"] = list(m.ERROR_CODES)
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "sfguard control API", "version": "1",
-                 "description": ("The guard's control API for pipeline runners. JSON in and out; "
-                                 "every error is {\"error\": {\"code\", \"message\", \"field\"}}. "
-                                 "On the unix socket (<home>/guard.sock, 0600) no token is needed; "
-                                 "on the optional TCP listener (sfguard start --tcp PORT) every "
-                                 "request carries Authorization: Bearer TOKEN. The runner's "
-                                 "sequence: docs/runner-guide.md.")},
-        "security": [{}, {"bearer": []}],
-        "paths": paths,
-        "components": {"schemas": components, "securitySchemes": {"bearer": {
-            "type": "http", "scheme": "bearer",
-            "description": "the TCP listener's token (printed by sfguard start --tcp, or written to "
-                           "--token-file); not needed on the unix socket"}}},
-    }
+    """OpenAPI 3.1 for ROUTES (supervisor/daemon/openapi.py builds it)."""
+    from sfguard.supervisor.daemon.openapi import document
+    return document()
 
 
 def _wait_seconds(values: list[str]) -> float:
@@ -386,19 +323,46 @@ def _wait_seconds(values: list[str]) -> float:
 Handler = Callable[..., Awaitable[Any]]
 
 
-def build_app(target: Any, token: str | None = None) -> web.Application:
-    """The aiohttp app. `target` (the Guard) has one service coroutine per route
-    (Route.operation), called with the path parameters and, for routes with a body, the
-    validated model; it returns a plain json-able answer or raises a GuardError. The status
-    is decided here: Route.success_status for answers, ERROR_STATUS for domain errors.
-    `token`: bearer token required (TCP listener)."""
+#: the access level of the routes outside ROUTES (ACCESS); any other path wants the full token
+EXTRA_ACCESS = {("GET", "/v1/openapi.json"): "full", ("GET", "/metrics"): "scrape"}
+
+
+def access_of(request: web.Request) -> str:
+    """The access level of the route `request` matched ("full" for no route)."""
+    resource = request.match_info.route.resource
+    method = "GET" if request.method == "HEAD" else request.method
+    path = resource.canonical if resource is not None else ""
+    found = next((r.access for r in ROUTES if r.method == method and r.path == path), None)
+    return found or EXTRA_ACCESS.get((method, path), "full")
+
+
+def _refusal(request: web.Request, token: str, scrape_token: str | None) -> web.Response | None:
+    """None when the request's bearer token opens its route, else the answer: 401 without a
+    valid token, 403 token_scope for the metrics token on a route it does not open."""
+    need = access_of(request)
+    if need == "open":
+        return None
+    given = request.headers.get("Authorization", "").encode()
+    if hmac.compare_digest(given, f"Bearer {token}".encode()):
+        return None
+    if scrape_token is not None and hmac.compare_digest(given, f"Bearer {scrape_token}".encode()):
+        if need == "scrape":
+            return None
+        return error_response(403, "token_scope", "the metrics token opens GET /metrics and the health "
+                              "probes only")
+    return error_response(401, "unauthorized", "a valid bearer token is required")
+
+
+def _edge(token: str | None, scrape_token: str | None) -> Any:
+    """The middleware every request passes: the bearer tokens (TCP listener), then the one
+    mapping of errors to answers (never a traceback)."""
 
     @web.middleware
     async def errors(request: web.Request, handler):
         if token is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return error_response(401, "unauthorized", "a valid bearer token is required")
+            refused = _refusal(request, token, scrape_token)
+            if refused is not None:
+                return refused
         transport = request.transport
         CALLER.set(caller_of(transport.get_extra_info("socket") if transport else None, token is not None))
         try:
@@ -417,7 +381,18 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
             log.exception("internal error on %s %s", request.method, request.rel_url.path)
             return error_response(500, "internal", "internal error; see the guard's log")
 
-    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
+    return errors
+
+
+def build_app(target: Any, token: str | None = None, scrape_token: str | None = None) -> web.Application:
+    """The aiohttp app. `target` (the Guard) has one service coroutine per route
+    (Route.operation), called with the path parameters and, for routes with a body, the
+    validated model; it returns a plain json-able answer or raises a GuardError. The status
+    is decided here: Route.success_status for answers, ERROR_STATUS for domain errors.
+    `token`: bearer token required (TCP listener); `scrape_token`: a second one that opens only
+    the routes whose access is `scrape` or `open` (/metrics, the health probes)."""
+
+    app = web.Application(middlewares=[_edge(token, scrape_token)], client_max_size=MAX_BODY)
 
     def make(route: Route):
         async def handle(request: web.Request) -> web.Response:
@@ -449,7 +424,12 @@ def build_app(target: Any, token: str | None = None) -> web.Application:
                 except ValidationError as exc:
                     raise validation_error(exc, route.body) from None
             owner = getattr(target, route.service) if route.service else target
-            answer = await getattr(owner, route.operation)(**kwargs)
+            # every line logged while this request is served names its run and stage (JSON log)
+            ids = redaction.bind_log_ids(run=kwargs.get("run_id"), stage=kwargs.get("stage_id"))
+            try:
+                answer = await getattr(owner, route.operation)(**kwargs)
+            finally:
+                redaction.unbind_log_ids(ids)
             if isinstance(answer, bytes):    # a picture (am.Png): never cached, never sniffed
                 return web.Response(body=answer, content_type="image/png",
                                     headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})

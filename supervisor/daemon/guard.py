@@ -24,7 +24,6 @@ import asyncio
 import collections
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import time
@@ -41,12 +40,16 @@ from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.daemon import retention, stage_exec
 from sfguard.supervisor.daemon.approvals_api import ApprovalsApi
+from sfguard.supervisor.daemon.audit_watch import AuditWatch
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
+from sfguard.supervisor.daemon.health import Health
 from sfguard.supervisor.daemon.inventory import Inventory
 from sfguard.supervisor.daemon.log_rotation import keep_rotated, write_decision
 from sfguard.supervisor.daemon.logins import Logins
-from sfguard.supervisor.daemon.metrics import GuardMetrics
+from sfguard.supervisor.daemon.metrics import GuardMetrics, sfguard_version
+from sfguard.supervisor.daemon.notify import Notifier
+from sfguard.supervisor.daemon.policy_reload import check_policy
 from sfguard.supervisor.daemon.run_proxy import RunProxy
 from sfguard.supervisor.daemon.runs import (
     WAITING_STATES,
@@ -142,7 +145,10 @@ class Guard:
         self.records = RunRecords(self.runs_dir, self.scope, self.sessions)
         self.proxies = proxy_pool(settings.proxies, self.policy_path, self.logs_dir / "decisions.log", self.resolve)
         # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
-        self.metrics = GuardMetrics(self.logs_dir / "decisions.log")
+        self.metrics = GuardMetrics(self.logs_dir / "decisions.log", sfguard_version())
+        # webhooks (<home>/notify.yaml), the audit chain's checks, the probes (GET /v1/health/*)
+        self.notifier = Notifier.from_home(self.home, metrics=self.metrics, console=lambda: self.console)
+        self.notify = self.notifier.emit
         # the decision log rotates by size and age (supervisor/daemon/log_rotation.py)
         self.log_retention = settings.log_retention
         self._rotate: asyncio.Task[None] | None = None
@@ -150,7 +156,7 @@ class Guard:
         self.deferred = Deferred(self.stores, self.calls)
         # write gates: held writes wait for a person here; decided ones are kept as long as the
         # decision log's lines that name them (supervisor/writes/approvals.py)
-        self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields),
+        self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields), notify=self.notify,
                                    folder=self.home / "approvals",
                                    keep_seconds=self.log_retention.max_age_s * (self.log_retention.keep + 1))
         self.approvals_api, self.write_approver = ApprovalsApi(self.approvals), self.approvals
@@ -175,14 +181,17 @@ class Guard:
                                  sessions=self.sessions, gate=self.gate, bridges=self.bridges,
                                  approvals=self.approvals, stores=self.stores, calls=self.calls,
                                  deferred=self.deferred, run_ended=self.run_ended,
-                                 flush_refusals=self.flush_refusals)
+                                 flush_refusals=self.flush_refusals, notify=self.notify)
         self.watchdog = Watchdog(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
                                  sessions=self.sessions, gate=self.gate, deferred=self.deferred,
-                                 check_policy=self.check_policy)
+                                 check_policy=self.check_policy, metrics=self.metrics)
         self.logins = Logins(runs=self.runs, run_of=self.run_of, active_run=self.active_run, stages=self.stages,
                              watchdog=self.watchdog, host=self.host, stores=self.stores, scope=self.scope,
                              store_call=self.store_call, metrics=self.metrics, policy_watch=self.policy_watch,
-                             new_handoff=self.new_handoff)
+                             new_handoff=self.new_handoff, notify=self.notify)
+        self.audit_watch = AuditWatch(self.audit.verify, self.calls.run, settings.audit_check_seconds, self.notify)
+        self.health = Health(last_pass=lambda: self.watchdog.last_pass,
+                             store_probe=lambda bound: self.calls.bounded(bound, self.inventory.lease_table))
         self.inventory = Inventory(stores=self.stores, calls=self.calls, scope=self.scope)
         self.stage_user: StageUser | None = None
         self.agent_browser_path: str | None = None
@@ -227,6 +236,7 @@ class Guard:
             raise
 
     async def _start(self) -> dict[str, Any]:
+        await self.notifier.start()
         runtime_dir(self.home)
         private_dir(self.socket_dir)
         # before the sweep: it ends that user's orphans too
@@ -235,9 +245,8 @@ class Guard:
         report = sweep(self)
         # damaged state is reported, never silently reset
         audit = self.audit.verify()
+        self.audit_watch.seen(audit)    # logs and notifies a broken chain; it is kept as it is
         if not audit.ok:
-            log.error("the audit log does not verify: %s; it is kept as it is "
-                      "(see `sfguard audit verify`)", audit)
             report["audit"] = str(audit)
         for info in self.store.list(self.scope):
             try:
@@ -254,11 +263,14 @@ class Guard:
         self._watch = asyncio.get_running_loop().create_task(self.watchdog.loop())
         self._rotate = asyncio.get_running_loop().create_task(
             keep_rotated([self.logs_dir / "decisions.log"], self.log_retention))
+        self.audit_watch.start()
         self.proxies.refill()
         return report
 
     async def stop(self) -> None:
         """Tear every run down as `abandoned`, then stop the gate."""
+        self.health.stopping = True
+        await self.audit_watch.stop()
         for task in (self._watch, self._rotate):
             if task:
                 task.cancel()
@@ -275,6 +287,7 @@ class Guard:
         await self.bridges.close_all()
         await self.gate.stop()
         self.flush_refusals()
+        await self.notifier.stop()
         self.calls.close()
         release_runtime(self)
         revoke_traverse(self.runtime)
@@ -295,21 +308,8 @@ class Guard:
         return str(err).replace("\n", "; ") if err is not None else None
 
     def check_policy(self) -> None:
-        before = self.policy_watch.error
-        if self.policy_watch.check():
-            digest = hashlib.sha256(self.policy_path.read_bytes()).hexdigest()
-            self.calls.submit("the audit record of a policy reload", self.audit.record,
-                              "policy_reloaded", mode=self.site_policy.mode, policy_sha256=digest)
-            log.info("site policy reloaded from %s", self.policy_path)
-            self.stages.policy_changed()
-        elif self.policy_watch.error is not None and self.policy_watch.error is not before:
-            log.error("site policy edit refused, the last good policy stays in force: %s",
-                      self.policy_error)
-            fields: dict[str, Any] = {"mode": self.site_policy.mode, "reason": "invalid"}
-            with contextlib.suppress(OSError):
-                fields["policy_sha256"] = hashlib.sha256(self.policy_path.read_bytes()).hexdigest()
-            self.calls.submit("the audit record of a refused policy edit", self.audit.record,
-                              "policy_edit_refused", **fields)
+        check_policy(watch=self.policy_watch, path=self.policy_path, audit=self.audit, calls=self.calls,
+                     policy_changed=self.stages.policy_changed, notify=self.notify)
 
     def host_tool_report(self) -> tuple[str, str]:
         ab = tools.find_agent_browser()
@@ -396,7 +396,7 @@ class Guard:
             raise Conflict("run_exists", f"run {body.run_id!r} already exists", "run_id")
         run = Run(body.run_id, body.pipeline, time.time())
         self.runs[run.run_id] = run
-        log.info("run %s created", run.run_id)
+        log.info("run %s created", run.run_id, extra={"run": run.run_id})
         return {"run_id": run.run_id, "state": run.state}
 
     async def get_run(self, run_id: str) -> dict[str, Any]:

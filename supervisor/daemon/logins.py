@@ -61,17 +61,21 @@ class Logins:
     def __init__(self, *, runs: dict[str, Run], run_of: Callable[[str], Run], active_run: Callable[[str], Run],
                  stages: Stages, watchdog: Watchdog, host: BrowserHost, stores: Stores, scope: str,
                  store_call: Callable[..., Awaitable[Any]], metrics: GuardMetrics,
-                 policy_watch: PolicyWatcher, new_handoff: Callable[[], Handoff]):
+                 policy_watch: PolicyWatcher, new_handoff: Callable[[], Handoff],
+                 notify: Callable[[str, dict[str, Any]], None] | None = None):
         """Given exactly what it uses: the runs (and the guard's lookups of one, with their
         errors), the stage service and the watchdog (to relaunch and re-attach), the browser host,
-        the profile store and audit, metrics, the policy in force and the handoff factory."""
+        the profile store and audit, metrics, the policy in force, the handoff factory and the
+        guard's webhooks (a window handoff waiting and ended)."""
+        self.notify = notify
         self.run_of, self.active_run, self.stages, self.watchdog = run_of, active_run, stages, watchdog
         self.host, self.store, self.audit, self.scope = host, stores.store, stores.audit, scope
         self.store_call, self.metrics, self.policy_watch, self.new_handoff = (
             store_call, metrics, policy_watch, new_handoff)
         # local_window handoffs (window_handoff.py)
         self.windows = WindowHandoffs(runs, self._window_closed,
-                                      lambda run, browser: self.relaunch(run, browser, headed=False, site=None))
+                                      lambda run, browser: self.relaunch(run, browser, headed=False, site=None),
+                                      notify=notify)
 
     async def _window_closed(self, outcome: str, fields: dict[str, Any]) -> None:
         await self.store_call(self.audit.record, "handoff_closed", outcome=outcome, scope=self.scope, **fields)
@@ -160,6 +164,9 @@ class Logins:
         await self.store_call(self.audit.record, "handoff_opened", scope=self.scope,
                            profile=browser.key, run=run.run_id, host=body.site)
         self.windows.open(run, browser, body.profile, body.site, body.stage_id, body.timeout_s)
+        if self.notify is not None:
+            self.notify("handoff_waiting", {"kind": "local_window", "run": run.run_id, "stage": body.stage_id,
+                                            "profile": body.profile, "site": body.site, "reason": body.reason})
         return handoff.payload(site=body.site, reason=body.reason, url=body.url).model_dump()
 
     async def relaunch(self, run: Run, browser: Browser, *, headed: bool, site: str | None) -> None:

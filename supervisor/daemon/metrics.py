@@ -4,10 +4,12 @@ Served on the control API (the unix socket, 0600, and the TCP listener with its 
 and on the operator console for a signed-in console session; never without authentication.
 
 Two kinds of figures:
-- events the guard counts as they happen (stage start latency, lease waits, login checks);
-- state read at scrape time: runs and stages by state, lease queues, open handoffs, the guard's
-  process tree by kind and its resident memory, free disk space of the home and the runtime
-  folder, the policy's and the audit chain's state, and the decisions of the run proxies, read
+- events the guard counts as they happen (stage start latency, lease waits, login checks,
+  browser and proxy restarts, webhook deliveries);
+- state read at scrape time: runs and stages by state, lease queues, open handoffs, pending
+  approvals and the oldest wait, the guard's process tree by kind and its resident memory,
+  free disk space of the home and the runtime folder, the policy's and the audit chain's state
+  (supervisor/daemon/audit_watch.py), the version, and the decisions of the run proxies, read
   from the decision log (a decision is on disk before its answer, so the log is the source).
 
 Labels are bounded: decision outcome and reason code (a closed set), states, process kinds,
@@ -40,8 +42,6 @@ disable_created_metrics()
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: below this much free space in the home or the runtime folder, `disk_low` (status, doctor)
 DISK_LOW_BYTES = 512 * 1024 * 1024
-#: the audit chain is verified again at most this often (it reads the whole log)
-AUDIT_CHECK_INTERVAL_S = 300.0
 #: decision-log bytes read per scrape at most (the rest is read by the next scrape)
 DECISION_READ_LIMIT = 16 * 1024 * 1024
 #: a line longer than this is not a decision (skipped)
@@ -179,6 +179,15 @@ class DecisionTail:
         self._old, self._cur = [], None
 
 
+def sfguard_version() -> str:
+    """The installed sfguard's version (sfguard_build_info, status), as `sfguard --version` says it."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("sfguard")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def process_kind(proc: psutil.Process) -> str:
     """browser, agent_browser, proxy or other: what a process of the guard's tree is."""
     try:
@@ -212,8 +221,9 @@ class GuardMetrics:
     #: the Content-Type of `render`'s text (the console serves it too, through the guard)
     content_type = CONTENT_TYPE
 
-    def __init__(self, decision_log: Path):
+    def __init__(self, decision_log: Path, version: str = "unknown"):
         self.registry = CollectorRegistry(auto_describe=True)
+        self.version = version
         self.stage_start = Histogram(
             "sfguard_stage_start_seconds", "Time from a stage's request (or its lease grant) to ready",
             buckets=STAGE_START_BUCKETS, registry=self.registry)
@@ -224,8 +234,20 @@ class GuardMetrics:
             "sfguard_login_checks", "Login checks by result", ["result"], registry=self.registry)
         for result in ("logged_in", "logged_out", "failed"):
             self.login_checks.labels(result=result)
+        self.restarts = PromCounter(
+            "sfguard_restarts", "Browsers and run proxies that died and were restarted by the watchdog",
+            ["kind"], registry=self.registry)
+        for kind in ("browser", "proxy"):
+            self.restarts.labels(kind=kind)
+        self.webhooks = PromCounter(
+            "sfguard_webhook_deliveries", "Webhook deliveries by result (failed: given up after retrying)",
+            ["result"], registry=self.registry)
+        for result in ("delivered", "failed"):
+            self.webhooks.labels(result=result)
+        self.webhook_attempt_failures = PromCounter(
+            "sfguard_webhook_attempt_failures", "Webhook attempts that failed (each retry counts)",
+            registry=self.registry)
         self.decisions = DecisionTail(decision_log)
-        self._audit: tuple[float, bool | None] = (0.0, None)
         self._snap: dict[str, Any] | None = None
         self._render_lock = threading.Lock()    # one scrape at a time reads the snapshot
         self.registry.register(_StateCollector(self))
@@ -239,35 +261,34 @@ class GuardMetrics:
     def login_checked(self, result: str) -> None:
         self.login_checks.labels(result=result).inc()
 
+    def restarted(self, kind: str) -> None:
+        """A `browser` or a run `proxy` died and the watchdog restarted it."""
+        self.restarts.labels(kind=kind).inc()
+
+    def webhook_delivered(self, result: str) -> None:
+        self.webhooks.labels(result=result).inc()
+
+    def webhook_attempt_failed(self) -> None:
+        self.webhook_attempt_failures.inc()
+
     @staticmethod
     def snapshot(guard: Any) -> dict[str, Any]:
         """What the scrape needs of the guard's memory (on the event loop: no I/O)."""
         from sfguard.supervisor.daemon.runs import StageState
+        from sfguard.supervisor.daemon.waiting import pending_approvals, waiting_handoffs
         runs = list(guard.runs.values())
         stages = [s for r in runs for s in r.stages.values()]
-        console = getattr(guard, "console", None)
-        handoffs = list(getattr(console, "handoffs", {}).values()) if console is not None else []
+        approvals, handoffs = pending_approvals(guard), waiting_handoffs(guard)
+        watch = guard.audit_watch
         return {"runs": Counter(str(r.state) for r in runs),
                 "stages": Counter(str(s.state) for s in stages),
                 "queued": sum(1 for s in stages if s.state == StageState.WAITING),
-                "handoffs_open": sum(1 for h in handoffs if getattr(h, "state", None) == "open"),
+                "handoffs_open": len(handoffs), "approvals_pending": len(approvals),
+                "oldest": {"approval": approvals[0]["age_s"] if approvals else 0.0,
+                           "handoff": handoffs[0]["age_s"] if handoffs else 0.0},
                 "policy_invalid": bool(guard.policy_error), "started": guard.started,
                 "disk": {"home": guard.home, "runtime": guard.runtime},
-                "verify": guard.audit.verify}
-
-    def audit_state(self, verify: Any, now: float | None = None) -> bool | None:
-        """The chain's state from the last check; checked again when older than the interval.
-        `verify` is the audit sink's verify (it reads the whole log: off the event loop)."""
-        now = time.monotonic() if now is None else now
-        checked, ok = self._audit
-        if ok is None or now - checked > AUDIT_CHECK_INTERVAL_S:
-            try:
-                ok = bool(verify().ok)
-            except Exception as exc:   # a store away or a damaged log: unknown, said in the log
-                log.warning("metrics: the audit chain could not be verified: %s", exc)
-                ok = None
-            self._audit = (now, ok)
-        return ok
+                "audit_ok": watch.ok, "audit_interval": watch.interval}
 
     def render(self, snapshot: dict[str, Any]) -> bytes:
         """The text exposition (blocking: call it in a thread)."""
@@ -315,8 +336,15 @@ class _StateCollector(Collector):
         yield stages
         yield GaugeMetricFamily("sfguard_lease_queue_depth", "Stages waiting for a profile lease",
                                 value=snap["queued"])
-        yield GaugeMetricFamily("sfguard_handoffs_open", "Live-view login handoffs waiting for a person",
-                                value=snap["handoffs_open"])
+        yield GaugeMetricFamily("sfguard_handoffs_open", "Login handoffs (live views and local windows) "
+                                "waiting for a person", value=snap["handoffs_open"])
+        yield GaugeMetricFamily("sfguard_approvals_pending", "Writes held for a person's approval",
+                                value=snap["approvals_pending"])
+        oldest = GaugeMetricFamily("sfguard_oldest_pending_seconds", "How long the oldest pending "
+                                   "approval or open login handoff has waited (0: none)", labels=["kind"])
+        for kind, age in sorted(snap["oldest"].items()):
+            oldest.add_metric([kind], age)
+        yield oldest
 
     def _processes(self) -> Iterator[Metric]:
         count = GaugeMetricFamily("sfguard_processes", "Processes of the guard's tree, by kind", labels=["kind"])
@@ -360,9 +388,13 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("sfguard_policy_edit_invalid",
                                 "1 while the policy file holds an invalid edit (the last good policy is in force)",
                                 value=1 if snap["policy_invalid"] else 0)
-        ok = self.m.audit_state(snap["verify"])
+        ok = snap["audit_ok"]
         if ok is not None:
             yield GaugeMetricFamily("sfguard_audit_chain_ok", "1 when the audit chain verifies (checked "
-                                    f"at most every {AUDIT_CHECK_INTERVAL_S:.0f} s)", value=1 if ok else 0)
+                                    f"every {snap['audit_interval']:.0f} s)", value=1 if ok else 0)
         yield GaugeMetricFamily("sfguard_start_time_seconds", "When the guard started (Unix time)",
                                 value=snap["started"])
+        info = GaugeMetricFamily("sfguard_build_info", "The running sfguard's version (always 1)",
+                                 labels=["version"])
+        info.add_metric([self.m.version], 1)
+        yield info

@@ -160,6 +160,7 @@ def serve(config: GuardConfig, clients: Iterable[Client] = (), *, control: bool 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     install_logging()
+    redaction.bind_log_ids(run=args.run)   # every line of a run's own proxy names its run
     try:
         try:
             resolve = policy.parse_resolve(args.resolve)
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                              resolve=resolve, decision_log=args.decision_log, run=args.run)
         return serve(config, control=True)
     except (ProxyProcessError, GuardStartError, policy.PolicyError) as exc:
-        print(f"sfguard-run-proxy: error: {exc}", file=sys.stderr)
+        print(redaction.log_line(f"sfguard-run-proxy: error: {exc}", logger="sfguard.proxy",
+                                 level="ERROR"), file=sys.stderr)
         return 2
 
 

@@ -264,7 +264,8 @@ def _warm(policy_path: str, decision_log: str) -> None:
     try:
         asyncio.run(once())
     except Exception as exc:   # noqa: BLE001 - a bad policy now is reported by the child that loads it
-        print(f"sfguard-proxy-zygote: warm-up skipped ({type(exc).__name__})", file=sys.stderr)
+        print(redaction.log_line(f"sfguard-proxy-zygote: warm-up skipped ({type(exc).__name__})",
+                                 logger="sfguard.proxy.zygote", level="WARNING"), file=sys.stderr)
     finally:
         logging.disable(logging.NOTSET)
 

@@ -39,3 +39,5 @@ class GuardSettings:
     #: "per-run": a proxy process per run; "shared": one proxy process serves every run, each
     #: with its own listener and credentials (--proxies; docs/design.md 4.2)
     proxies: str = PROXIES_DEFAULT
+    #: how often the running guard verifies the audit chain again, in seconds (--audit-check)
+    audit_check_seconds: float = 300.0

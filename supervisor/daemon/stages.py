@@ -155,12 +155,14 @@ class Stages:
                     # where a stage's start-up time goes (supervisor_bench measures the whole)
                     log.info("stage %s/%s ready in %.0f ms (lease %.0f, browser %.0f, session %.0f)",
                              run.run_id, stage.stage_id, (time.monotonic() - t0) * 1000,
-                             (t1 - t0) * 1000, (t2 - t1) * 1000, (time.monotonic() - t2) * 1000)
+                             (t1 - t0) * 1000, (t2 - t1) * 1000, (time.monotonic() - t2) * 1000,
+                             extra={"run": run.run_id, "stage": stage.stage_id})
         except GuardError as exc:
             stage.move(StageState.FAILED)
             stage.error = exc
         except BROWSER_ERRORS as exc:
-            log.warning("stage %s/%s could not get a browser: %s", run.run_id, stage.stage_id, exc)
+            log.warning("stage %s/%s could not get a browser: %s", run.run_id, stage.stage_id, exc,
+                        extra={"run": run.run_id, "stage": stage.stage_id})
             stage.move(StageState.FAILED)
             stage.error = browser_failed(exc, "the guard could not start this stage's browser", None)
         finally:
@@ -191,7 +193,8 @@ class Stages:
                         self.stores.lease.release(key, run.run_id)   # the queue only (never a held lease)
                 with contextlib.suppress(StoreUnavailable):  # away: its queue place lapses with
                     await self.calls.run(leave_queue)        # this guard's, or goes at run end
-        log.info("stage %s/%s left the queue", run.run_id, stage_id)
+        log.info("stage %s/%s left the queue", run.run_id, stage_id,
+                 extra={"run": run.run_id, "stage": stage_id})
         await self.advance_waiting()   # the places behind it move up now
         return {"state": "ended", "outcome": "cancelled"}
 
@@ -273,7 +276,8 @@ class Stages:
             await self.sessions.end(started)
             if browser.profile is not None and browser.client in run.proxy.clients:
                 await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
-            log.info("stage %s/%s ended before it was ready", run.run_id, stage.stage_id)
+            log.info("stage %s/%s ended before it was ready", run.run_id, stage.stage_id,
+                     extra={"run": run.run_id, "stage": stage.stage_id})
             return
         stage.gate_key = gate_key
         # The stage gets exactly the docs/design.md 4.3 variables; the guard started the session, and
@@ -338,11 +342,12 @@ class Stages:
             raise
         log.info("run %s: anchor for profile %s ready (profile opened in %.0f ms, browser "
                  "launched in %.0f ms)", run.run_id, key.name, (t1 - t0) * 1000,
-                 browser.anchor.launch_seconds * 1000)
+                 browser.anchor.launch_seconds * 1000, extra={"run": run.run_id, "profile": key.name})
         if browser.anchor.carried:    # what would have run before the guard: removed, and said
             removed = "; ".join(browser.anchor.carried)
             log.warning("run %s: profile %s carried what would have run before the guard; removed or "
-                        "kept from loading: %s", run.run_id, key.name, removed)
+                        "kept from loading: %s", run.run_id, key.name, removed,
+                        extra={"run": run.run_id, "profile": key.name})
             with swallowed(log, "the audit record of a cleaned profile"):
                 await self.calls.run(self.stores.audit.record, "profile_cleaned", profile=key.name,
                                      run=run.run_id, removed=removed[:500])

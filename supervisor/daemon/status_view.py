@@ -1,6 +1,7 @@
 """What the guard holds, as `sfguard status` and the console's overview show it: the guard,
 its runs (those not ended and the most recently ended), leases and queues, the policy's state,
-trusted authorities, disk space and work a full disk put off."""
+trusted authorities, disk space and work a full disk put off, what waits for a person (held
+writes, login handoffs), the audit chain's last check and the webhooks' deliveries."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from sfguard.supervisor.daemon.metrics import DISK_LOW_BYTES, disk_free
 from sfguard.supervisor.daemon.runs import RunState, now_iso
+from sfguard.supervisor.daemon.waiting import pending_approvals, waiting_handoffs
 from sfguard.supervisor.profiles.store_ops import StoreSlow
 from sfguard.supervisor.protocols import StoreUnavailable
 
@@ -46,7 +48,7 @@ async def guard_status(g: Guard) -> dict[str, Any]:
         "guard": {"pid": os.getpid(), "since": now_iso(g.started), "home": str(g.home),
                   "key_provider": g.keys.describe(), "scope": g.scope,
                   "store": g.stores.shown, "store_error": store_error,
-                  "tcp_port": g.api_tcp_port},
+                  "tcp_port": g.api_tcp_port, "version": g.metrics.version},
         "policy": {"file": str(g.policy_path), "mode": g.site_policy.mode,
                    "state": "error" if g.policy_error else "ok", "error": g.policy_error},
         "runs": [r.public() for r in active + recent],
@@ -60,4 +62,9 @@ async def guard_status(g: Guard) -> dict[str, Any]:
         "trusted_cas": ca.public() if (ca := getattr(g.host, "ca", None)) else [],
         "disk": disk_state(g.home, g.runtime),
         "pending": g.deferred.pending(),
+        # what waits for a person, with its age (`status --check --max-wait`)
+        "approvals": pending_approvals(g),
+        "handoffs": waiting_handoffs(g),
+        "audit": g.audit_watch.public(),
+        "notifications": g.notifier.status(),
     }

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import shutil
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sfguard.supervisor.daemon.deferred import no_space
 from sfguard.supervisor.daemon.runs import (
@@ -44,16 +44,18 @@ class Teardown:
     """Given what it ends and what it reports to: the guard's runs, the stage service (its
     allowlists, advancing waiting stages), records, the browser host, stage sessions, the gate,
     the stage bridges, held writes, the profile stores and their calls, what a full disk put
-    off; `run_ended` (retention) and `flush_refusals` (the gate's aggregated denials)."""
+    off; `run_ended` (retention), `flush_refusals` (the gate's aggregated denials) and `notify`
+    (the guard's webhooks: a run that ends as failed)."""
 
     def __init__(self, *, runs: dict[str, Run], stages: Stages, records: RunRecords,
                  host: BrowserHost, sessions: StageSessions, gate: CdpGate, bridges: BridgeHost,
                  approvals: Approvals, stores: Stores, calls: StoreCalls, deferred: Deferred,
-                 run_ended: Callable[[Run], None], flush_refusals: Callable[[], None]):
+                 run_ended: Callable[[Run], None], flush_refusals: Callable[[], None],
+                 notify: Callable[[str, dict[str, Any]], None] | None = None):
         self.runs, self.stages, self.records, self.host = runs, stages, records, host
         self.sessions, self.gate, self.bridges, self.approvals = sessions, gate, bridges, approvals
         self.stores, self.calls, self.deferred = stores, calls, deferred
-        self.run_ended, self.flush_refusals = run_ended, flush_refusals
+        self.run_ended, self.flush_refusals, self.notify = run_ended, flush_refusals, notify
 
     async def end_stage(self, run: Run, stage: Stage, outcome: StageOutcome) -> list[str]:
         """Close the stage's tabs and session (with its own env), revoke its token, then drop
@@ -124,7 +126,8 @@ class Teardown:
             try:
                 await run.proxy.remove_client(browser.client)
             except BrowserStartError as exc:   # the proxy ends with the run: its old set is harmless
-                log.info("run %s: the proxy kept the ended browser's credential: %s", run.run_id, exc)
+                log.info("run %s: the proxy kept the ended browser's credential: %s", run.run_id, exc,
+                         extra={"run": run.run_id})
         run.browsers.pop(browser.key, None)
         return problems
 
@@ -163,5 +166,10 @@ class Teardown:
                 for st in other.waiting_stages():
                     asyncio.get_running_loop().create_task(self.stages.advance(other, st))
         self.flush_refusals()
+        if outcome == RunOutcome.FAILED and self.notify is not None:
+            failed = sorted(s.stage_id for s in run.stages.values()
+                            if s.outcome in (StageOutcome.FAILED, StageOutcome.TIMED_OUT) or s.error is not None)
+            self.notify("run_failed", {"run": run.run_id, "outcome": str(outcome), "stages_failed": failed,
+                                       "problems": len(run.problems)})
         log.info("run %s ended: %s%s", run.run_id, outcome,
-                 f" ({len(run.problems)} problem(s))" if run.problems else "")
+                 f" ({len(run.problems)} problem(s))" if run.problems else "", extra={"run": run.run_id})

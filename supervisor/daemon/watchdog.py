@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from sfguard.supervisor.browsers.host import BrowserHost
     from sfguard.supervisor.daemon.crash import RunRecords
     from sfguard.supervisor.daemon.deferred import Deferred
+    from sfguard.supervisor.daemon.metrics import GuardMetrics
     from sfguard.supervisor.daemon.stage_sessions import StageSessions
     from sfguard.supervisor.daemon.stages import Stages
     from sfguard.supervisor.gate.cdp_gate import CdpGate
@@ -28,19 +30,23 @@ WATCH_INTERVAL = 0.25
 class Watchdog:
     """Given exactly what it watches and what it uses to repair: the guard's runs, the stage
     service (advance, launch, attach), run records, the browser host, stage sessions, the
-    gate, the work a full disk put off, and the policy check."""
+    gate, the work a full disk put off, the policy check, and the metrics (restarts counted)."""
 
     def __init__(self, *, runs: dict[str, Run], stages: Stages, records: RunRecords,
                  host: BrowserHost, sessions: StageSessions, gate: CdpGate, deferred: Deferred,
-                 check_policy: Callable[[], object]):
+                 check_policy: Callable[[], object], metrics: GuardMetrics | None = None):
         self.runs, self.stages, self.records, self.host = runs, stages, records, host
         self.sessions, self.gate, self.deferred, self.check_policy = sessions, gate, deferred, check_policy
+        self.metrics = metrics
+        self.last_pass: float | None = None
 
     async def loop(self) -> None:
+        self.last_pass = time.monotonic()           # running: ready from its start on
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
             try:
                 await self.once()
+                self.last_pass = time.monotonic()     # readiness (supervisor/daemon/health.py)
             except Exception:
                 log.exception("watchdog pass failed")
 
@@ -57,8 +63,11 @@ class Watchdog:
             for stage in run.waiting_stages():
                 await self.stages.advance(run, stage)
             if run.proxy is not None and run.proxy.proc is not None and not run.proxy.alive():
-                log.warning("run %s: guard proxy died; restarting it on the same port", run.run_id)
+                log.warning("run %s: guard proxy died; restarting it on the same port", run.run_id,
+                            extra={"run": run.run_id})
                 run.proxy.restarts += 1
+                if self.metrics is not None:
+                    self.metrics.restarted("proxy")
                 with swallowed(log, f"run {run.run_id}: stopping its dead proxy"):
                     await run.proxy.stop()
                 await run.proxy.start()
@@ -72,13 +81,16 @@ class Watchdog:
         async with browser.lock:
             if browser.closing or run.state != RunState.ACTIVE:
                 return
-            log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key)
+            log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key,
+                        extra={"run": run.run_id})
             dead = browser.anchor
             assert dead is not None
             await self.sessions.drop(dead)
             await asyncio.to_thread(terminate_recorded, dead.processes, 3)
             await dead.pipe.close()
             browser.restarts += 1
+            if self.metrics is not None:
+                self.metrics.restarted("browser")
             for sid in browser.stages:  # answer 202 until the new env works
                 st = run.stages[sid]
                 st.events.append({"ts": now_iso(), "event": "browser_restarted",

@@ -47,12 +47,13 @@ class WindowHandoff:
 
 class WindowHandoffs:
     """The open and recent window handoffs, one per run (the newest). Given what it uses: the
-    guard's runs, how to audit an end (`audit(outcome, fields)`), and how to put a browser back
-    to headless (`headless(run, browser)`)."""
+    guard's runs, how to audit an end (`audit(outcome, fields)`), how to put a browser back
+    to headless (`headless(run, browser)`), and the guard's webhooks (`notify`)."""
 
     def __init__(self, runs: Mapping[str, Run], audit: Callable[[str, dict[str, Any]], Awaitable[None]],
-                 headless: Callable[[Run, Browser], Awaitable[None]]) -> None:
-        self.runs, self.audit, self.headless = runs, audit, headless
+                 headless: Callable[[Run, Browser], Awaitable[None]],
+                 notify: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self.runs, self.audit, self.headless, self.notify = runs, audit, headless, notify
         self.items: dict[str, WindowHandoff] = {}
 
     def open(self, run: Run, browser: Browser, profile: str, site: str, stage_id: str | None,
@@ -105,7 +106,10 @@ class WindowHandoffs:
                     log.warning("the login window of run %s did not go back to headless: %s",
                                 h.run_id, type(exc).__name__)
         h.state = handoff_move(h.state, outcome)
-        log.info("login window of run %s ended: %s", h.run_id, outcome)
+        log.info("login window of run %s ended: %s", h.run_id, outcome, extra={"run": h.run_id})
+        if self.notify is not None:
+            self.notify("handoff_ended", {"kind": "local_window", "run": h.run_id, "stage": h.stage_id,
+                                          "profile": h.profile, "site": h.site, "outcome": outcome})
         h.changed.set()
 
     async def close_all(self) -> None:

@@ -81,6 +81,11 @@ class _Bridge:
             await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
         except (TimeoutError, OSError):
             pass
+        except asyncio.CancelledError:
+            # cut by close() (stage end, the guard's stop): a normal end. Python 3.11's done
+            # callback of a connection task calls task.exception(), which raises for a task
+            # that ends cancelled and logs it as an ERROR with a traceback; so this one returns.
+            pass
         finally:
             self.conns.discard(task)
             for w in (writer, up_w):

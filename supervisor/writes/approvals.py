@@ -135,8 +135,11 @@ class Approvals:
     `folder` (in the guard home) keeps decided approvals for `keep_seconds`."""
 
     def __init__(self, audit: Callable[[str, dict[str, Any]], None] | None = None, keep: int = KEEP_DECIDED,
-                 folder: Path | None = None, keep_seconds: float = KEEP_SECONDS):
+                 folder: Path | None = None, keep_seconds: float = KEEP_SECONDS,
+                 notify: Callable[[str, dict[str, Any]], None] | None = None):
         self.audit = audit
+        #: the guard's webhooks (supervisor/daemon/notify.py): every event audited is sent too
+        self.notify = notify
         self.keep = keep
         self.items: OrderedDict[str, Approval] = OrderedDict()
         self.changed = asyncio.Event()
@@ -239,6 +242,7 @@ class Approvals:
     def _record(self, event: str, ap: Approval) -> None:
         """The audit record: what was held (method, address with query values hidden, form
         field names, body type and size), why and by which rule, who decided and their reason."""
+        self._notify(event, ap)
         if self.audit is None:
             return
         h = ap.held
@@ -252,6 +256,17 @@ class Approvals:
             self.audit(event, {k: v for k, v in fields.items() if v is not None})
         except Exception as exc:   # the audit chain's own failure is logged by it; the write still waits
             log.warning("could not audit %s of %s: %s", event, ap.id, exc)
+
+    def _notify(self, event: str, ap: Approval) -> None:
+        """The guard's webhooks: what a person needs to act, never a form value, a body, a
+        header value or the query (the approval's console page shows those)."""
+        if self.notify is None:
+            return
+        hidden = ("form", "url", "earlier", "headers", "body_text", "tab_url")
+        try:
+            self.notify(event, {k: v for k, v in ap.public().items() if k not in hidden})
+        except Exception as exc:   # a notification never stops the write's decision
+            log.warning("could not notify %s of %s: %s", event, ap.id, exc)
 
     # -- the lasting record ------------------------------------------------------------------
     def _file(self) -> Path | None:

@@ -93,7 +93,7 @@ class Daemon:
             if not line:
                 break
             lines.append(line.decode())
-            if line.strip() == b"sfguard: ready":
+            if line.strip() == b"sfguard: ready" or line.startswith(b"{") and b'"event":"ready"' in line:
                 self.banner = "".join(lines)
                 return
         raise AssertionError(f"daemon did not get ready: {''.join(lines)}\n{self.log.read_text()[-3000:]}")

@@ -14,6 +14,7 @@ import stat
 import time
 
 from sfguard.supervisor import models as m
+from sfguard.supervisor.daemon import status_models as sm
 from sfguard.supervisor.daemon.api import ERROR_STATUS, MAX_BODY, ROUTES, build_app, openapi_document
 from tests.conftest import free_port
 from tests.daemon.conftest import ROOT
@@ -77,6 +78,7 @@ ELSEWHERE = {
     ("POST", "/v1/runs/{run_id}/handoff", 404, "stage_not_found"): "tests/console (live_view with an unknown stage_id)",
     ("POST", "/v1/runs/{run_id}/login-check", 503, "browser_failed"):
         "test_a_browser_that_cannot_start_is_an_answer_not_a_500 below",
+    ("GET", "/v1/health/ready", 503, "not_ready"): "tests/pg/test_outage.py (the shared store's database away)",
     ("DELETE", "/v1/profiles/{name}", 400, "invalid_name"):
         "unreachable through HTTP: the path pattern refuses a bad name first (invalid_request)",
 }
@@ -267,6 +269,8 @@ def test_a_runner_session_gets_only_documented_answers(daemon):
     assert call("GET", "/v1/status")[0] == 200
     assert call("GET", "/v1/profiles")[0] == 200
     assert call("GET", "/v1/openapi.json")[0] == 200
+    assert call("GET", "/v1/health/live") == (200, {"status": "alive"})
+    assert call("GET", "/v1/health/ready") == (200, {"status": "ready"})
     call("POST", "/v1/runs", {"run_id": "r3"})
     assert call("POST", "/v1/runs/r3/stages", stage_body("q"))[0] == 202
     assert call("DELETE", "/v1/runs/r3/stages/q")[0] == 200
@@ -298,7 +302,8 @@ def test_a_runner_session_gets_only_documented_answers(daemon):
     not_seen = documented - rec.seen
     # the edge errors every route shares are shown once here (and per route in the fuzz suite)
     edge = {(mth, p, s, c) for (mth, p, s, c) in not_seen if c in ("unauthorized", "method_not_allowed",
-                                                                  "internal", "invalid_json", "body_too_large")
+                                                                  "internal", "invalid_json", "body_too_large",
+                                                                  "token_scope")
             or (c == "invalid_request" and s == 400)}
     unexplained = sorted(x for x in not_seen - edge if x not in ELSEWHERE)
     assert unexplained == [], "\n".join(map(str, unexplained))
@@ -371,7 +376,7 @@ def test_token_file_and_the_tcp_listener(daemon, tmp_path):
     assert "401" in DOC["paths"]["/v1/status"]["get"]["responses"]
     assert tcp("Bearer wrong")[0] == 401
     status, body = tcp(f"Bearer {token}")
-    assert status == 200 and m.StatusAnswer.model_validate(body)
+    assert status == 200 and sm.StatusAnswer.model_validate(body)
     assert daemon.stop() == 0
     assert not token_file.exists()          # the token dies with the guard
 

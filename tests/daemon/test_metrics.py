@@ -106,6 +106,18 @@ def test_metrics_follow_the_guard_and_keep_to_the_conventions(daemon, tmp_path):
     assert value(fams, "sfguard_audit_chain_ok") == 1
     assert value(fams, "sfguard_policy_edit_invalid") == 0
     assert value(fams, "sfguard_login_checks", "_total", result="logged_in") == 0
+    # what waits for a person, restarts, webhooks, the version (also in status)
+    assert value(fams, "sfguard_approvals_pending") == 0
+    assert value(fams, "sfguard_oldest_pending_seconds", kind="approval") == 0
+    assert value(fams, "sfguard_oldest_pending_seconds", kind="handoff") == 0
+    assert value(fams, "sfguard_handoffs_open") == 0
+    assert value(fams, "sfguard_restarts", "_total", kind="browser") == 0
+    assert value(fams, "sfguard_restarts", "_total", kind="proxy") == 0
+    assert value(fams, "sfguard_webhook_deliveries", "_total", result="failed") == 0
+    assert value(fams, "sfguard_webhook_attempt_failures", "_total") == 0
+    version = d.call("GET", "/v1/status")[1]["guard"]["version"]
+    assert version and version != "unknown"
+    assert value(fams, "sfguard_build_info", version=version) == 1
 
     # conventions: our prefix, units in names, _total counters, bounded labels only
     for name, (mtype, samples) in fams.items():
@@ -124,3 +136,40 @@ def test_metrics_follow_the_guard_and_keep_to_the_conventions(daemon, tmp_path):
     fams = parse(scrape_unix(d)[2])
     assert value(fams, "sfguard_runs", state="active") == 0
     assert value(fams, "sfguard_lease_queue_depth") == 0
+
+
+def test_browser_and_proxy_restarts_are_counted(daemon):
+    """The watchdog restarts a run's browser and proxy that died (killed here by pid: processes
+    of this test's guard); each restart is one more in sfguard_restarts_total{kind}."""
+    import os
+    import signal
+    import time
+
+    import psutil
+    d = daemon
+    d.call("POST", "/v1/runs", {"run_id": "k"})
+    st, _ready = d.call("POST", "/v1/runs/k/stages", stage_body("s"))
+    assert st == 200
+
+    def run() -> dict:
+        return d.call("GET", "/v1/runs/k")[1]
+
+    def wait(pred, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not pred():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    browser_pid = [c["pid"] for c in d.browser_log() if "argv" in c][-1]
+    os.kill(browser_pid, signal.SIGKILL)
+    wait(lambda: run()["browsers"][0]["restarts"] == 1, "the browser was not restarted")
+    port = run()["proxy"]["port"]
+    tree = psutil.Process(d.proc.pid).children(recursive=True)
+    proxy = next(p for p in tree if any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                                        for c in p.net_connections("tcp")))
+    proxy.kill()
+    wait(lambda: run()["proxy"]["restarts"] == 1 and run()["proxy"]["alive"], "the proxy was not restarted")
+    fams = parse(scrape_unix(d)[2])
+    assert value(fams, "sfguard_restarts", "_total", kind="browser") == 1
+    assert value(fams, "sfguard_restarts", "_total", kind="proxy") == 1
+    d.call("POST", "/v1/runs/k/end", {"outcome": "succeeded"})

@@ -50,7 +50,8 @@ def extension(folder: Path, port: int) -> Path:
         "host_permissions": ["<all_urls>"], "background": {"service_worker": "sw.js"}}))
     (folder / "sw.js").write_text(
         "chrome.runtime.onStartup.addListener(() => 0);\n"
-        f"fetch('http://wg.test:{port}/w/ext/post', {{method: 'POST', body: 'e=1', mode: 'no-cors'}}).catch(() => 0);\n")
+        f"fetch('http://wg.test:{port}/w/ext/post', {{method: 'POST', body: 'e=1', mode: 'no-cors'}})"
+        ".catch(() => 0);\n")
     return folder
 
 

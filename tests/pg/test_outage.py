@@ -86,6 +86,10 @@ def test_the_guards_answer_through_a_database_outage_and_lose_nothing(guards, se
     for method, route in (("GET", "/v1/profiles"), ("DELETE", "/v1/profiles/acct")):
         code, body = g2.call(method, route)
         assert code == 503 and body["error"]["code"] == "store_unreachable", (route, body)
+    # the probes: alive, but not ready (it cannot grant a profile), and they say nothing more
+    assert g2.call("GET", "/v1/health/live") == (200, {"status": "alive"})
+    code, body = g2.call("GET", "/v1/health/ready")
+    assert code == 503 and body["error"]["code"] == "not_ready" and "postgres" not in str(body).lower(), body
     # the holder's run ends in the outage: its login waits on its host
     log_in(g1, b"sid=written-during-the-outage")
     t0 = time.monotonic()
@@ -111,6 +115,7 @@ def test_the_guards_answer_through_a_database_outage_and_lose_nothing(guards, se
     assert wait_ready(g1, "r3", "s1", timeout=60)["state"] == "ready"
     st, _ = timed_status(g1)
     assert st["guard"]["store_error"] is None
+    assert g1.call("GET", "/v1/health/ready") == (200, {"status": "ready"})
     assert {l["profile"]: l["holder_run"] for l in st["leases"]} == {"acct": "r2", "other": "r3"}
     for d, run in ((g2, "r2"), (g1, "r3"), (g1, "r4")):
         assert end_run(d, run)["ok"] is True
