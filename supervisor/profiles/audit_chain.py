@@ -104,6 +104,7 @@ FIELDS = {
     "logged_in": _flag, "policy_sha256": _digest, "period_s": _count,
     "seq": _count, "segments": _count,
     "approval": _token, "attempt": _count, "method": _token, "why": _token,
+    "person": _token,         # whom a console link was for (`sfguard console --as NAME`)
 }
 
 

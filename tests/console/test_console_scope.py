@@ -3,7 +3,8 @@ sections 1 and 2; issue 35, section 4), against a real `sfguard start` with the 
 
 * every route of the console's router, with a console session, this handoff's live session,
   another handoff's live session and none, each under both cookie names: only the right
-  scope gets through (a new route is in the table by itself, as a console-only route);
+  scope gets through (a new route is in the table by itself, as a console-only route); on
+  loopback, and over TLS at the console's public URL (issue 46);
 * an `/events` stream and a live-view socket end within a second of their session ending:
   sign-out, the handoff's end, expiry, the guard's stop; `/events` with a foreign Origin is
   refused;
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.client
 import json
 import os
 import re
@@ -29,7 +29,7 @@ import pytest
 
 from sfguard.supervisor.console.server import CONSOLE_COOKIE, LIVE_COOKIE, ConsoleServer
 from sfguard.supervisor.profiles.audit import LOG_FILE
-from tests.console.conftest import ROOT, fake_guards, link
+from tests.console.conftest import ROOT, connect, fake_guards, link
 from tests.daemon.fake_cdp import FakeCdp
 
 #: routes that take no session: the sign-in link and the page's own scripts and styles
@@ -59,8 +59,7 @@ def request(base: str, method: str, path: str, *, cookie: str | None = None,
             origin: str | None = None, body: str | None = None, ws: bool = False,
             stream: bool = False) -> tuple[int, str]:
     """(status, body) of one request; a stream or a socket upgrade is closed after its head."""
-    u = urlsplit(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    conn = connect(base)
     headers = {"Accept": "text/event-stream" if stream else "text/html"}
     if cookie:
         headers["Cookie"] = cookie
@@ -84,7 +83,7 @@ def request(base: str, method: str, path: str, *, cookie: str | None = None,
 def redeem(base: str, url: str) -> str:
     """Use a one-time link; the cookie's value."""
     u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    conn = connect(base)
     conn.request("GET", f"{u.path}?{u.query}")
     r = conn.getresponse()
     r.read()
@@ -126,12 +125,21 @@ def shared_fake(tmp_path_factory):
         cdp.stop()
 
 
+@pytest.fixture(params=["loopback", "tls-public-url"])
+def any_console(request):
+    """The walk below runs on the console as it comes (loopback, plain HTTP) and over TLS at
+    its public URL."""
+    d = request.getfixturevalue("shared_fake" if request.param == "loopback" else "shared_tls")
+    assert d.console.startswith("https://console.test:" if request.param != "loopback" else "http://127.0.0.1:")
+    return d
+
+
 # -- 1. every route, every session, both cookie names ----------------------------------------------
 NO_APPROVAL = "ap_" + "0" * 20
 
 
-def test_every_console_route_takes_only_its_own_scope(shared_fake):
-    d = shared_fake
+def test_every_console_route_takes_only_its_own_scope(any_console):
+    d = any_console
     base = d.console
     a, b = open_handoff(d, "scope-a", "acct-a"), open_handoff(d, "scope-b", "acct-b")
     sessions = {"console": redeem(base, link(d)), "live": redeem(base, a["url"]),
