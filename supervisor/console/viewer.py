@@ -43,9 +43,11 @@ class ViewerError(SfguardError):
 class Viewer:
     """One headless Chromium with one page, driven over its DevTools pipe."""
 
-    def __init__(self, browser_path: str | None = None, width: int = 1400, height: int = 1000):
+    def __init__(self, browser_path: str | None = None, width: int = 1400, height: int = 1000,
+                 mobile: bool = False):
         self.browser_path = browser_path or tools.find_browser().path
         self.width, self.height = width, height
+        self.mobile = mobile        # a phone: the page's viewport meta applies, touch input
         self.dir: Path | None = None
         self.home: Path | None = None
         self.user: bu.BrowserUser | None = None
@@ -92,7 +94,10 @@ class Viewer:
         for m in ("Page.enable", "Runtime.enable"):
             await self.call(m)
         await self.call("Emulation.setDeviceMetricsOverride", {
-            "width": self.width, "height": self.height, "deviceScaleFactor": 1, "mobile": False})
+            "width": self.width, "height": self.height, "deviceScaleFactor": 2 if self.mobile else 1,
+            "mobile": self.mobile})
+        if self.mobile:
+            await self.call("Emulation.setTouchEmulationEnabled", {"enabled": True, "maxTouchPoints": 5})
         asyncio.get_running_loop().create_task(self._collect())
 
     async def _collect(self) -> None:

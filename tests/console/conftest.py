@@ -179,3 +179,27 @@ def shared_tls(tmp_path_factory):
             yield d
     finally:
         cdp.stop()
+
+
+#: a phone's window (CSS pixels), as the approvals page is checked at (issue 46)
+PHONE = (390, 844)
+#: what a narrow page shows: its layout width, how wide its content is, and where each button
+#: of the approvals forms sits (left, right, width, height)
+FIT_JS = ("JSON.stringify({iw: innerWidth, sw: document.scrollingElement.scrollWidth, "
+          "buttons: [...document.querySelectorAll('form.decide button')].map(b => { "
+          "const r = b.getBoundingClientRect(); return [b.value, r.left, r.right, r.width, r.height]; })})")
+
+
+async def phone_fit(viewer) -> dict:
+    """How the current page fits the phone: `{iw, sw, buttons}`; a page wider than the phone
+    makes a mobile browser widen its layout (iw > 390), so both are asserted on."""
+    return json.loads(await viewer.eval(FIT_JS))
+
+
+def assert_fits_a_phone(fit: dict, buttons: int = 0) -> None:
+    assert fit["iw"] == PHONE[0], f"the page widened the phone's layout to {fit['iw']}px"
+    assert fit["sw"] <= fit["iw"], f"content {fit['sw']}px wide on a {fit['iw']}px screen"
+    assert len(fit["buttons"]) == buttons, fit["buttons"]
+    for value, left, right, width, height in fit["buttons"]:
+        assert 0 <= left and right <= fit["iw"] and width > 0, (value, left, right)
+        assert height >= 40, f"the {value} button is {height}px high: too small for a finger"
