@@ -226,8 +226,10 @@ def _write_token(target: Path, token: str) -> Path:
 async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
                  console_at=None) -> int:
     from sfguard.supervisor.client.guard_client import socket_path
+    from sfguard.supervisor.daemon import sd_notify
     from sfguard.supervisor.errors import swallowed
 
+    pinger = sd_notify.start_keep_alive()   # WatchdogSec=: WATCHDOG=1 while this loop runs
     report = await guard.start()
     sock = socket_path(guard.home)
     runners: list = []
@@ -253,6 +255,8 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
         for t in token_path:
             with contextlib.suppress(FileNotFoundError):
                 t.unlink()   # the token dies with this guard
+        if pinger is not None:
+            pinger.cancel()
 
 
 async def _serve_started(guard, report: dict, sock: Path, runners: list, token_paths: list[Path],
