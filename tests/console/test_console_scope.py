@@ -2,9 +2,10 @@
 sections 1 and 2; issue 35, section 4), against a real `sfguard start` with the fake browser:
 
 * every route of the console's router, with a console session, this handoff's live session,
-  another handoff's live session and none, each under both cookie names: only the right
-  scope gets through (a new route is in the table by itself, as a console-only route); on
-  loopback, and over TLS at the console's public URL (issue 46);
+  another handoff's live session, another guard's console session, a signed-out session and
+  none, each under both cookie names: only the right scope gets through (a new route is in
+  the table by itself, as a console-only route); on loopback, and over TLS at the console's
+  public URL (issue 46);
 * an `/events` stream and a live-view socket end within a second of their session ending:
   sign-out, the handoff's end, expiry, the guard's stop; `/events` with a foreign Origin is
   refused;
@@ -128,9 +129,11 @@ def shared_fake(tmp_path_factory):
 @pytest.fixture(params=["loopback", "tls-public-url"])
 def any_console(request):
     """The walk below runs on the console as it comes (loopback, plain HTTP) and over TLS at
-    its public URL."""
-    d = request.getfixturevalue("shared_fake" if request.param == "loopback" else "shared_tls")
+    its public URL; `.other` is the other guard (its sessions are no good here)."""
+    names = ("shared_fake", "shared_tls") if request.param == "loopback" else ("shared_tls", "shared_fake")
+    d, other = (request.getfixturevalue(n) for n in names)
     assert d.console.startswith("https://console.test:" if request.param != "loopback" else "http://127.0.0.1:")
+    d.other = other
     return d
 
 
@@ -143,7 +146,9 @@ def test_every_console_route_takes_only_its_own_scope(any_console):
     base = d.console
     a, b = open_handoff(d, "scope-a", "acct-a"), open_handoff(d, "scope-b", "acct-b")
     sessions = {"console": redeem(base, link(d)), "live": redeem(base, a["url"]),
-                "other-live": redeem(base, b["url"])}
+                "other-live": redeem(base, b["url"]),
+                "other-guard": redeem(d.other.console, link(d.other)),     # another guard's console session
+                "signed-out": signed_out(d)}
     # what each route answers to a session it takes: a page 200, a stream 200, a socket 101;
     # a POST without its CSRF token 403 (past the session check; with it, it would act)
     cases, answers = [], []
@@ -157,7 +162,7 @@ def test_every_console_route_takes_only_its_own_scope(any_console):
         ok = 403 if method == "POST" else 101 if path.endswith("/ws") else 200
         if "{aid}" in pattern and method == "GET":
             ok = 404           # past the session check: no such approval here
-        for who in ("console", "live", "other-live", None):
+        for who in ("console", "live", "other-live", "other-guard", "signed-out", None):
             for name in (CONSOLE_COOKIE, LIVE_COOKIE) if who else (None,):
                 right = (who == "console" and name == CONSOLE_COOKIE) or \
                         (live_route and who == "live" and name == LIVE_COOKIE)
@@ -185,6 +190,16 @@ def test_every_console_route_takes_only_its_own_scope(any_console):
         for cookie_name in (CONSOLE_COOKIE, LIVE_COOKIE):
             assert request(base, "GET", f"/live/{a['hid']}", cookie=f"{cookie_name}={value}")[0] in (401, 410)
             assert request(base, "GET", "/", cookie=f"{cookie_name}={value}")[0] == 401, name
+
+
+def signed_out(d) -> str:
+    """The cookie value of a console session that has ended (signed out: the guard forgets it,
+    as it does an expired one)."""
+    value = redeem(d.console, link(d))
+    cookie = f"{CONSOLE_COOKIE}={value}"
+    csrf = csrf_of(request(d.console, "GET", "/", cookie=cookie)[1])
+    assert request(d.console, "POST", "/logout", cookie=cookie, origin=d.console, body=f"csrf={csrf}")[0] == 200
+    return value
 
 
 # -- 2. streams end with their session --------------------------------------------------------------
