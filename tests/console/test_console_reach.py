@@ -1,11 +1,14 @@
 """Reaching the console from elsewhere (issue 46), against a real `sfguard start` with the fake
 browser: its port kept across restarts; TLS served by the console itself at its public URL
 (a name only the test's client resolves, to 127.0.0.1; a certificate from an authority made
-here); a reverse proxy named as trusted, whose forwarded headers count and no one else's; the
+here), with Python's client and with a real Chromium (its own resolver rule); a reverse proxy named as trusted, whose forwarded headers count and no one else's; the
 options that would expose it refused; named sign-in links (`sfguard console --as NAME`) and
 what the audit records for them."""
 from __future__ import annotations
 
+import asyncio
+import base64
+import hashlib
 import http.client
 import json
 import os
@@ -18,13 +21,15 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from sfguard.supervisor.console.auth import ConsoleAuth
 from sfguard.supervisor.console.listen import ConsoleConfig, ConsoleError, console_config, peer_allowed
 from sfguard.supervisor.console.server import CONSOLE_COOKIE
+from sfguard.supervisor.console.viewer import Viewer
 from tests.conftest import free_port
-from tests.console.conftest import ROOT, connect, console_url, link
+from tests.console.conftest import ARTIFACTS, PHONE, ROOT, assert_fits_a_phone, connect, console_url, link, phone_fit
 from tests.tls_site import issue, make_ca
 
 
@@ -146,6 +151,44 @@ def test_over_tls_hosts_and_origins_other_than_its_own_are_refused(shared_tls, h
         return None if v is None else v.format(public=public, port=port)
     status, _, body = get(d.console, "/", cookie=cookie, host=fill(host), origin=fill(origin))
     assert status == want, body[:200]
+
+
+@pytest.mark.browser
+def test_a_real_browser_signs_in_over_tls_at_the_public_url_and_signs_out(shared_tls):
+    """Chromium on a phone-sized screen, told (its own resolver rule) that console.test is
+    127.0.0.1 and given the test certificate's key as trusted: the named link signs in, the
+    Secure cookie goes with the next pages, the approvals page answers, and Sign out (a POST
+    with the page's CSRF token and Chromium's own Origin header) ends the session."""
+    d = shared_tls
+    leaf = x509.load_pem_x509_certificate(Path(d.key_file).with_suffix(".crt").read_bytes())
+    spki = leaf.public_key().public_bytes(serialization.Encoding.DER,
+                                          serialization.PublicFormat.SubjectPublicKeyInfo)
+    flags = ("--host-resolver-rules=MAP console.test 127.0.0.1",
+             "--ignore-certificate-errors-spki-list=" + base64.b64encode(hashlib.sha256(spki).digest()).decode())
+    url = json.loads(sfguard(d, "console", "--as", "bob", "--json").stdout)["url"]
+    assert url.startswith(d.console + "/login?t=")
+
+    async def person() -> dict:
+        async with Viewer(width=PHONE[0], height=PHONE[1], mobile=True, extra_args=flags) as v:
+            await v.goto(url)
+            await v.wait_for("location.pathname === '/'", 20, "the overview after sign-in")
+            await v.goto(d.console + "/approvals")
+            await v.wait_for("document.getElementById('no-pending') !== null", 20, "the approvals page")
+            seen = {"where": await v.eval("location.href"), "secure": await v.eval("window.isSecureContext"),
+                    "text": await v.eval("document.body.innerText"), "fit": await phone_fit(v)}
+            await v.screenshot(ARTIFACTS / "phone-approvals-tls.png")
+            await v.click_selector("form.logout button")
+            await v.wait_for("document.body.innerText.includes('Signed out')", 20, "the signed-out page")
+            await v.goto(d.console + "/approvals")
+            seen["after"] = await v.eval("document.body.innerText")
+            return seen
+
+    seen = asyncio.run(person())
+    assert seen["where"] == d.console + "/approvals" and seen["secure"] is True
+    assert "signed in as bob" in seen["text"]
+    assert_fits_a_phone(seen["fit"])
+    assert "Not signed in" in seen["after"]
+    assert re.search(r"console: session s-[0-9a-f]{8} signed in as bob from 127\.0\.0\.1", d.log.read_text())
 
 
 # -- 3. a trusted reverse proxy ---------------------------------------------------------------------
