@@ -17,7 +17,7 @@ STAGE_ID = RUN_ID
 PROFILE_NAME = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 #: a person a console link is for (`sfguard console --as NAME`): what the audit names as the
 #: decider (`console:NAME`); never `s-...`, which a session's public id looks like
-PERSON_NAME = re.compile(r"^(?!s-)[a-z][a-z0-9._-]{0,31}$")
+PERSON_NAME = re.compile(r"^(?:[a-rt-z][a-z0-9._-]{0,31}|s(?:[a-z0-9._][a-z0-9._-]{0,30})?)$")
 #: the reserved profile value that means "this run's pipeline-derived identity"
 PIPELINE_PROFILE = "@pipeline"
 
@@ -422,15 +422,9 @@ class HandoffState(Answer):
     url: str | None = Field(None, description="done: the final address of that check")
 
 
-def _person_name(v: str) -> str:
-    if not PERSON_NAME.fullmatch(v):
-        raise ValueError("a name is 1-32 of a-z 0-9 . _ -, starting with a letter and not with s-")
-    return v
-
-
 class ConsoleLinkRequest(Strict):
     ttl_s: Annotated[int, Field(ge=1, le=86400)] = 600
-    person: Annotated[str, AfterValidator(_person_name)] | None = Field(None, description=(
+    person: Annotated[str, StringConstraints(pattern=PERSON_NAME.pattern)] | None = Field(None, description=(
         "whom the link is for: its session's decisions are audited as `console:NAME` (1-32 of "
         "a-z 0-9 . _ -, starting with a letter, not `s-`); without it, as `console:<session id>`"))
 

@@ -1,8 +1,9 @@
 """Reaching the console from elsewhere (issue 46), against a real `sfguard start` with the fake
 browser: its port kept across restarts; TLS served by the console itself at its public URL
 (a name only the test's client resolves, to 127.0.0.1; a certificate from an authority made
-here), with Python's client and with a real Chromium (its own resolver rule); a reverse proxy named as trusted, whose forwarded headers count and no one else's; the
-options that would expose it refused; named sign-in links (`sfguard console --as NAME`) and
+here), with Python's client and with a real Chromium (its own resolver rule); a reverse
+proxy named as trusted, whose forwarded headers count and no one else's; the options that
+would expose it refused; named sign-in links (`sfguard console --as NAME`) and
 what the audit records for them."""
 from __future__ import annotations
 
