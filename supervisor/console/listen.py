@@ -16,7 +16,7 @@ import json
 import logging
 import ssl
 import stat
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -159,6 +159,7 @@ class ConsoleConfig:
     trusted_proxy: str | None = None
     plain_http: bool = False
     warnings: tuple[str, ...] = ()
+    tls_ctx: ssl.SSLContext | None = field(default=None, compare=False, repr=False)  # loaded once
 
     @property
     def tls(self) -> bool:
@@ -175,7 +176,7 @@ class ConsoleConfig:
     def ssl_context(self) -> ssl.SSLContext | None:
         if self.tls_cert is None or self.tls_key is None:
             return None
-        return tls_context(self.tls_cert, self.tls_key)
+        return self.tls_ctx or tls_context(self.tls_cert, self.tls_key)
 
 
 def console_config(listen: str, *, public: bool = False, url: str | None = None,
@@ -190,11 +191,11 @@ def console_config(listen: str, *, public: bool = False, url: str | None = None,
                            "is for this machine's operator (add --console-public to listen there)")
     if (tls_cert is None) != (tls_key is None):
         raise ConsoleError("--console-tls-cert and --console-tls-key go together")
-    cert = key = None
+    cert = key = ctx = None
     if tls_cert is not None and tls_key is not None:
         cert = _private_file(Path(tls_cert).absolute(), "--console-tls-cert", private=False)
         key = _private_file(Path(tls_key).absolute(), "--console-tls-key", private=True)
-        tls_context(cert, key)
+        ctx = tls_context(cert, key)      # read once, here: what the console serves
     if not local and cert is None and not plain_http:
         raise ConsoleError(
             f"--console {listen}: sign-in links and session cookies would cross the network in "
@@ -227,7 +228,7 @@ def console_config(listen: str, *, public: bool = False, url: str | None = None,
     if not local and cert is None:
         warnings.append(f"the console listens on {host} over plain HTTP (--console-plain-http): "
                         "sign-in links and cookies cross the network in clear")
-    return replace(cfg, warnings=tuple(warnings))
+    return replace(cfg, warnings=tuple(warnings), tls_ctx=ctx)
 
 
 def remembered_port(home: Path) -> int | None:
