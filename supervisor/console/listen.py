@@ -225,6 +225,11 @@ def console_config(listen: str, *, public: bool = False, url: str | None = None,
                                f"not {want}: browsers would refuse it")
         if not_after < datetime.datetime.now(datetime.UTC):
             warnings.append(f"the console's certificate expired on {not_after:%Y-%m-%d}")
+    if pub is not None and trusted_proxy is None and port is not None and port != 0 and port != pub[2]:
+        warnings.append(f"the console listens on port {port} but its URL says {pub[2]} (right "
+                        "only behind a port forward)")
+    if not local and not port:
+        warnings.append("a console reached from elsewhere wants a fixed port: --console HOST:PORT")
     if not local and cert is None:
         warnings.append(f"the console listens on {host} over plain HTTP (--console-plain-http): "
                         "sign-in links and cookies cross the network in clear")

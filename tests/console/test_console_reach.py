@@ -309,6 +309,19 @@ def test_what_is_accepted(certs, kwargs, want):
     assert bool(cfg.warnings) == ("plain_http" in kwargs)     # plain HTTP on the network: said
 
 
+@pytest.mark.parametrize("kwargs,words", [
+    ({"listen": "0.0.0.0", "url": "https://console.test:8443"}, "fixed port"),
+    ({"listen": "0.0.0.0:9443", "url": "https://console.test:8443"}, "port forward"),
+    ({"listen": "10.1.2.3:8080", "plain_http": True}, "in clear"),
+])
+def test_what_is_started_with_a_warning(certs, kwargs, words):
+    args = {"public": True, "tls_cert": str(certs["cert"]), "tls_key": str(certs["key"]), **kwargs}
+    if args.get("plain_http"):
+        del args["tls_cert"], args["tls_key"]
+    cfg = console_config(args.pop("listen"), **args)
+    assert any(words in w for w in cfg.warnings), cfg.warnings
+
+
 def test_sfguard_start_refuses_a_public_console_without_tls(tmp_path):
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(tmp_path / "h"),
