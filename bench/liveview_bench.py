@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sfguard.supervisor.browsers import tools  # noqa: E402
 from sfguard.supervisor.browsers.host import AnchorSpec, LocalBrowserHost  # noqa: E402
 from sfguard.supervisor.console import handoff as live  # noqa: E402
+from sfguard.supervisor.console.listen import ConsoleConfig  # noqa: E402
 from sfguard.supervisor.console.liveview import LiveView  # noqa: E402
 from sfguard.supervisor.console.server import LIVE_COOKIE, ConsoleServer  # noqa: E402
 from sfguard.supervisor.profiles.audit import LocalAuditSink  # noqa: E402
@@ -81,7 +82,7 @@ async def main(rounds: int) -> None:
     async def store_call(fn, *args, **kw):
         return fn(*args, **kw)
     console = ConsoleServer(types.SimpleNamespace(audit=audit, store_call=store_call, scope="local"),
-                            "127.0.0.1", 0)
+                            ConsoleConfig(host="127.0.0.1", port=0))
     await console.start()
     h = live.LiveHandoff("b" * 16, "bench", "bench", None, "127.0.0.1", "127.0.0.1", None,
                          time.monotonic() + 3600, view)

@@ -19,9 +19,13 @@ def register(sub) -> None:
     ss = p.add_subparsers(dest="service_command", metavar="SUBCOMMAND")
     ss.required = True
     pr = ss.add_parser("print", help="print the systemd unit",
-                       description=("Print a systemd unit (Type=notify, restart on failure, "
-                                    "read-only system, six capabilities) that runs `sfguard start` "
-                                    "on --home. Install it as /etc/systemd/system/sfguard.service."))
+                       description=("Print a systemd unit (Type=notify with a watchdog, restart on "
+                                    "failure, read-only system, six capabilities, task and file "
+                                    "limits) that runs `sfguard start` on --home with the options "
+                                    "below. Install it as /etc/systemd/system/sfguard.service. "
+                                    "Exit 2 for an option the unit cannot take, or an installation "
+                                    "or file under a folder it hides (/tmp, /var/tmp, the homes). "
+                                    "Webhooks are configured in the home (notify.yaml)."))
     add_home(pr, "the guard home of the service (default /var/lib/sfguard)")
     pr.add_argument("--exec", metavar="PATH", dest="exe", default=None,
                     help="the sfguard executable (default: the one running this command)")
@@ -29,6 +33,24 @@ def register(sub) -> None:
     pr.add_argument("--api-group", metavar="GROUP", help="for `start --api-group`")
     pr.add_argument("--browser-user", metavar="USER", help="for `start --browser-user`")
     pr.add_argument("--stage-user", metavar="USER", help="for `start --stage-user`")
+    pr.add_argument("--ca-file", action="append", default=[], metavar="PEM",
+                    help="for `start --ca-file` (repeatable)")
+    pr.add_argument("--tcp", metavar="PORT", type=int,
+                    help="for `start --tcp`; the bearer token goes to --token-file")
+    pr.add_argument("--token-file", metavar="FILE",
+                    help="with --tcp: where the token is written, in the home (default HOME/api.token)")
+    pr.add_argument("--console", metavar="[HOST][:PORT]", help="for `start --console`")
+    pr.add_argument("--console-public", action="store_true", help="for `start --console-public`")
+    pr.add_argument("--console-url", metavar="URL", help="for `start --console-url`")
+    pr.add_argument("--console-tls-cert", metavar="PEM", help="for `start --console-tls-cert`")
+    pr.add_argument("--console-tls-key", metavar="PEM", help="for `start --console-tls-key`")
+    pr.add_argument("--console-trusted-proxy", metavar="ADDRESS", help="for `start --console-trusted-proxy`")
+    pr.add_argument("--console-plain-http", action="store_true", help="for `start --console-plain-http`")
+    pr.add_argument("--no-console", action="store_true", help="for `start --no-console`")
+    pr.add_argument("--log-format", choices=("text", "json"), help="for `start --log-format`")
+    pr.add_argument("--memory-max", metavar="SIZE",
+                    help="MemoryMax= of the unit (e.g. 8G, 50%%); unset by default: about 250 MB "
+                         "per open run")
     pr.set_defaults(func=run_print)
     eu = ss.add_parser("ensure-users", help="create the browser and stage users when missing",
                        description=("Create the unprivileged system users a root guard runs its "
@@ -64,12 +86,26 @@ def _install_paths(exe: Path) -> tuple[Path, ...]:
 
 def run_print(args) -> int:
     from sfguard.supervisor.daemon.service_unit import DEFAULT_HOME, ServiceUnitError, unit_text
-    exe = Path(args.exe) if args.exe else _this_executable()
+    this = _this_executable() if not args.exe else None
+    exe = Path(args.exe).absolute() if args.exe else this
+    assert exe is not None
+    # this installation's folders matter when the unit runs it (not another one's --exec)
+    installed = _install_paths(exe) if this is not None else (exe.parent,)
+
+    def path(value: str | None) -> Path | None:
+        return None if value is None else Path(value).absolute()
     try:
-        text = unit_text(exe, Path(args.home) if args.home else DEFAULT_HOME,
-                         Path(args.policy) if args.policy else None, api_group=args.api_group,
-                         browser_user=args.browser_user, stage_user=args.stage_user,
-                         install_paths=_install_paths(exe))
+        text = unit_text(
+            exe, Path(args.home) if args.home else DEFAULT_HOME, installed,
+            memory_max=args.memory_max, policy=path(args.policy), api_group=args.api_group,
+            browser_user=args.browser_user, stage_user=args.stage_user,
+            ca_files=tuple(Path(c).absolute() for c in args.ca_file), tcp=args.tcp,
+            token_file=path(args.token_file), console=args.console,
+            console_public=args.console_public, console_url=args.console_url,
+            console_tls_cert=path(args.console_tls_cert), console_tls_key=path(args.console_tls_key),
+            console_trusted_proxy=args.console_trusted_proxy,
+            console_plain_http=args.console_plain_http, no_console=args.no_console,
+            log_format=args.log_format)
     except ServiceUnitError as exc:
         raise CliError(str(exc), 2) from None
     sys.stdout.write(text)

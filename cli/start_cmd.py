@@ -73,11 +73,15 @@ def register(sub) -> None:
                         "process for every run, each run with its own listener and credentials "
                         "(less memory per run, one process for all: docs/design.md 4.2); the "
                         "environment variable SFGUARD_PROXIES sets the default")
-    p.add_argument("--console", metavar="[HOST:]PORT", default="127.0.0.1:0",
-                   help="the operator console's address (default: a free port on 127.0.0.1; "
-                        "sign in with `sfguard console`)")
+    p.add_argument("--console", metavar="[HOST][:PORT]", default="127.0.0.1",
+                   help="the operator console's address (default 127.0.0.1 with the port of the "
+                        "last start, recorded in HOME/console.json; a free one the first time; "
+                        ":0 a new one each start); sign in with `sfguard console`")
     p.add_argument("--console-public", action="store_true",
-                   help="allow a console address that is not loopback")
+                   help="allow a console address that is not loopback (then with TLS, or "
+                        "--console-plain-http)")
+    from sfguard.cli import console_options
+    console_options.add(p)
     p.add_argument("--log-max-mb", metavar="MB", type=float, default=64,
                    help="rotate the decision log at this size (default 64)")
     p.add_argument("--log-max-age", metavar="HOURS", type=float, default=24,
@@ -202,14 +206,8 @@ def run(args) -> int:
         raise CliError(str(exc), 2) from None
     console_at = None
     if not args.no_console:
-        from sfguard.supervisor.console.server import ConsoleError, parse_listen
-        try:
-            console_at = (*parse_listen(args.console, args.console_public),
-                          float(args.console_session))
-        except ConsoleError as exc:
-            raise CliError(str(exc), 2) from None
-        if not 1 <= args.console_session <= 8 * 3600:
-            raise CliError("--console-session wants a number of seconds from 1 to 28800", 2)
+        from sfguard.cli import console_options
+        console_at = console_options.config(args)
     try:
         return asyncio.run(_serve(guard, args.tcp, token_file, console_at, scrape_token))
     except GuardAlreadyRunning as exc:
@@ -271,10 +269,12 @@ def _write_token(target: Path, token: str) -> Path:
 
 
 async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
-                 console_at: tuple[str, int, float] | None = None, scrape_token: str | None = None) -> int:
+                 console_at=None, scrape_token: str | None = None) -> int:
     from sfguard.supervisor.client.guard_client import socket_path
+    from sfguard.supervisor.daemon import sd_notify
     from sfguard.supervisor.errors import swallowed
 
+    pinger = sd_notify.start_keep_alive()   # WatchdogSec=: WATCHDOG=1 while this loop runs
     report = await guard.start()
     sock = socket_path(guard.home)
     runners: list = []
@@ -300,11 +300,13 @@ async def _serve(guard, tcp_port: int | None, token_file: Path | None = None,
         for t in token_path:
             with contextlib.suppress(FileNotFoundError):
                 t.unlink()   # the token dies with this guard
+        if pinger is not None:
+            pinger.cancel()
 
 
 async def _serve_started(guard, report: dict, sock: Path, runners: list, token_paths: list[Path],
                          tcp_port: int | None, token_file: Path | None,
-                         console_at: tuple[str, int, float] | None, scrape_token: str | None = None) -> int:
+                         console_at, scrape_token: str | None = None) -> int:
     from sfguard.supervisor.daemon import sd_notify
     from sfguard.supervisor.daemon.api import build_app
     from sfguard.supervisor.errors import swallowed
@@ -353,16 +355,17 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                          "routes only")
     if console_at is not None:
         from sfguard.supervisor.console.server import ConsoleServer
-        console = ConsoleServer(guard, *console_at)
+        console = ConsoleServer(guard, console_at)
         try:
             await console.start()
         except OSError as exc:
             with swallowed(log, "stopping the console that could not listen"):
                 await console.stop()
-            raise CliError(f"the console could not listen on {console_at[0]}:{console_at[1]}: "
+            raise CliError(f"the console could not listen on {console_at.host}:{console.port}: "
                            f"{exc.strerror or exc}", 2) from None
         guard.listening(console=console)
-        lines.append(f"sfguard: console on {console.base_url} (sign in: `sfguard console`)")
+        lines.append(f"sfguard: console on {console.describe()} (sign in: `sfguard console`)")
+        lines += [f"sfguard: WARNING {w}" for w in console_at.warnings]
     lines += _banner(guard, report)
     # the handlers go in before "ready": a signal right after it must still stop cleanly
     stop = asyncio.Event()

@@ -15,6 +15,9 @@ from sfguard import policy
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 STAGE_ID = RUN_ID
 PROFILE_NAME = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+#: a person a console link is for (`sfguard console --as NAME`): what the audit names as the
+#: decider (`console:NAME`); never `s-...`, which a session's public id looks like
+PERSON_NAME = re.compile(r"^(?:[a-rt-z][a-z0-9._-]{0,31}|s(?:[a-z0-9._][a-z0-9._-]{0,30})?)$")
 #: the reserved profile value that means "this run's pipeline-derived identity"
 PIPELINE_PROFILE = "@pipeline"
 
@@ -421,6 +424,9 @@ class HandoffState(Answer):
 
 class ConsoleLinkRequest(Strict):
     ttl_s: Annotated[int, Field(ge=1, le=86400)] = 600
+    person: Annotated[str, StringConstraints(pattern=PERSON_NAME.pattern)] | None = Field(None, description=(
+        "whom the link is for: its session's decisions are audited as `console:NAME` (1-32 of "
+        "a-z 0-9 . _ -, starting with a letter, not `s-`); without it, as `console:<session id>`"))
 
 
 class ConsoleLink(Answer):

@@ -4,6 +4,8 @@
 * `liveview` a live view of one login tab: CDP screencast frames out, the person's input in
 * `handoff`  the guard's side of a `live_view` login handoff (open, state, done, cancel)
 * `server`   the aiohttp app: overview, decisions, profiles, audit, live view, SSE updates
+* `listen`   `sfguard start`'s console options checked; `reach` where it listens and who may
+             reach it (Host, Origin, peer, TLS, a trusted proxy)
 
 Everything the browser gets ships in this package (templates/, static/): no CDN, no inline
 script, a strict Content-Security-Policy; it works offline.

@@ -5,7 +5,8 @@ the same store as `sfguard approvals` and the control API).
                                      and two buttons; the recently decided below); live updates
   GET  /approvals/{id}/screenshot    the tab as it was when the write was held (PNG)
   POST /approvals/{id}               decision=approve|deny, reason, csrf: decided by this
-                                     console session (the audit chain names it)
+                                     console session (the audit chain names it: console:NAME
+                                     for a link made with `--as NAME`, else console:<session id>)
 
 Every route wants a console-scope session; a decision also its CSRF token and the console's
 own Origin (the server's middleware refuses other origins)."""
@@ -69,7 +70,7 @@ def register(app: web.Application, server: Any) -> None:
         reason = form.get("reason")
         reason = reason.strip()[:MAX_REASON] if isinstance(reason, str) else ""
         try:
-            server.guard.approvals.answer(aid, decision == "approve", f"console:{sess.public_id}", reason)
+            server.guard.approvals.answer(aid, decision == "approve", sess.decider, reason)
         except ApprovalNotFound:
             raise web.HTTPNotFound(text="no such approval\n") from None
         except ApprovalDecided as exc:

@@ -12,7 +12,8 @@ unused links and its sessions at once: a live-view URL dies with its handoff. A 
 ends for any reason (sign-out, its scope ended, expiry, `end_all` at the guard's stop) is
 marked `ended` and `on_end` is called, so that open streams of that session stop at once.
 Each session has a short public id (`s-xxxxxxxx`) for the audit log; the cookie value itself
-is never logged.
+is never logged. A console link may name the person it is for (`sfguard console --as NAME`):
+its session then decides as `console:NAME`, else as `console:<public id>`.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sfguard.supervisor import redaction
+from sfguard.supervisor.models import PERSON_NAME
 
 LINK_TTL = 600.0            # an unused console login link lives 10 minutes
 SESSION_TTL = 8 * 3600.0    # a console session lives 8 hours
@@ -41,6 +43,12 @@ class Session:
     expires: float
     csrf: str = field(repr=False)
     ended: bool = False
+    person: str | None = None
+
+    @property
+    def decider(self) -> str:
+        """Who decides what this session decides, as the audit chain records it."""
+        return f"console:{self.person or self.public_id}"
 
     def alive(self, now: float | None = None) -> bool:
         return not self.ended and (now if now is not None else time.time()) < self.expires
@@ -58,6 +66,7 @@ class _Link:
     scope: str
     expires: float
     session_ttl: float
+    person: str | None = None
 
 
 class ConsoleAuth:
@@ -84,14 +93,17 @@ class ConsoleAuth:
         return sess.alive(self._clock())
 
     def new_link(self, scope: str = "console", ttl: float = LINK_TTL,
-                 session_ttl: float = SESSION_TTL) -> str:
-        """A one-time token for `scope`, good for `ttl` seconds."""
+                 session_ttl: float = SESSION_TTL, person: str | None = None) -> str:
+        """A one-time token for `scope`, good for `ttl` seconds; `person` names whom it is for
+        (console links only)."""
         if not 0 < ttl <= MAX_LINK_TTL:
             raise ValueError(f"a link lives between 1 second and {MAX_LINK_TTL:.0f} seconds")
+        if person is not None and (scope != "console" or not PERSON_NAME.fullmatch(person)):
+            raise ValueError("a person's name: 1-32 of a-z 0-9 . _ -, starting with a letter, not s-")
         self._sweep()
         token = secrets.token_urlsafe(32)
         redaction.register_secret(token)
-        self._links[_digest(token)] = _Link(scope, self._clock() + ttl, session_ttl)
+        self._links[_digest(token)] = _Link(scope, self._clock() + ttl, session_ttl, person)
         return token
 
     def redeem(self, token: str | None, scope: str) -> tuple[str, Session] | None:
@@ -108,7 +120,7 @@ class ConsoleAuth:
         redaction.register_secret(cookie)
         sess = Session(f"s-{secrets.token_hex(4)}", link.scope,
                        min(self._clock() + link.session_ttl, self._clock() + SESSION_TTL),
-                       secrets.token_urlsafe(24))
+                       secrets.token_urlsafe(24), person=link.person)
         self._sessions[_digest(cookie)] = sess
         return cookie, sess
 

@@ -1,7 +1,9 @@
-"""The operator console: an aiohttp server the guard runs on loopback (issue 16).
+"""The operator console: an aiohttp server the guard runs, on loopback by default (issue 16).
 
-    sfguard start [--console [HOST:]PORT] [--console-public] [--no-console]
-    sfguard console          -> a one-time login link
+    sfguard start [--console [HOST][:PORT]] [--console-url URL] [--console-tls-cert PEM
+                  --console-tls-key PEM] [--console-trusted-proxy ADDRESS] [--console-public
+                  [--console-plain-http]] [--no-console]          (listen.py checks them)
+    sfguard console [--as NAME]  -> a one-time login link (at the public URL when one is set)
 
 Pages (server-rendered with Jinja2, autoescaped): overview (runs, stages, leases and queues,
 browsers, proxies, site policy state), decisions (the decision log with filters, the rule and
@@ -19,7 +21,10 @@ ended it: sign-out, the end of the handoff, expiry, the guard's stop. Every POST
 view's WebSocket check the Origin, and POSTs a CSRF token; a request of any method that carries
 a foreign Origin is refused. Sign-in, sign-out, live-view sign-in and refused links (counted, at
 most one record a minute) go to the audit log with the session's public id, never a secret.
-The Host header must name this server (no DNS rebinding). Every answer carries a strict
+The Host header must name this server or its public URL (no DNS rebinding), and an Origin
+must be one of them with its scheme. With a trusted proxy, only it and loopback may connect, and
+only its X-Forwarded-Proto and X-Forwarded-For count. Cookies are Secure over TLS (the console's
+own, or the trusted proxy's). Every answer carries a strict
 Content-Security-Policy (scripts and styles from this server only, no inline script),
 `Referrer-Policy: same-origin` (a link token never leaks to another site; `no-referrer` would make
 Chromium send `Origin: null` on our own POSTs), `X-Frame-Options: DENY`
@@ -39,11 +44,11 @@ from typing import Any
 import jinja2
 from aiohttp import WSMsgType, web
 
-from sfguard.policy import join_host_port
 from sfguard.supervisor.console import approvals_page, pages
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.console.auth import LINK_TTL, SESSION_TTL, ConsoleAuth, Session
-from sfguard.supervisor.console.listen import ConsoleError, parse_listen  # noqa: F401 (start_cmd imports them here)
+from sfguard.supervisor.console.listen import ConsoleConfig
+from sfguard.supervisor.console.reach import HSTS, Reach
 from sfguard.supervisor.states import HandoffPhase
 
 log = logging.getLogger("sfguard.console")
@@ -74,14 +79,13 @@ def _fmt_ts(ts: Any) -> str:
 
 
 class ConsoleServer:
-    def __init__(self, guard, host: str = "127.0.0.1", port: int = 0,
-                 session_ttl: float = SESSION_TTL):
+    def __init__(self, guard, config: ConsoleConfig | None = None):
         self.guard = guard
-        self.host, self.port = host, port
-        self.session_ttl = min(float(session_ttl), SESSION_TTL)
+        self.cfg = config or ConsoleConfig()
+        self.reach = Reach(self.cfg)             # where it listens, who may reach it
+        self.session_ttl = min(float(self.cfg.session_ttl), SESSION_TTL)
         self.auth = ConsoleAuth(on_end=self._wake)
         self.handoffs: dict[str, live.LiveHandoff] = {}
-        self.base_url = ""
         self._runner: web.AppRunner | None = None
         self._version = 0
         self._wakers: set[asyncio.Event] = set()   # one per open stream or live socket
@@ -99,11 +103,19 @@ class ConsoleServer:
         # open SSE streams and live-view sockets must not hold up the guard's stop
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]  # the bound port (0 = a free one)
-        self.base_url = f"http://{join_host_port(self.host, self.port)}"
-        return self.base_url
+        return await self.reach.listen(self._runner, getattr(self.guard, "home", None))
+
+    @property
+    def base_url(self) -> str:
+        """The URL its links use: --console-url, else its own address."""
+        return self.reach.base_url
+
+    @property
+    def port(self) -> int:
+        return self.reach.port
+
+    def describe(self) -> str:
+        return self.reach.describe()
 
     def end_sessions(self) -> None:
         """The guard stops: every session ends, and with them every open stream and socket."""
@@ -119,8 +131,9 @@ class ConsoleServer:
             await self._runner.cleanup()
             self._runner = None
 
-    def login_link(self, ttl: float = LINK_TTL) -> dict:
-        token = self.auth.new_link("console", ttl=float(ttl), session_ttl=self.session_ttl)
+    def login_link(self, ttl: float = LINK_TTL, person: str | None = None) -> dict:
+        token = self.auth.new_link("console", ttl=float(ttl), session_ttl=self.session_ttl,
+                                   person=person)
         return {"url": f"{self.base_url}/login?t={token}",
                 "expires": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + ttl))}
 
@@ -166,11 +179,14 @@ class ConsoleServer:
     def app(self) -> web.Application:
         @web.middleware
         async def guard_mw(request: web.Request, handler):
-            if self.base_url and request.host not in self._hosts():
+            if not self.reach.peer_ok(request):
+                return self._headers(web.Response(status=403, text=(
+                    f"this console is reached through its proxy: open {self.base_url}\n")))
+            if not self.reach.host_ok(request):
                 return self._headers(web.Response(status=421, text="wrong Host for this console\n"))
-            if request.method not in ("GET", "HEAD") and not self._same_origin(request):
+            if request.method not in ("GET", "HEAD") and not self.reach.same_origin(request):
                 return self._headers(web.Response(status=403, text="cross-origin request refused\n"))
-            if "Origin" in request.headers and not self._same_origin(request):
+            if "Origin" in request.headers and not self.reach.same_origin(request):
                 # a page of another site, another port or a sandboxed frame (`null`) asks for a
                 # page, a stream or a socket with the operator's cookie: refused like a POST
                 return self._headers(web.Response(status=403, text="cross-origin request refused\n"))
@@ -183,6 +199,8 @@ class ConsoleServer:
                 resp = web.Response(status=500, text="internal error; see the guard's log\n")
             if isinstance(resp, web.StreamResponse) and not resp.prepared:
                 self._headers(resp)
+                if self.reach.hsts(request):
+                    resp.headers["Strict-Transport-Security"] = HSTS
             return resp
 
         app = web.Application(middlewares=[guard_mw], client_max_size=64 * 1024)
@@ -201,18 +219,6 @@ class ConsoleServer:
         approvals_page.register(app, self)
         return app
 
-    def _hosts(self) -> set[str]:
-        out = {join_host_port(self.host, self.port)}
-        if self.host in ("127.0.0.1", "localhost"):
-            out |= {f"127.0.0.1:{self.port}", f"localhost:{self.port}"}
-        return out
-
-    def _same_origin(self, request: web.Request) -> bool:
-        origin = request.headers.get("Origin")
-        if not origin:
-            return False
-        return origin in {f"http://{h}" for h in self._hosts()}
-
     @staticmethod
     def _headers(resp: web.StreamResponse) -> web.StreamResponse:
         resp.headers["Content-Security-Policy"] = CSP
@@ -227,9 +233,10 @@ class ConsoleServer:
         html = self.env.get_template(name).render(**ctx)
         return web.Response(status=status, text=html, content_type="text/html", charset="utf-8")
 
-    def _set_cookie(self, resp: web.StreamResponse, name: str, value: str, sess: Session, path: str) -> None:
+    def _set_cookie(self, request: web.Request, resp: web.StreamResponse, name: str, value: str,
+                    sess: Session, path: str) -> None:
         resp.set_cookie(name, value, max_age=max(1, int(sess.expires - time.time())), path=path,
-                        httponly=True, samesite="Strict", secure=False)
+                        httponly=True, samesite="Strict", secure=self.reach.secure(request))
 
     def _console_session(self, request: web.Request) -> Session | None:
         """A console-scope session under the console cookie; a live-view session is not one,
@@ -253,13 +260,15 @@ class ConsoleServer:
                                 message="This login link was already used, has expired, or is "
                                         "not one of this guard's. Run `sfguard console` for a new one.")
         cookie, sess = got
-        if not await self._audited_sign_in(cookie, sess, mode="console"):
+        named = {"person": sess.person} if sess.person else {}
+        if not await self._audited_sign_in(cookie, sess, mode="console", **named):
             return self._audit_down()
         # A page (not a redirect) that moves on by itself: the next request starts on this
         # site, so the SameSite=Strict cookie goes with it wherever the link was clicked.
         resp = self._render("moved.html", title="Signed in", target="/", session=None)
-        self._set_cookie(resp, CONSOLE_COOKIE, cookie, sess, "/")
-        log.info("console: session %s signed in", sess.public_id)
+        self._set_cookie(request, resp, CONSOLE_COOKIE, cookie, sess, "/")
+        log.info("console: session %s signed in%s from %s", sess.public_id,
+                 f" as {sess.person}" if sess.person else "", self.reach.client(request))
         return resp
 
     async def _audited_sign_in(self, cookie: str, sess: Session, **fields: Any) -> bool:
@@ -401,7 +410,7 @@ class ConsoleServer:
                                                run=h.run_id, profile=h.profile):
                 return self._audit_down()
             resp = self._render("moved.html", title="Live view", target=f"/live/{hid}", session=None)
-            self._set_cookie(resp, LIVE_COOKIE, cookie, live_sess, f"/live/{hid}")
+            self._set_cookie(request, resp, LIVE_COOKIE, cookie, live_sess, f"/live/{hid}")
             return resp
         h, sess = self._live(request)
         if h is None or h.state != HandoffPhase.OPEN:
@@ -418,7 +427,7 @@ class ConsoleServer:
             return web.Response(status=401, text=NO_SESSION_TEXT)
         if h.state != HandoffPhase.OPEN:
             return web.Response(status=410, text="this live view has ended\n")
-        if not self._same_origin(request):
+        if not self.reach.same_origin(request):
             return web.Response(status=403, text="cross-origin WebSocket refused\n")
         ws = web.WebSocketResponse(heartbeat=20, max_msg_size=16 * 1024)
         await ws.prepare(request)
@@ -484,5 +493,7 @@ class ConsoleServer:
         if h.state != HandoffPhase.OPEN:
             return self._live_gone()
         outcome = "done" if request.path.endswith("/done") else "cancelled"
-        result = await live.finish(self.guard, h, outcome, by=sess.public_id)
+        # a named console session decides as its person (console:NAME), else as its id
+        result = await live.finish(self.guard, h, outcome,
+                                   by=sess.decider if sess.person else sess.public_id)
         return self._render("live_result.html", title="Live view ended", session=None, result=result)

@@ -43,9 +43,12 @@ class ViewerError(SfguardError):
 class Viewer:
     """One headless Chromium with one page, driven over its DevTools pipe."""
 
-    def __init__(self, browser_path: str | None = None, width: int = 1400, height: int = 1000):
+    def __init__(self, browser_path: str | None = None, width: int = 1400, height: int = 1000,
+                 mobile: bool = False, extra_args: tuple[str, ...] = ()):
         self.browser_path = browser_path or tools.find_browser().path
         self.width, self.height = width, height
+        self.mobile = mobile        # a phone: the page's viewport meta applies, touch input
+        self.extra_args = extra_args    # more Chromium flags (tests: a name's address, a test CA's key)
         self.dir: Path | None = None
         self.home: Path | None = None
         self.user: bu.BrowserUser | None = None
@@ -79,6 +82,7 @@ class Viewer:
         argv = chromium.chromium_args(browser_path=self.browser_path, profile_dir=self.dir,
                                       proxy_port=None, headed=False,
                                       no_sandbox=os.geteuid() == 0 and self.user is None)
+        argv[-1:-1] = list(self.extra_args)          # before the first page
         self.proc, reader, writer = await chromium.spawn(
             argv, env=chromium.browser_env(profile_dir=self.dir, home=self.home),
             cwd=str(self.dir), user=self.user.uid if self.user else None,
@@ -92,7 +96,10 @@ class Viewer:
         for m in ("Page.enable", "Runtime.enable"):
             await self.call(m)
         await self.call("Emulation.setDeviceMetricsOverride", {
-            "width": self.width, "height": self.height, "deviceScaleFactor": 1, "mobile": False})
+            "width": self.width, "height": self.height, "deviceScaleFactor": 2 if self.mobile else 1,
+            "mobile": self.mobile})
+        if self.mobile:
+            await self.call("Emulation.setTouchEmulationEnabled", {"enabled": True, "maxTouchPoints": 5})
         asyncio.get_running_loop().create_task(self._collect())
 
     async def _collect(self) -> None:

@@ -254,7 +254,9 @@ ROUTES: tuple[Route, ...] = (
           "A one-time login link to the operator console (`sfguard console`)",
           m.ConsoleLinkRequest, ((200, m.ConsoleLink),), ((409, ("console_off",)),),
           "The link is good once, for ttl_s seconds; its first use gives an HttpOnly, "
-          "SameSite=Strict session cookie. 409 console_off when the guard runs without a console."),
+          "SameSite=Strict session cookie (Secure over TLS). `person` names whom it is for: what "
+          "that session decides is audited as `console:NAME`. The URL starts with the console's "
+          "public URL (`--console-url`). 409 console_off when the guard runs without a console."),
     Route("GET", "/v1/status", "api_status", "Runs, leases, queues, anchors, proxies, policy", None,
           ((200, sm.StatusAnswer),), (),
           "What `sfguard status` prints: every run, profile lease and queue, and the site policy's "

@@ -500,5 +500,5 @@ class Guard:
     async def console_link(self, body: models.ConsoleLinkRequest) -> dict[str, Any]:
         if self.console is None:
             raise Conflict("console_off", "the guard runs without its console (--no-console)", None)
-        answer: dict[str, Any] = self.console.login_link(body.ttl_s)
+        answer: dict[str, Any] = self.console.login_link(body.ttl_s, person=body.person)
         return answer

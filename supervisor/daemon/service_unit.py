@@ -3,26 +3,45 @@
 The guard runs as root so that its browsers and stages run as their own unprivileged users
 (supervisor/browsers/browser_user.py, supervisor/stage/sandbox.py). The unit takes from root
 everything the guard does not use. Each setting below was checked against a real run of
-`sfguard demo --auto-login` under the same restrictions (tests/cli/test_service_unit.py emulates
-them with bubblewrap and setpriv, because this machine has no systemd as PID 1):
+`sfguard demo --auto-login` under the same restrictions (tests/service/test_service_unit.py
+emulates them with bubblewrap, setpriv and a seccomp filter, because this machine has no
+systemd as PID 1):
 
 - capabilities: CAP_SETUID and CAP_SETGID start a browser as its user; CAP_CHOWN hands it the
   unsealed profile; CAP_FOWNER and CAP_DAC_OVERRIDE let root reseal and remove what that user
   wrote; CAP_KILL ends a browser user's processes on teardown and after a crash. Without any
   one of the first five the demo fails (measured); CAP_KILL is needed only on those paths.
 - the file system is read-only but for the home (StateDirectory), a private /tmp and /dev/shm
-  (where unsealed profiles live, memory-backed); /home, /root and /run/user are hidden.
+  (where unsealed profiles live, memory-backed; PrivateDevices= keeps the host's /dev/shm in
+  its minimal /dev); /home, /root and /run/user are hidden. PrivateTmp= hides /tmp and
+  /var/tmp: an installation there is refused (`service print` exits 2), as is any file the
+  guard reads (policy, certificates) under a hidden folder.
+- system calls: a deny list of groups nothing of the guard uses (clock, CPU emulation, debug,
+  modules, obsolete, raw I/O, reboot, swap), answered EPERM (Chromium's crash handler
+  uses ptrace only after a crash).
 - users are made by `ExecStartPre=+... service ensure-users`, which runs outside the
   restrictions: /etc is read-only for the guard itself.
+- the watchdog: WatchdogSec= with the guard sending WATCHDOG=1 from its event loop
+  (supervisor/daemon/sd_notify.py): a blocked loop gets it killed and restarted.
+- limits: TasksMax= (measured 146 tasks per run with one stage: ~17 Chromium, agent-browser
+  and proxy processes), LimitNOFILE= (the guard itself holds 12 + 9 per run), OOMPolicy=continue
+  (the kernel ending one browser must not stop every run: the guard restarts it). MemoryMax= is
+  the operator's (`--memory-max`): a guard's memory grows with its runs (measured about 250 MB
+  PSS per run, 70 MB the guard), so no default fits every host.
 
-Left out on purpose, because the guard's browsers need them: MemoryDenyWriteExecute (V8's JIT),
-RestrictNamespaces and PrivateUsers (Chromium's sandbox uses user namespaces), PrivateDevices
-(Chromium's shared memory), PrivateNetwork (the run proxies reach the sites), SystemCallFilter
-(Chromium's sandbox needs calls outside @system-service).
+Left out on purpose, because the guard or its browsers need what they take: MemoryDenyWriteExecute (V8's JIT),
+RestrictNamespaces and PrivateUsers (Chromium's sandbox uses user namespaces), PrivateNetwork
+(the run proxies reach the sites), IPAddressDeny (so do they, anywhere), an allow-list
+SystemCallFilter (Chromium's sandbox needs calls outside @system-service) and denying
+@privileged, @mount or @resources (setuid for browsers, bubblewrap's mounts, niceness),
+ProtectProc=invisible (root without CAP_SYS_PTRACE would no longer see its browser user's
+processes, which it records, checks and ends) and ProcSubset=pid (psutil reads the boot time
+in /proc/stat to date every process the guard records: supervisor/procs.py).
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from sfguard.errors import SfguardError
@@ -31,9 +50,14 @@ DEFAULT_HOME = Path("/var/lib/sfguard")
 DEFAULT_EXEC = Path("/usr/local/bin/sfguard")
 #: Seconds systemd waits for the guard to tear every run down after SIGTERM.
 STOP_TIMEOUT_S = 60
+#: Seconds without WATCHDOG=1 before systemd kills and restarts the guard (it pings every third).
+WATCHDOG_S = 30
 
 #: What a root guard needs and nothing more (see the module text).
 CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID")
+#: System call groups denied (EPERM): none of them is used by the guard, its proxies or browsers.
+DENIED_SYSCALLS = ("@clock", "@cpu-emulation", "@debug", "@module", "@obsolete", "@raw-io",
+                   "@reboot", "@swap")
 
 #: Hardening settings of [Service], in the order written.
 HARDENING: tuple[tuple[str, str], ...] = (
@@ -42,6 +66,8 @@ HARDENING: tuple[tuple[str, str], ...] = (
     ("ProtectSystem", "strict"),
     ("ProtectHome", "yes"),
     ("PrivateTmp", "yes"),
+    ("PrivateMounts", "yes"),
+    ("PrivateDevices", "yes"),
     ("CapabilityBoundingSet", " ".join(CAPABILITIES)),
     ("AmbientCapabilities", ""),
     ("ProtectKernelTunables", "yes"),
@@ -55,12 +81,25 @@ HARDENING: tuple[tuple[str, str], ...] = (
     ("RestrictSUIDSGID", "yes"),
     ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6 AF_NETLINK"),
     ("SystemCallArchitectures", "native"),
+    ("SystemCallFilter", "~" + " ".join(DENIED_SYSCALLS)),
+    ("SystemCallErrorNumber", "EPERM"),
 )
 
+#: Resource limits of [Service] (see the module text for the measured figures).
+LIMITS: tuple[tuple[str, str], ...] = (
+    ("TasksMax", "8192"),           # ~55 runs of one stage at 146 tasks each
+    ("LimitNOFILE", "65536"),
+    ("OOMPolicy", "continue"),
+)
 
 #: Characters a path or name may hold here: none that systemd would expand (`%`, `$`), quote
 #: or escape (quotes, backslash), and no white space, so a word needs no quoting.
 _SAFE = re.compile(r"[A-Za-z0-9._/+@:,=-]+")
+_MEMORY = re.compile(r"(\d+(\.\d+)?[KMGT]?|\d{1,2}%|100%|infinity)")
+
+#: What ProtectHome= hides, and what PrivateTmp= replaces by an empty folder.
+HOME_ROOTS = (Path("/home"), Path("/root"), Path("/run/user"))
+TMP_ROOTS = (Path("/tmp"), Path("/var/tmp"))
 
 
 class ServiceUnitError(SfguardError):
@@ -77,10 +116,19 @@ def _path(value: Path, what: str) -> str:
     return text
 
 
-
-
-#: What ProtectHome= hides.
-HOME_ROOTS = (Path("/home"), Path("/root"), Path("/run/user"))
+def _visible(value: Path, what: str, bound: tuple[str, ...] = ()) -> str:
+    """A path the guard reads under the unit: not in a folder the unit hides or empties (a
+    folder under the homes that the unit binds back, `bound`, is seen)."""
+    text = _path(value, what)
+    if any(Path(text).is_relative_to(b) for b in bound):
+        return text
+    for root in (*TMP_ROOTS, *HOME_ROOTS):
+        if Path(text).is_relative_to(root):
+            why = "PrivateTmp= gives the service an empty one" if root in TMP_ROOTS else "ProtectHome= hides it"
+            where = "install sfguard elsewhere, e.g. /opt/sfguard" if "installation" in what or \
+                "executable" in what else "put it elsewhere, e.g. in /etc/sfguard"
+            raise ServiceUnitError(f"{what} {text} is under {root}, which the unit cannot see ({why}): {where}")
+    return text
 
 
 def under_home_roots(paths: list[Path]) -> list[Path]:
@@ -93,27 +141,34 @@ def under_home_roots(paths: list[Path]) -> list[Path]:
     return out
 
 
-def unit_text(exe: Path = DEFAULT_EXEC, home: Path = DEFAULT_HOME, policy: Path | None = None,
-              api_group: str | None = None, browser_user: str | None = None,
-              stage_user: str | None = None, install_paths: tuple[Path, ...] = ()) -> str:
-    """The unit file for a guard of home `home` started by the `sfguard` executable `exe`.
-    `install_paths`: the folders the installation runs from (its Python, venv, checkout); those
-    under /home or /root are bound back read-only (ProtectHome=tmpfs), else ProtectHome=yes."""
-    exe_s, home_s = _path(exe, "the sfguard executable"), _path(home, "the guard home")
-    if any(Path(home_s).is_relative_to(r) for r in HOME_ROOTS):
-        raise ServiceUnitError(f"the guard home {home_s} is under {', '.join(map(str, HOME_ROOTS))}, "
-                               "which the unit hides (ProtectHome=): use a folder such as /var/lib/sfguard")
-    binds = [_path(p, "an installation folder") for p in under_home_roots([*install_paths, Path(exe_s).parent])]
-    if not home_s.startswith("/var/lib/") or home_s.rstrip("/") == "/var/lib":
-        state = None   # a home elsewhere: made writable by ReadWritePaths only
-    else:
-        state = home_s[len("/var/lib/"):].rstrip("/")
-    start = [exe_s, "start", "--home", home_s]
-    if policy is not None:
-        start += ["--policy", _path(policy, "the policy file")]
+@dataclass(frozen=True)
+class StartOptions:
+    """What the unit's `sfguard start` is given (each checked as `sfguard start` would take it,
+    except files' contents: those are read when the service starts)."""
+    policy: Path | None = None
+    api_group: str | None = None
+    browser_user: str | None = None
+    stage_user: str | None = None
+    ca_files: tuple[Path, ...] = ()
+    tcp: int | None = None
+    token_file: Path | None = None
+    console: str | None = None
+    console_public: bool = False
+    console_url: str | None = None
+    console_tls_cert: Path | None = None
+    console_tls_key: Path | None = None
+    console_trusted_proxy: str | None = None
+    console_plain_http: bool = False
+    no_console: bool = False
+    log_format: str | None = None
+
+
+def _users(o: StartOptions) -> tuple[list[str], list[str]]:
+    """(start's user and group arguments, ensure-users' arguments)."""
+    start: list[str] = []
     users: list[str] = []
-    for flag, name in (("--api-group", api_group), ("--browser-user", browser_user),
-                       ("--stage-user", stage_user)):
+    for flag, name in (("--api-group", o.api_group), ("--browser-user", o.browser_user),
+                       ("--stage-user", o.stage_user)):
         if name is None:
             continue
         if not _SAFE.fullmatch(name) or "/" in name:
@@ -121,9 +176,121 @@ def unit_text(exe: Path = DEFAULT_EXEC, home: Path = DEFAULT_HOME, policy: Path 
         start += [flag, name]
         if flag != "--api-group":
             users += [flag, name]
-    lines = [
+    return start, users
+
+
+def _api_args(o: StartOptions, home: str) -> list[str]:
+    if o.tcp is None:
+        if o.token_file is not None:
+            raise ServiceUnitError("--token-file needs --tcp PORT")
+        return []
+    if not 0 <= o.tcp <= 65535:
+        raise ServiceUnitError(f"--tcp wants a port from 0 to 65535, got {o.tcp}")
+    # the token goes to a file in the home, never into the journal (the banner would print it)
+    token = _path(o.token_file or Path(home) / "api.token", "--token-file")
+    if not Path(token).is_relative_to(home):
+        raise ServiceUnitError(f"--token-file {token}: the unit can write only in the home {home}")
+    return ["--tcp", str(o.tcp), "--token-file", token]
+
+
+def _console_args(o: StartOptions, bound: tuple[str, ...]) -> list[str]:
+    from sfguard.supervisor.console.listen import ConsoleError, is_loopback, parse_listen
+    if o.no_console:
+        return ["--no-console"]
+    out: list[str] = []
+    if o.console is not None:
+        try:
+            host, _ = parse_listen(o.console)
+        except ConsoleError as exc:
+            raise ServiceUnitError(str(exc)) from None
+        if not is_loopback(host) and not o.console_public:
+            raise ServiceUnitError(f"--console {o.console} is not loopback: add --console-public "
+                                   "(and TLS, or --console-plain-http)")
+        out += ["--console", _path_free(o.console, "--console")]
+    for flag, on in (("--console-public", o.console_public), ("--console-plain-http", o.console_plain_http)):
+        out += [flag] if on else []
+    for flag, value in (("--console-url", o.console_url), ("--console-trusted-proxy", o.console_trusted_proxy)):
+        if value is not None:
+            out += [flag, _path_free(value, flag)]
+    for flag, path in (("--console-tls-cert", o.console_tls_cert), ("--console-tls-key", o.console_tls_key)):
+        if path is not None:
+            out += [flag, _visible(path, flag, bound)]
+    return out
+
+
+def _path_free(value: str, what: str) -> str:
+    """A word (not a path) that goes into ExecStart= as it is."""
+    if not _SAFE.fullmatch(value):
+        raise ServiceUnitError(f"{what} holds a character this unit does not write: {value!r}")
+    return value
+
+
+def start_args(o: StartOptions, home: str, bound: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """`sfguard start`'s arguments after `--home HOME`, and ensure-users' arguments."""
+    args: list[str] = []
+    if o.policy is not None:
+        args += ["--policy", _visible(o.policy, "the policy file", bound)]
+    users_start, users = _users(o)
+    args += users_start
+    for ca in o.ca_files:
+        args += ["--ca-file", _visible(ca, "--ca-file", bound)]
+    args += _api_args(o, home)
+    args += _console_args(o, bound)
+    if o.log_format is not None:
+        if o.log_format not in ("text", "json"):
+            raise ServiceUnitError(f"--log-format is text or json, got {o.log_format!r}")
+        args += ["--log-format", o.log_format]
+    return args, users
+
+
+def _limits(memory_max: str | None) -> list[str]:
+    lines = [f"WatchdogSec={WATCHDOG_S}s", *(f"{k}={v}" for k, v in LIMITS)]
+    if memory_max is None:
+        lines += ["# MemoryMax= is yours to set (sfguard service print --memory-max SIZE): about",
+                  "# 250 MB per open run with one stage, 70 MB the guard (docs/operator-guide.md 11)"]
+    elif not _MEMORY.fullmatch(memory_max):
+        raise ServiceUnitError(f"--memory-max wants a size such as 4G, 512M or 50%, got {memory_max!r}")
+    else:
+        lines.append(f"MemoryMax={memory_max}")
+    return lines
+
+
+def unit_text(exe: Path = DEFAULT_EXEC, home: Path = DEFAULT_HOME, install_paths: tuple[Path, ...] = (),
+              memory_max: str | None = None, **start: object) -> str:
+    """The unit file for a guard of home `home` started by the `sfguard` executable `exe`, with
+    `start` the StartOptions' fields. `install_paths`: the folders the installation runs from
+    (its Python, venv, checkout); those under /home or /root are bound back read-only
+    (ProtectHome=tmpfs), else ProtectHome=yes; one under /tmp or /var/tmp is refused."""
+    exe_s, home_s = _path(exe, "the sfguard executable"), _path(home, "the guard home")
+    if any(Path(home_s).is_relative_to(r) for r in (*HOME_ROOTS, *TMP_ROOTS)):
+        raise ServiceUnitError(f"the guard home {home_s} is under "
+                               f"{', '.join(map(str, (*HOME_ROOTS, *TMP_ROOTS)))}, which the unit hides "
+                               "(ProtectHome=, PrivateTmp=): use a folder such as /var/lib/sfguard")
+    binds = tuple(_path(p, "an installation folder")
+                  for p in under_home_roots([*install_paths, Path(exe_s).parent]))
+    for p in (Path(exe_s), *install_paths):
+        _visible(p, "this installation" if p != Path(exe_s) else "the sfguard executable", binds)
+    args, users = start_args(StartOptions(**start), home_s, binds)  # type: ignore[arg-type]
+    lines = _head(exe_s, home_s, args, users)
+    lines += _limits(memory_max)
+    if home_s.startswith("/var/lib/") and home_s.rstrip("/") != "/var/lib":
+        lines += [f"StateDirectory={home_s[len('/var/lib/'):].rstrip('/')}", "StateDirectoryMode=0700"]
+    lines.append(f"ReadWritePaths={home_s}")     # a home elsewhere: made writable by this only
+    for k, v in HARDENING:
+        if k == "ProtectHome" and binds:
+            lines += ["# this installation runs from a home folder: hide the homes but bind it back, read-only",
+                      "ProtectHome=tmpfs", "BindReadOnlyPaths=" + " ".join(binds)]
+        else:
+            lines.append(f"{k}={v}")
+    lines += ["", "[Install]", "WantedBy=multi-user.target", ""]
+    return "\n".join(lines)
+
+
+def _head(exe_s: str, home_s: str, args: list[str], users: list[str]) -> list[str]:
+    return [
         "# sfguard: the guard daemon as a systemd service (made by `sfguard service print`).",
         "# Install, start, logs and upgrade: docs/operator-guide.md, \"Running as a service\".",
+        "# Webhook notifications are configured in the home (notify.yaml): no option here.",
         "[Unit]",
         "Description=sfguard guard daemon (guarded, logged-in browsers for pipeline stages)",
         "After=network-online.target",
@@ -136,7 +303,7 @@ def unit_text(exe: Path = DEFAULT_EXEC, home: Path = DEFAULT_HOME, policy: Path 
         "Environment=PYTHONUNBUFFERED=1",
         "# the browser and stage users: made outside the restrictions below (/etc is read-only)",
         " ".join([f"ExecStartPre=+{exe_s}", "service", "ensure-users", *users]),
-        "ExecStart=" + " ".join(start),
+        "ExecStart=" + " ".join([exe_s, "start", "--home", home_s, *args]),
         "# SIGTERM to the guard only: it tears every run down itself (browsers closed so that",
         "# cookies are flushed, profiles resealed, leases released); what is left at the timeout",
         "# is killed, and the next start sweeps it",
@@ -145,18 +312,8 @@ def unit_text(exe: Path = DEFAULT_EXEC, home: Path = DEFAULT_HOME, policy: Path 
         f"TimeoutStopSec={STOP_TIMEOUT_S}",
         "Restart=on-failure",
         "RestartSec=5s",
+        "# the guard sends WATCHDOG=1 while its event loop runs; silent for WatchdogSec: restarted",
     ]
-    if state is not None:
-        lines += [f"StateDirectory={state}", "StateDirectoryMode=0700"]
-    lines.append(f"ReadWritePaths={home_s}")
-    for k, v in HARDENING:
-        if k == "ProtectHome" and binds:
-            lines += ["# this installation runs from a home folder: hide the homes but bind it back, read-only",
-                      "ProtectHome=tmpfs", "BindReadOnlyPaths=" + " ".join(binds)]
-        else:
-            lines.append(f"{k}={v}")
-    lines += ["", "[Install]", "WantedBy=multi-user.target", ""]
-    return "\n".join(lines)
 
 
 def service_settings(text: str) -> dict[str, list[str]]:

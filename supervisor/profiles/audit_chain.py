@@ -124,6 +124,7 @@ FIELDS = {
     "url": _text(2048), "fields": _text(500), "body_type": _text(200), "body_size": _count,
     "rule": _text(300), "note": _text(500),
     "removed": _text(500),
+    "person": _token,         # whom a console link was for (`sfguard console --as NAME`)
 }
 
 

@@ -5,15 +5,20 @@ real browser: a live view's login tab opens, but shows no frames)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
+import socket
+import ssl
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from sfguard.supervisor.home import runtime_dir, runtime_path
+from tests.conftest import free_port
 from tests.daemon.conftest import (
     FAKE_AB,
     Daemon,
@@ -21,16 +26,63 @@ from tests.daemon.conftest import (
     fake_cdp,  # noqa: F401  (a fixture fake_guard uses)
     start_real_guard,
 )
+from tests.daemon.fake_cdp import FakeCdp
 from tests.demo.conftest import leftovers
+from tests.tls_site import issue, make_ca
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".ci-artifacts" / "console"
 
 
 def console_url(banner: str) -> str:
-    m = re.search(r"sfguard: console on (http://127\.0\.0\.1:\d+)", banner)
+    """The console's URL from the start banner (its public URL when one is set)."""
+    m = re.search(r"sfguard: console on (https?://\S+) \(", banner)
     assert m, banner
     return m.group(1)
+
+
+#: CA files a test's client trusts, by the console's netloc (see `connect`)
+TRUST: dict[str, ssl.SSLContext] = {}
+
+
+def trust(base: str, ca_file: Path) -> None:
+    """Make `connect` trust `ca_file` for the console at `base` (an https:// URL)."""
+    TRUST[urlsplit(base).netloc] = ssl.create_default_context(cafile=str(ca_file))
+
+
+class _Https(http.client.HTTPSConnection):
+    """TLS to 127.0.0.1 whatever the name: the client's own resolver, never DNS. The name is
+    still what the certificate is checked against (SNI) and what the Host header says."""
+
+    def __init__(self, host: str, port: int, *, source: str | None, context: ssl.SSLContext, timeout: float):
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._src, self._ctx = source, context
+
+    def connect(self) -> None:
+        raw = socket.create_connection(("127.0.0.1", self.port), self.timeout,
+                                       (self._src, 0) if self._src else None)
+        self.sock = self._ctx.wrap_socket(raw, server_hostname=self.host)
+
+
+class _Http(http.client.HTTPConnection):
+    def __init__(self, host: str, port: int, *, source: str | None, timeout: float):
+        super().__init__(host, port, timeout=timeout)
+        self._src = source
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", self.port), self.timeout,
+                                             (self._src, 0) if self._src else None)
+
+
+def connect(base: str, timeout: float = 10, source: str | None = None) -> http.client.HTTPConnection:
+    """A connection to the console at `base`, on 127.0.0.1 whatever its host name (from the
+    `source` address when given); https trusts what `trust` registered, nothing else."""
+    u = urlsplit(base)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    if u.scheme == "https":
+        ctx = TRUST.get(u.netloc) or ssl.create_default_context()
+        return _Https(u.hostname or "", port, source=source, context=ctx, timeout=timeout)
+    return _Http(u.hostname or "", port, source=source, timeout=timeout)
 
 
 def _start(tmp_path: Path, site: int) -> Daemon:
@@ -103,3 +155,51 @@ def fake_guards(tmp_path: Path, cdp) -> Iterator[Callable[..., Daemon]]:
 def fake_guard(tmp_path, fake_cdp):  # noqa: F811
     with fake_guards(tmp_path, fake_cdp) as start:
         yield start
+
+
+@pytest.fixture(scope="module")
+def shared_tls(tmp_path_factory):
+    """A fake-browser guard whose console is served over TLS at its public URL
+    https://console.test:PORT: a name only the tests' client resolves (to 127.0.0.1,
+    `connect`), a certificate from an authority made here, which that client alone trusts.
+    `.ca` is that authority's file."""
+    tmp = tmp_path_factory.mktemp("console-tls")
+    ca = make_ca("sfguard console test CA")
+    cert, key = issue(ca, "console.test", tmp)
+    port = free_port()
+    cdp = FakeCdp()
+    cdp.start()
+    try:
+        with fake_guards(tmp, cdp) as start:
+            ca_file = ca.write(tmp / "ca.pem")
+            trust(f"https://console.test:{port}", ca_file)
+            d = start("--console", f"127.0.0.1:{port}", "--console-url", f"https://console.test:{port}",
+                      "--console-tls-cert", str(cert), "--console-tls-key", str(key))
+            d.ca, d.key_file = ca_file, key
+            yield d
+    finally:
+        cdp.stop()
+
+
+#: a phone's window (CSS pixels), as the approvals page is checked at (issue 46)
+PHONE = (390, 844)
+#: what a narrow page shows: its layout width, how wide its content is, and where each button
+#: of the approvals forms sits (left, right, width, height)
+FIT_JS = ("JSON.stringify({iw: innerWidth, sw: document.scrollingElement.scrollWidth, "
+          "buttons: [...document.querySelectorAll('form.decide button')].map(b => { "
+          "const r = b.getBoundingClientRect(); return [b.value, r.left, r.right, r.width, r.height]; })})")
+
+
+async def phone_fit(viewer) -> dict:
+    """How the current page fits the phone: `{iw, sw, buttons}`; a page wider than the phone
+    makes a mobile browser widen its layout (iw > 390), so both are asserted on."""
+    return json.loads(await viewer.eval(FIT_JS))
+
+
+def assert_fits_a_phone(fit: dict, buttons: int = 0) -> None:
+    assert fit["iw"] == PHONE[0], f"the page widened the phone's layout to {fit['iw']}px"
+    assert fit["sw"] <= fit["iw"], f"content {fit['sw']}px wide on a {fit['iw']}px screen"
+    assert len(fit["buttons"]) == buttons, fit["buttons"]
+    for value, left, right, width, height in fit["buttons"]:
+        assert 0 <= left and right <= fit["iw"] and width > 0, (value, left, right)
+        assert height >= 40, f"the {value} button is {height}px high: too small for a finger"

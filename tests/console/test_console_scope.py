@@ -2,8 +2,10 @@
 sections 1 and 2; issue 35, section 4), against a real `sfguard start` with the fake browser:
 
 * every route of the console's router, with a console session, this handoff's live session,
-  another handoff's live session and none, each under both cookie names: only the right
-  scope gets through (a new route is in the table by itself, as a console-only route);
+  another handoff's live session, another guard's console session, a signed-out session and
+  none, each under both cookie names: only the right scope gets through (a new route is in
+  the table by itself, as a console-only route); on loopback, and over TLS at the console's
+  public URL (issue 46);
 * an `/events` stream and a live-view socket end within a second of their session ending:
   sign-out, the handoff's end, expiry, the guard's stop; `/events` with a foreign Origin is
   refused;
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.client
 import json
 import os
 import re
@@ -29,7 +30,7 @@ import pytest
 
 from sfguard.supervisor.console.server import CONSOLE_COOKIE, LIVE_COOKIE, ConsoleServer
 from sfguard.supervisor.profiles.audit import LOG_FILE
-from tests.console.conftest import ROOT, fake_guards, link
+from tests.console.conftest import ROOT, connect, fake_guards, link
 from tests.daemon.fake_cdp import FakeCdp
 
 #: routes that take no session: the sign-in link and the page's own scripts and styles
@@ -59,8 +60,7 @@ def request(base: str, method: str, path: str, *, cookie: str | None = None,
             origin: str | None = None, body: str | None = None, ws: bool = False,
             stream: bool = False) -> tuple[int, str]:
     """(status, body) of one request; a stream or a socket upgrade is closed after its head."""
-    u = urlsplit(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    conn = connect(base)
     headers = {"Accept": "text/event-stream" if stream else "text/html"}
     if cookie:
         headers["Cookie"] = cookie
@@ -84,7 +84,7 @@ def request(base: str, method: str, path: str, *, cookie: str | None = None,
 def redeem(base: str, url: str) -> str:
     """Use a one-time link; the cookie's value."""
     u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    conn = connect(base)
     conn.request("GET", f"{u.path}?{u.query}")
     r = conn.getresponse()
     r.read()
@@ -126,16 +126,29 @@ def shared_fake(tmp_path_factory):
         cdp.stop()
 
 
+@pytest.fixture(params=["loopback", "tls-public-url"])
+def any_console(request):
+    """The walk below runs on the console as it comes (loopback, plain HTTP) and over TLS at
+    its public URL; `.other` is the other guard (its sessions are no good here)."""
+    names = ("shared_fake", "shared_tls") if request.param == "loopback" else ("shared_tls", "shared_fake")
+    d, other = (request.getfixturevalue(n) for n in names)
+    assert d.console.startswith("https://console.test:" if request.param != "loopback" else "http://127.0.0.1:")
+    d.other = other
+    return d
+
+
 # -- 1. every route, every session, both cookie names ----------------------------------------------
 NO_APPROVAL = "ap_" + "0" * 20
 
 
-def test_every_console_route_takes_only_its_own_scope(shared_fake):
-    d = shared_fake
+def test_every_console_route_takes_only_its_own_scope(any_console):
+    d = any_console
     base = d.console
     a, b = open_handoff(d, "scope-a", "acct-a"), open_handoff(d, "scope-b", "acct-b")
     sessions = {"console": redeem(base, link(d)), "live": redeem(base, a["url"]),
-                "other-live": redeem(base, b["url"])}
+                "other-live": redeem(base, b["url"]),
+                "other-guard": redeem(d.other.console, link(d.other)),     # another guard's console session
+                "signed-out": signed_out(d)}
     # what each route answers to a session it takes: a page 200, a stream 200, a socket 101;
     # a POST without its CSRF token 403 (past the session check; with it, it would act)
     cases, answers = [], []
@@ -149,7 +162,7 @@ def test_every_console_route_takes_only_its_own_scope(shared_fake):
         ok = 403 if method == "POST" else 101 if path.endswith("/ws") else 200
         if "{aid}" in pattern and method == "GET":
             ok = 404           # past the session check: no such approval here
-        for who in ("console", "live", "other-live", None):
+        for who in ("console", "live", "other-live", "other-guard", "signed-out", None):
             for name in (CONSOLE_COOKIE, LIVE_COOKIE) if who else (None,):
                 right = (who == "console" and name == CONSOLE_COOKIE) or \
                         (live_route and who == "live" and name == LIVE_COOKIE)
@@ -177,6 +190,16 @@ def test_every_console_route_takes_only_its_own_scope(shared_fake):
         for cookie_name in (CONSOLE_COOKIE, LIVE_COOKIE):
             assert request(base, "GET", f"/live/{a['hid']}", cookie=f"{cookie_name}={value}")[0] in (401, 410)
             assert request(base, "GET", "/", cookie=f"{cookie_name}={value}")[0] == 401, name
+
+
+def signed_out(d) -> str:
+    """The cookie value of a console session that has ended (signed out: the guard forgets it,
+    as it does an expired one)."""
+    value = redeem(d.console, link(d))
+    cookie = f"{CONSOLE_COOKIE}={value}"
+    csrf = csrf_of(request(d.console, "GET", "/", cookie=cookie)[1])
+    assert request(d.console, "POST", "/logout", cookie=cookie, origin=d.console, body=f"csrf={csrf}")[0] == 200
+    return value
 
 
 # -- 2. streams end with their session --------------------------------------------------------------
