@@ -43,8 +43,6 @@ ENV_PAUSE = "SFGUARD_TEST_ROTATION_PAUSE"
 PAUSE_MAX_S = 120.0
 #: how long a rotation waits for another rotation or retirement of the same home
 LOCK_WAIT_S = 5.0
-#: how long a run's end waits to finish a rotation another thread is working on
-FINISH_WAIT_S = 2.0
 
 __all__ = ["rotate", "close_profile", "finish_if_done", "retire", "key_status", "rotation_run",
            "KeysBusy", "KeyStateError"]
@@ -114,6 +112,8 @@ def rotate(stores: Any, *, by: str = "cli") -> dict[str, Any]:
         report = _reseal_at_rest(stores, rot.to_version)
         _pause("resealed")
         report["finished"] = _finish(stores, rot.to_version)
+    if not report["finished"]:     # a run that ended while the lock was held could not finish it
+        report["finished"] = finish_if_done(stores) or keys.rotation() is None
     report.update(from_version=rot.from_version, to_version=rot.to_version, resumed=resumed)
     return report
 
@@ -161,10 +161,10 @@ def _finish(stores: Any, version: int) -> bool:
     return True
 
 
-def finish_if_done(stores: Any, wait: float = FINISH_WAIT_S) -> bool:
+def finish_if_done(stores: Any, wait: float = 0.0) -> bool:
     """After a reseal: finish a rotation under way when nothing is left on an older version.
-    False when none is under way, something is left, or a rotation holds the lock (it
-    finishes itself then)."""
+    False when none is under way, something is left, or a rotation holds the lock: it looks
+    again once it let the lock go, so a run's end never waits for it."""
     rot = stores.keys.rotation()
     if rot is None or not rot.switched:
         return False
