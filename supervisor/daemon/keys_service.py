@@ -7,16 +7,19 @@
   authenticates (damage is reported, never reset), and a key rotation a crash interrupted is
   finished (supervisor/profiles/rotation.py).
 - `rotate_keys`: `POST /v1/keys/rotate`, what `sfguard keys rotate` asks a running guard for.
-  The rotation runs in a thread of its own, not on the store's worker, so runs keep starting;
-  a profile a run holds is resealed when the run ends (teardown, through rotation.close_profile).
+  The rotation runs in a thread of its own at a lower CPU priority (ROTATION_NICE), not on the
+  store's worker, so runs keep starting at their usual pace; a profile a run holds is resealed
+  when the run ends (teardown, through rotation.close_profile).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from typing import TYPE_CHECKING, Any
 
-from sfguard.supervisor.errors import Conflict, Unavailable
+from sfguard.supervisor.errors import Conflict, Unavailable, swallowed
 from sfguard.supervisor.profiles import rotation
 from sfguard.supervisor.profiles.key_versions import KeysBusy, KeyStateError
 from sfguard.supervisor.profiles.keys import KeyMissing
@@ -26,6 +29,9 @@ if TYPE_CHECKING:
     from sfguard.supervisor.profiles.stores import Stores
 
 log = logging.getLogger("sfguard.guard")
+
+#: niceness of the rotation's thread (Linux applies it per thread): background work
+ROTATION_NICE = 10
 
 
 class KeysService:
@@ -59,10 +65,34 @@ class KeysService:
                      "finished" if done["finished"] else f"{len(done['pending'])} wait for their runs")
             report["keys"] = done
 
+    async def _in_thread(self) -> dict[str, Any]:
+        """rotation.rotate in a thread of its own (it ends with the rotation, so its lowered
+        priority goes with it)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[dict[str, Any]] = loop.create_future()
+
+        def work() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ROTATION_NICE)
+            except OSError as exc:      # not permitted here: it runs at the guard's priority
+                log.info("the key rotation runs at the guard's priority (%s)", exc)
+            try:
+                result = rotation.rotate(self.stores, by="api")
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which decides
+                hand(done.set_exception, exc)
+            else:
+                hand(done.set_result, result)
+
+        def hand(setter: Any, value: Any) -> None:
+            with swallowed(log, "answering a key rotation after the guard stopped", (RuntimeError,)):
+                loop.call_soon_threadsafe(setter, value)
+        threading.Thread(target=work, name="sfguard-key-rotation", daemon=True).start()
+        return await done
+
     async def rotate_keys(self) -> dict[str, Any]:
         """Begin (or resume) a key rotation; answers once every profile at rest is resealed."""
         try:
-            answer: dict[str, Any] = await asyncio.to_thread(rotation.rotate, self.stores, by="api")
+            answer: dict[str, Any] = await self._in_thread()
         except KeysBusy as exc:
             raise Conflict("keys_busy", str(exc), None) from None
         except StoreUnavailable as exc:
