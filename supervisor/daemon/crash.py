@@ -27,6 +27,8 @@ from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.home import FILE_MODE, atomic_write, private_dir
 from sfguard.supervisor.procs import ProcRecord, scan_orphans, terminate_recorded
 from sfguard.supervisor.profiles import rotation, store_ops
+from sfguard.supervisor.profiles.key_versions import KeyStateError
+from sfguard.supervisor.profiles.keys import KeyMissing
 from sfguard.supervisor.profiles.lease import current_process, process_alive
 from sfguard.supervisor.protocols import ProcessIdentity
 from sfguard.supervisor.stage import sandbox
@@ -162,6 +164,10 @@ def sweep(guard: Guard) -> dict:
         try:
             rotation.close_profile(guard.stores, key)
             report["resealed"].append(key.name)
+        except (KeyMissing, KeyStateError) as exc:  # no current key here: kept, never sealed under another
+            log.error("profile %s could not be resealed after a crash (%s); its unsealed copy is "
+                      "kept until the current key version can be used", key.name, exc)
+            report.setdefault("kept_unsealed", []).append(key.name)
         except Exception as exc:
             log.error("profile %s could not be resealed after a crash (%s); the previous sealed "
                       "copy is kept", key.name, exc)

@@ -117,3 +117,25 @@ def test_a_damaged_key_state_is_refused_by_the_guard(daemon):
     assert state.read_text() == "{not json"          # left as it is, for the operator
     state.unlink()                                  # no state: version 1, as before
     assert login_after(d, "r", "p1") == "login one"
+
+
+def test_a_crash_with_unusable_keys_keeps_the_login_until_they_are_repaired(daemon):
+    """After a kill, neither the sweep nor a start drops a working copy because the key state
+    cannot be read: they stop, say why and leave it; the start after the repair reseals it."""
+    import signal
+    d = daemon
+    seed(d, "p1", "login one")
+    stage(d, "r1", "p1")
+    (working_copy(d, "p1") / "login.txt").write_text("renewed by r1 before the crash")
+    d.stop(signal.SIGKILL)
+    state = d.home / "keys.json"
+    state.write_text("{damaged")
+    swept = sfguard(d, "sweep")
+    assert swept.returncode == 2 and "keys.json is damaged" in swept.stderr, swept.stderr
+    start = subprocess.run([sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(d.home)],
+                           cwd=ROOT, env=d.env, capture_output=True, text=True, timeout=120)
+    assert start.returncode == 2 and "keys.json is damaged" in start.stderr, start.stderr
+    assert (working_copy(d, "p1") / "login.txt").read_text() == "renewed by r1 before the crash"
+    state.unlink()                                  # the operator's repair (here: version 1 only)
+    d.start()
+    assert login_after(d, "after", "p1") == "renewed by r1 before the crash"

@@ -193,3 +193,4 @@ def test_a_schema_1_database_migrates_and_its_seals_open_as_version_1(pg_url, tm
     with psycopg.connect(pg_url) as conn:
         assert conn.execute("SELECT count(*) FROM sfguard_scope_keys WHERE version = 1").fetchone() == (0,)
         assert conn.execute("SELECT key_version FROM sfguard_profiles ORDER BY name").fetchall() == [(2,), (2,)]
+
