@@ -350,12 +350,12 @@ class LocalAuditSink(AuditKeyVersions):
             if stray:
                 return VerifyResult(False, 0, None, f"{SEGMENT_DIR}/{stray} is not a segment of this "
                                     "log (renamed or put there by hand)")
-            start, problem, start_kid = self._chain_start(key)
+            start, problem, _anchor_kid = self._chain_start(key)
             if problem:
                 return VerifyResult(False, 0, None, problem)
             where: list[tuple[int, str]] = []
             try:
-                walked = walk_chain(self._iter_lines(where), key, start=start, start_kid=start_kid)
+                walked = walk_chain(self._iter_lines(where), key, start=start)
             except KeyMissing as exc:       # an older version's key damaged or not private
                 return VerifyResult(False, 0, None, f"the audit key cannot be used: {exc}")
             if isinstance(walked, VerifyResult):

@@ -227,17 +227,17 @@ def record_matches(rec: dict[str, Any], profile: str | None, run: str | None) ->
 
 
 def walk_chain(lines: Iterable[tuple[int, bytes]], key: bytes | None | ChainKeys,
-               start: tuple[int, str] = (0, GENESIS), start_kid: int | None = None) -> VerifyResult | ChainEnd:
+               start: tuple[int, str] = (0, GENESIS)) -> VerifyResult | ChainEnd:
     """Check every record (one canonical JSON line each, numbered from 1): hash, sequence,
     link, event, key version and MAC. A VerifyResult names the first bad record; a ChainEnd
     says the walk was clean. Shared by every AuditSink that keeps the chain (file or database).
     `start`: the (seq, hash) the first record must follow (an archived beginning,
-    LocalAuditSink); `start_kid` the key version of the record before it."""
+    LocalAuditSink); the first record read sets the key version."""
     keys = ChainKeys.of(key)
     seq, prev_hash = start
     count = 0
     keyed = start[0] > 0        # only a keyed chain can be archived
-    kid = start_kid if keyed else None
+    kid: int | None = None
     unchecked: int | None = None    # a record keyed by a retired version, not yet covered
     for n, line in lines:
         rec, unparsed = _parse(line)

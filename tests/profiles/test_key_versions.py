@@ -308,3 +308,27 @@ def test_the_current_key_deleted_by_hand_is_found(rotated):
     rotated.keys._drop_material(2, ["local"])     # the current version's keys deleted by hand
     result = LocalAuditSink(rotated.audit.home, rotated.keys, read_only=True).verify()
     assert not result.ok and "version 2" in str(result), str(result)
+
+
+def test_an_archive_anchor_keyed_by_a_retired_version_is_keyed_again(tmp_path):
+    """audit archive under version 1, a rotation, then retiring version 1: the anchor is keyed
+    again under version 2 first, so the kept chain still verifies from where it starts."""
+    home = tmp_path / "home"
+    keys = FileKeyProvider(home)
+    sink = LocalAuditSink(home, keys, segment_bytes=600)
+    stores = Stores("local", "local home", keys, LocalProfileStore(home, keys, runtime=tmp_path / "run"),
+                    LocalProfileLease(home), sink)
+    stores.store.create(ProfileKey("local", "shop"))
+    for i in range(8):
+        sink.record("profile_leased", scope="local", profile="shop", run=f"run-{i}")
+    segments = sink.segments()
+    assert len(segments) >= 3
+    sink.archive(int(segments[2].name[:12]), tmp_path / "cold")
+    assert "kid" not in json.loads((home / "audit.anchor").read_text())
+    rotation.rotate(stores)
+    assert rotation.retire(stores, 1)["retired"]
+    assert json.loads((home / "audit.anchor").read_text())["kid"] == 2
+    result = LocalAuditSink(home, keys, read_only=True).verify()
+    assert result.ok, str(result)
+    (home / "audit.anchor").write_text((home / "audit.anchor").read_text().replace('"kid":2', '"kid":1'))
+    assert not LocalAuditSink(home, keys, read_only=True).verify().ok
