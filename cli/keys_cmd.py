@@ -155,8 +155,8 @@ def cmd_rotate(args) -> int:
     print(f"{verb} by {report['by']}: key version {report['to_version']} is current (was "
           f"{report['from_version']}); {len(report['resealed'])} profile(s) resealed at rest")
     for p in report["pending"]:
-        print(f"  waiting: {p['scope']}/{p['profile']} is leased by run {p['leased_by']}: resealed "
-              "when that run ends")
+        who = f"is leased by run {p['leased_by']}" if p["leased_by"] else "is wanted by a waiting run"
+        print(f"  waiting: {p['scope']}/{p['profile']} {who}: resealed when that run ends")
     for p in report["failed"]:
         print(f"  not resealed: {p['scope']}/{p['profile']}: {p['error']}")
     print("rotation finished" if report["finished"] else
