@@ -33,7 +33,12 @@ def run(args) -> int:
         guard.acquire_instance_lock()
     except GuardAlreadyRunning:
         raise CliError("a guard is running on this home; it swept at start and owns its runs", 3) from None
-    report = sweep(guard)
+    from sfguard.supervisor.protocols import ProfileError
+    try:
+        report = sweep(guard)
+    except ProfileError as exc:   # e.g. a damaged keys.json: nothing can be recorded, so stop
+        raise CliError(f"the sweep stopped: {exc}; what it had not reached (unsealed profiles "
+                       "among it) is left as it is", 2) from None
     report["runtime_removed"] = release_runtime(guard)  # nothing of the guard left in memory fs
     report["bridges_removed"] = guard.bridges.remove()  # nor its stages' bridge sockets
     if args.json:

@@ -260,9 +260,14 @@ def fsync_dir(path: Path) -> None:
 #   0  every home before home.json existed (through commit 18d718e).
 #   1  home.json; the audit log may be closed into segments (audit.d/, audit.anchor). Nothing
 #      of format 0 changes: the migration only records the format.
+#   2  key versions: keys.json (which version is current), keys/vN/ for versions above 1,
+#      sealed profiles in SFGSEAL version 2 (the header names its key version), audit records
+#      keyed by a version above 1 name it (`kid`). Version 1 is what format 1 held: sealed
+#      files of version 1 and records without `kid` were sealed and keyed by key version 1, so
+#      nothing is rewritten; an older sfguard, which cannot read version 2 seals, is refused.
 
 FORMAT_FILE = "home.json"
-FORMAT = 1
+FORMAT = 2
 
 
 class HomeFormatError(HomeError):
@@ -273,8 +278,13 @@ def _to_1(home: Path) -> None:
     """0 -> 1: nothing to rewrite (segments appear only when the log is closed)."""
 
 
+def _to_2(home: Path) -> None:
+    """1 -> 2: nothing to rewrite (what is there is key version 1; keys.json appears with the
+    first rotation)."""
+
+
 #: migration from format N to N + 1
-MIGRATIONS: dict[int, Callable[[Path], None]] = {0: _to_1}
+MIGRATIONS: dict[int, Callable[[Path], None]] = {0: _to_1, 1: _to_2}
 
 
 def read_format(home: Path) -> int:

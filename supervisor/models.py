@@ -163,6 +163,8 @@ ERROR_CODES = (
     "approval_not_found", "approval_decided", "screenshot_not_found",
     # stage-exec
     "stage_ended", "stage_failed", "stage_not_ready", "sandbox_unavailable",
+    # key rotation: another under way, a key version not on this host, the key state refuses
+    "keys_busy", "key_missing", "key_state",
 )
 ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
 

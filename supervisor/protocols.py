@@ -18,6 +18,7 @@ here, at the edge, so that a name can never be a path.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,6 +185,30 @@ class VerifyResult:
         return f"audit log broken at {where}: {self.reason}"
 
 
+# --------------------------------------------------------------------------- key versions
+
+@dataclass(frozen=True)
+class KeyVersion:
+    """One version of the keys: every scope's sealing key and the audit chain's HMAC key,
+    made together. Sealed profiles and audit records name their version (an id, never a key)."""
+    version: int
+    state: str                     # "current", "old", "prepared" (a rotation's, not yet current), "retired"
+    where: str                     # where its material lives (keyring, key files, shared key file)
+    created: float | None          # unix time; None for version 1 made before versions existed
+    retired: float | None = None
+    available: bool = True         # this host holds its material
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """A key rotation under way: from the version that was current to a new one. `switched`:
+    the new version is current (the audit chain holds its `key_rotated` record)."""
+    from_version: int
+    to_version: int
+    started: float
+    switched: bool
+
+
 # --------------------------------------------------------------------------- Protocols
 
 @runtime_checkable
@@ -206,6 +231,9 @@ class ProfileStore(Protocol):
     def delete_scope(self, scope: str) -> builtins.list[ProfileKey]: ...
     def unsealed(self) -> builtins.list[ProfileKey]: ...
     def verify(self, key: ProfileKey) -> None: ...   # the seal authenticates (start-up check)
+    def scopes(self) -> builtins.list[str]: ...      # scopes that hold profiles
+    def key_version(self, key: ProfileKey) -> int: ...   # the key version of the sealed copy
+    def rekey(self, key: ProfileKey) -> tuple[int, int]: ...   # reseal at rest under the current version
 
 
 @runtime_checkable
@@ -223,27 +251,50 @@ class ProfileLease(Protocol):
 @runtime_checkable
 class KeyProvider(Protocol):
     """Per-scope 32-byte keys. Deleting a scope's key makes its sealed data unreadable.
-    `get_audit_key` is the audit chain's HMAC key, a key of its own (None: absent, not made)."""
+    `get_audit_key` is the audit chain's HMAC key, a key of its own (None: absent, not made).
 
-    def get_key(self, scope: str, *, create: bool = True) -> bytes: ...
-    def delete_key(self, scope: str) -> bool: ...
-    def get_audit_key(self, *, create: bool = True) -> bytes | None: ...
+    Keys come in versions (`KeyVersion`): one is current (new seals, new audit records), older
+    ones are kept for reading until they are retired. `version=None` means the current one.
+    A rotation (supervisor/profiles/rotation.py) prepares a new version, the audit sink makes
+    it current together with the chain's `key_rotated` record, and ends it when every profile
+    moved."""
+
+    def get_key(self, scope: str, *, create: bool = True, version: int | None = None) -> bytes: ...
+    def current_key(self, scope: str) -> tuple[int, bytes]: ...   # (current version, its key)
+    def delete_key(self, scope: str) -> bool: ...                  # every version's
+    def get_audit_key(self, *, create: bool = True, version: int | None = None) -> bytes | None: ...
     def describe(self) -> str: ...
+    def current_version(self) -> int: ...
+    def versions(self) -> list[KeyVersion]: ...
+    def rotation(self) -> Rotation | None: ...
+    def prepare_version(self, scopes: list[str]) -> Rotation: ...  # a new version, not yet current
+    def set_current(self, version: int) -> None: ...
+    def end_rotation(self, version: int) -> bool: ...              # True when it ended it now
+    def retire_version(self, version: int, scopes: list[str]) -> None: ...
+    def locked(self, wait: float = 0.0) -> contextlib.AbstractContextManager[None]: ...  # rotation, retirement
 
 
 @runtime_checkable
 class AuditSink(Protocol):
-    """Append-only, hash-chained records (see audit.EVENTS for the allowed events)."""
+    """Append-only, hash-chained records (see audit.EVENTS for the allowed events).
+
+    Each record is keyed by one key version (`kid`). `switch_key` makes a prepared version
+    current and writes the chain's `key_rotated` record (keyed by the new version, with a MAC
+    by the old one too) as one step; `finish_rotation` records `key_rotation_finished` and ends
+    the rotation as one step; `key_coverage` counts segments and records per key version."""
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]: ...
     def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]: ...
     def verify(self) -> VerifyResult: ...            # the whole chain (start-up check)
+    def switch_key(self, version: int) -> None: ...
+    def finish_rotation(self, version: int, **fields: Any) -> bool: ...
+    def key_coverage(self) -> dict[int, dict[str, int]]: ...
 
 
 __all__ = [
     "NAME_PATTERN", "LOCAL_SCOPE", "ProfileError", "ProfileNameError", "ProfileNotFound",
     "ProfileExists", "ProfileBusy", "StoreUnavailable", "validate_name", "ProfileKey", "ProfileInfo",
     "ProcessIdentity", "LeaseHolder", "QueueEntry", "Granted", "Waiting", "validate_run_id",
-    "VerifyResult", "ProfileStore", "ProfileLease", "KeyProvider", "AuditSink",
+    "VerifyResult", "KeyVersion", "Rotation", "ProfileStore", "ProfileLease", "KeyProvider", "AuditSink",
 ]
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from sfguard.supervisor import models as m
 from sfguard.supervisor import redaction
 from sfguard.supervisor.daemon import approval_models as am
+from sfguard.supervisor.daemon import key_models as km
 from sfguard.supervisor.daemon import status_models as sm
 from sfguard.supervisor.daemon.callers import CALLER, caller_of
 from sfguard.supervisor.daemon.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -279,6 +280,18 @@ ROUTES: tuple[Route, ...] = (
           None, ((200, m.Ok),), ((400, ("invalid_name",)), (404, ("profile_not_found",)),
                                  (409, ("profile_leased",)), (503, ("store_unreachable",))),
           "Deletes the sealed profile and its login; refused while a run leases it.", (), "inventory"),
+    Route("POST", "/v1/keys/rotate", "api_rotate_keys",
+          "Rotate the keys: a new key version for every sealed profile and the audit chain",
+          None, ((200, km.KeysRotated),),
+          ((409, ("keys_busy", "key_missing", "key_state")), (503, ("store_unreachable",))),
+          "What `sfguard keys rotate` asks a running guard for. Makes a new key version current "
+          "(the audit chain's `key_rotated` record hands it over), reseals every profile at rest "
+          "under it (each readable under the old key or the new at every moment) and answers once "
+          "they are done; a profile a run holds is resealed when that run ends (`pending`). A "
+          "rotation a crash left is resumed instead (`resumed`). 409 keys_busy: another rotation "
+          "or retirement is under way; key_missing: this host has not got the key version (a "
+          "shared store: the new master key is not in its key file yet); key_state: the key state "
+          "refuses (damaged keys.json).", (), "keys_service"),
     Route("GET", "/v1/approvals", "api_list_approvals", "Writes held for a person (write gates)", None,
           ((200, am.ApprovalsAnswer),), ((400, ("invalid_request",)),),
           "Held writes, newest last, with what a person needs to decide (form values masked where "

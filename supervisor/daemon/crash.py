@@ -26,7 +26,9 @@ from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.home import FILE_MODE, atomic_write, private_dir
 from sfguard.supervisor.procs import ProcRecord, scan_orphans, terminate_recorded
-from sfguard.supervisor.profiles import store_ops
+from sfguard.supervisor.profiles import rotation, store_ops
+from sfguard.supervisor.profiles.key_versions import KeyStateError
+from sfguard.supervisor.profiles.keys import KeyMissing
 from sfguard.supervisor.profiles.lease import current_process, process_alive
 from sfguard.supervisor.protocols import ProcessIdentity
 from sfguard.supervisor.stage import sandbox
@@ -160,8 +162,12 @@ def sweep(guard: Guard) -> dict:
     report["orphans"] = len(terminate_recorded(orphans, timeout=5))
     for key in guard.store.unsealed():
         try:
-            guard.store.close(key, save=True)
+            rotation.close_profile(guard.stores, key)
             report["resealed"].append(key.name)
+        except (KeyMissing, KeyStateError) as exc:  # no current key here: kept, never sealed under another
+            log.error("profile %s could not be resealed after a crash (%s); its unsealed copy is "
+                      "kept until the current key version can be used", key.name, exc)
+            report.setdefault("kept_unsealed", []).append(key.name)
         except Exception as exc:
             log.error("profile %s could not be resealed after a crash (%s); the previous sealed "
                       "copy is kept", key.name, exc)

@@ -8,6 +8,7 @@
   crash.py       crash records (`runs/<id>.json`, no secrets) and the sweep after a crash
   logins.py      login check, envelope verification, human handoff
   inventory.py   profiles, the lease table, store calls as the API answers them
+  keys_service.py  start-up checks of keys and seals, key rotation (POST /v1/keys/rotate)
   status_view.py `GET /v1/status`: a read-only view of the whole guard
 
 The Guard's service methods (one per control API route, named as api.py's ROUTES name them)
@@ -45,6 +46,7 @@ from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
 from sfguard.supervisor.daemon.health import Health
 from sfguard.supervisor.daemon.inventory import Inventory
+from sfguard.supervisor.daemon.keys_service import KeysService
 from sfguard.supervisor.daemon.log_rotation import keep_rotated, write_decision
 from sfguard.supervisor.daemon.logins import Logins
 from sfguard.supervisor.daemon.metrics import GuardMetrics, sfguard_version
@@ -80,7 +82,7 @@ from sfguard.supervisor.home import (
 )
 from sfguard.supervisor.profiles.store_ops import StoreCalls
 from sfguard.supervisor.profiles.stores import Stores, open_stores
-from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileError, ProfileKey
+from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileKey
 from sfguard.supervisor.stage.stage_bridge import BridgeHost
 from sfguard.supervisor.writes.approvals import Approvals
 from sfguard.supervisor.writes.modes import decision_recorder
@@ -193,6 +195,7 @@ class Guard:
         self.health = Health(last_pass=lambda: self.watchdog.last_pass,
                              store_probe=lambda bound: self.calls.bounded(bound, self.inventory.lease_table))
         self.inventory = Inventory(stores=self.stores, calls=self.calls, scope=self.scope)
+        self.keys_service = KeysService(stores=self.stores, scope=self.scope)
         self.stage_user: StageUser | None = None
         self.agent_browser_path: str | None = None
         self.api_gid = settings.api_gid
@@ -242,19 +245,11 @@ class Guard:
         # before the sweep: it ends that user's orphans too
         self.browser_user = browser_user.setup(self.runtime, self.host, self.settings.browser_user_name,
                                                self.settings.stage_user_name)
+        self.keys_service.check_keys()      # before the sweep reseals anything
         report = sweep(self)
-        # damaged state is reported, never silently reset
-        audit = self.audit.verify()
+        # damaged state is reported, never silently reset; an interrupted rotation is finished
+        audit = self.keys_service.at_start(report)
         self.audit_watch.seen(audit)    # logs and notifies a broken chain; it is kept as it is
-        if not audit.ok:
-            report["audit"] = str(audit)
-        for info in self.store.list(self.scope):
-            try:
-                self.store.verify(info.key)
-            except ProfileError as exc:
-                log.error("profile %s: the sealed file is refused (%s); it is kept, and runs "
-                          "that ask for it get an error", info.key.name, exc)
-                report.setdefault("damaged_profiles", []).append(info.key.name)
         agent_browser.write_pinned_config(self.config_path)
         sandbox, report["sandbox"] = stage_exec.prepare(self.settings.stage_user_name, self.bridges, self.api_gid)
         self.stage_user, self.agent_browser_path = sandbox.user, sandbox.agent_browser_path

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sfguard.supervisor.daemon.deferred import no_space
+from sfguard.supervisor.daemon.deferred import waits_for
 from sfguard.supervisor.daemon.runs import (
     Browser,
     Run,
@@ -23,7 +23,7 @@ from sfguard.supervisor.daemon.runs import (
 )
 from sfguard.supervisor.errors import BrowserStartError, swallowed
 from sfguard.supervisor.procs import terminate_recorded
-from sfguard.supervisor.profiles import store_ops
+from sfguard.supervisor.profiles import rotation, store_ops
 
 if TYPE_CHECKING:
     from sfguard.supervisor.browsers.host import BrowserHost
@@ -110,13 +110,14 @@ class Teardown:
             browser.anchor = None
         if browser.profile is not None:
             try:
-                await self.calls.run(self.stores.store.close, browser.profile, save=True)
+                await self.calls.run(rotation.close_profile, self.stores, browser.profile, run.run_id)
             except Exception as exc:
-                if no_space(exc):      # keep the login: resealed when space returns
-                    self.deferred.reseal_later(browser.profile, run.run_id)
-                    problems.append(f"resealing profile {browser.profile.name}: no space left "
-                                    f"({exc}); its unsealed copy and this run's lease are kept, "
-                                    "and the guard reseals it as soon as there is space")
+                wait = waits_for(exc)
+                if wait:      # keep the login: resealed when space (or the key) is there
+                    self.deferred.reseal_later(browser.profile, run.run_id, wait)
+                    problems.append(f"resealing profile {browser.profile.name}: {wait[0]} ({exc}); "
+                                    "its unsealed copy and this run's lease are kept, and the guard "
+                                    f"reseals it as soon as {wait[1]}")
                 else:
                     problems.append(f"resealing profile {browser.profile.name} failed: {exc}; "
                                     "the previous sealed copy is kept")
@@ -152,8 +153,9 @@ class Teardown:
         else:
             _released, problems = await self.calls.run(store_ops.release_run, self.stores,
                                                     run.run_id, outcome.value)
-            if problems and self.deferred.no_space_problem(problems):
-                self.deferred.release_later(run.run_id, outcome.value)
+            wait = self.deferred.no_space_problem(problems) if problems else None
+            if wait:
+                self.deferred.release_later(run.run_id, outcome.value, wait)
             run.problems += problems
         if run.workdir is not None:
             shutil.rmtree(run.workdir, ignore_errors=True)

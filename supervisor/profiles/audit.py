@@ -35,6 +35,11 @@ away only with `archive(keep_from_seq)`, which records `audit_archived` in the c
 (whoever has no key cannot move the start of the chain). A chain that starts after seq 1 is
 intact only when the anchor names exactly where it starts.
 
+Key versions (audit_chain.py): each record is keyed by the current key version's audit key
+and names it (`kid`); `switch_key` closes the active log into a segment and starts the next
+one with the `key_rotated` record, so every segment is keyed by one version. The head and the
+anchor name the version that keys them.
+
 Only a fixed set of events and fields is accepted, each field validated: profile names, run
 ids, hosts, counts, short reason codes. Never cookie or token values.
 """
@@ -57,16 +62,19 @@ from sfguard.supervisor.profiles.audit_chain import (
     GENESIS,
     AuditFieldError,
     ChainEnd,
+    ChainKeys,
     canonical,
     chain_record,
     check_head,
     clean_fields,
     head_mac,
     record_hash,
+    record_kid,
     record_mac,
     record_matches,
     walk_chain,
 )
+from sfguard.supervisor.profiles.audit_versions import AuditKeyVersions, mark_json
 from sfguard.supervisor.profiles.keys import KeyMissing
 from sfguard.supervisor.protocols import VerifyResult
 
@@ -87,7 +95,7 @@ SEGMENT_BYTES = 8 * 1024 * 1024
 SEGMENT_AGE_S = 30 * 86400
 _SEGMENT_RE = re.compile(r"^(\d{12})\.log$")
 
-class LocalAuditSink:
+class LocalAuditSink(AuditKeyVersions):
     """AuditSink writing `<home>/audit.log` with a keyed hash chain and a head file.
 
     `keys` is the KeyProvider (default: `default_key_provider(home)`, as the profile store).
@@ -107,12 +115,7 @@ class LocalAuditSink:
             from sfguard.supervisor.profiles.keys import default_key_provider  # noqa: PLC0415
             keys = default_key_provider(self.home)
         self.keys = keys
-        self._key: bytes | None = None
-
-    def _audit_key(self, create: bool) -> bytes | None:
-        if self._key is None:
-            self._key = self.keys.get_audit_key(create=create)
-        return self._key
+        self._keys: dict[int, bytes] = {}
 
     def _evidence(self) -> str | None:
         """Why this home must have audit records, or None (a fresh home)."""
@@ -149,7 +152,7 @@ class LocalAuditSink:
     def _head_full(self) -> tuple[int, str, str | None] | None:
         return _keyed_mark(self.head_path)
 
-    def _last_line_record(self) -> tuple[int, str] | None:
+    def _last_line_record(self) -> tuple[int, str] | tuple[int, str, int] | None:
         """(seq, hash) of the log's last line, read from the end (the log may be large)."""
         try:
             with open(self.log_path, "rb") as fh:
@@ -165,6 +168,8 @@ class LocalAuditSink:
                     tail = fh.read(step) + tail
                 last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
                 rec = json.loads(last)
+                if "mac" in rec:
+                    return int(rec["seq"]), str(rec["hash"]), record_kid(rec) or 1
                 return int(rec["seq"]), str(rec["hash"])
         except FileNotFoundError:
             return None
@@ -175,25 +180,36 @@ class LocalAuditSink:
         """Append one validated record and return it. AuditFieldError for unknown input."""
         clean = clean_fields(event, fields)
         with self._locked():
-            # Continue the chain from the head file (the truth), else from the log's last line.
-            last = self._head() or self._last_line_record() or (0, GENESIS)
-            key = self._audit_key(create=True)
-            if key is None:         # a provider asked to create the key returns it
-                raise KeyMissing("the key provider gave no audit key to write with")
-            rec = chain_record(key, last[0], last[1], event, clean)
-            line = canonical(rec) + b"\n"
-            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                         FILE_MODE)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-                size = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-            atomic_write(self.head_path, canonical({
-                "seq": rec["seq"], "hash": rec["hash"],
-                "mac": head_mac(key, rec["seq"], rec["hash"])}))
-            self._close_segment_if_due(size, rec["ts"])
+            return self._append(event, clean)
+
+    def _append(self, event: str, clean: dict[str, Any]) -> dict[str, Any]:
+        """Under the lock: append a record keyed by the current key version, after the
+        `key_rotated` record when the chain's last record is keyed by an older one."""
+        last_kid = self._last_kid()
+        kid = max(self.keys.current_version(), last_kid or 1)
+        if last_kid is not None and last_kid < kid:
+            self._tie(last_kid, kid)
+        # Continue the chain from the head file (the truth), else from the log's last line.
+        last = self._head() or self._last_line_record() or (0, GENESIS)
+        key = self._audit_key(True, kid)
+        if key is None:         # a provider asked to create the key returns it
+            raise KeyMissing("the key provider gave no audit key to write with")
+        return self._write(chain_record(key, last[0], last[1], event, clean, kid=kid), key)
+
+    def _write(self, rec: dict[str, Any], key: bytes) -> dict[str, Any]:
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                     FILE_MODE)
+        try:
+            os.write(fd, canonical(rec) + b"\n")
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        head = {"seq": rec["seq"], "hash": rec["hash"], "mac": head_mac(key, rec["seq"], rec["hash"])}
+        if rec.get("kid", 1) != 1:
+            head["kid"] = rec["kid"]
+        atomic_write(self.head_path, canonical(head))
+        self._close_segment_if_due(size, rec["ts"])
         return rec
 
     def _first_record(self, path: Path) -> dict[str, Any] | None:
@@ -205,14 +221,14 @@ class LocalAuditSink:
         except (OSError, ValueError):
             return None
 
-    def _close_segment_if_due(self, size: int, now: float) -> None:
+    def _close_segment_if_due(self, size: int, now: float, force: bool = False) -> None:
         """Under the lock: close audit.log into audit.d/<first seq>.log when it is big or old
-        enough. The head stays as it is (it names the last record, wherever that lives)."""
+        enough (or `force`). The head stays as it is (it names the last record, wherever that lives)."""
         first = self._first_record(self.log_path)
         if first is None or not isinstance(first.get("seq"), int):
             return
         age = now - float(first.get("ts") or now)
-        if size < self.segment_bytes and age < self.segment_age_s:
+        if not force and size < self.segment_bytes and age < self.segment_age_s:
             return
         folder = self.segment_dir
         folder.mkdir(mode=0o700, exist_ok=True)
@@ -255,6 +271,7 @@ class LocalAuditSink:
         key = self._audit_key(create=False)
         if key is None:
             raise KeyMissing("archiving needs the audit key (the anchor is keyed)")
+        kid = self.keys.current_version()
         target = Path(into) if into is not None else self.home / ARCHIVE_DIR
         moved: list[Path] = []
         with self._locked():
@@ -276,11 +293,15 @@ class LocalAuditSink:
                 last_moved = last
             if last_moved is None:
                 return []
-            atomic_write(self.anchor_path, canonical({
-                "seq": last_moved[0], "hash": last_moved[1],
-                "mac": head_mac(key, last_moved[0], last_moved[1], "audit.anchor")}))
+            self._write_anchor(last_moved[0], last_moved[1], key, kid)
         self.record("audit_archived", seq=last_moved[0] + 1, segments=len(moved))
         return moved
+
+    def _write_anchor(self, seq: int, digest: str, key: bytes, kid: int) -> None:
+        mark: dict[str, Any] = {"seq": seq, "hash": digest, "mac": head_mac(key, seq, digest, "audit.anchor")}
+        if kid != 1:
+            mark["kid"] = kid
+        atomic_write(self.anchor_path, canonical(mark))
 
     def _first_seq_of_log(self) -> int | None:
         first = self._first_record(self.log_path)
@@ -321,18 +342,22 @@ class LocalAuditSink:
         that an absent or empty log is possible for this home."""
         with self._locked():
             try:
-                key = self._audit_key(create=False)
-            except Exception as exc:  # KeyMissing: damaged or not private
+                key = self.chain_keys()
+                key.lookup(key.current or 1)
+            except Exception as exc:  # KeyMissing, KeyStateError: damaged or not private
                 return VerifyResult(False, 0, None, f"the audit key cannot be used: {exc}")
             stray = self._stray_segment_files()
             if stray:
                 return VerifyResult(False, 0, None, f"{SEGMENT_DIR}/{stray} is not a segment of this "
                                     "log (renamed or put there by hand)")
-            start, problem = self._chain_start(key)
+            start, problem, _anchor_kid = self._chain_start(key)
             if problem:
                 return VerifyResult(False, 0, None, problem)
             where: list[tuple[int, str]] = []
-            walked = walk_chain(self._iter_lines(where), key, start=start)
+            try:
+                walked = walk_chain(self._iter_lines(where), key, start=start)
+            except KeyMissing as exc:       # an older version's key damaged or not private
+                return VerifyResult(False, 0, None, f"the audit key cannot be used: {exc}")
             if isinstance(walked, VerifyResult):
                 return _placed(walked, where)
             bad = self._misnamed_segment()
@@ -367,19 +392,22 @@ class LocalAuditSink:
                 return f"{SEGMENT_DIR}/{seg.name} starts at record {first.get('seq')} (renamed by hand)"
         return None
 
-    def _chain_start(self, key: bytes | None) -> tuple[tuple[int, str], str | None]:
+    def _chain_start(self, keys: ChainKeys) -> tuple[tuple[int, str], str | None, int | None]:
         """Where the kept chain must start: (0, GENESIS), or after the anchor's record when
-        older segments were archived. An anchor must be keyed and name exactly the first kept
-        record's predecessor; checked by walk_chain against the first record it reads."""
+        older segments were archived, with the key version keying the anchor. An anchor must
+        be keyed and name exactly the first kept record's predecessor; checked by walk_chain
+        against the first record it reads."""
         anchor = self._anchor()
         if anchor is None:
-            return (0, GENESIS), None
+            return (0, GENESIS), None, None
         seq, digest, mac = anchor
+        kid = record_kid(mark_json(self.anchor_path) or {}) or 1
+        key = keys.lookup(kid)
         if seq < 1 or key is None or mac is None or not hmac.compare_digest(
                 mac, head_mac(key, seq, digest, "audit.anchor")):
             return (0, GENESIS), (f"{ANCHOR_FILE} is not a valid anchor (its MAC does not match: "
-                                  "written without the audit key)")
-        return (seq, digest), None
+                                  "written without the audit key)"), None
+        return (seq, digest), None, kid
 
 
 def _keyed_mark(path: Path) -> tuple[int, str, str | None] | None:

@@ -1,6 +1,15 @@
 """The audit chain's pure part, shared by every AuditSink (the home's file, the PostgreSQL
 table): the events and fields a record may carry, the canonical form, hashes and MACs, and the
 walk that checks a chain. No files, no database (supervisor/profiles/audit.py, pg_audit.py).
+
+Key versions: a record keyed by version N > 1 carries `"kid": N` (no `kid`: version 1). The
+version changes only at a `key_rotated` record {from_version, to_version}: keyed by the new
+version, it also carries `mac_from`, a MAC by the old version's key, so both keys sign the
+hand-over. Its `prev` is the hash of the old key's last record, so a MAC that verifies under
+the new key covers the whole history before it: once an old version is retired (its key
+gone), its records are checked by their hashes and by the first later record whose key is
+still held. A version never goes back down, and the chain may not end on a version older
+than the key state's current one (records cut back to before a rotation).
 """
 from __future__ import annotations
 
@@ -9,7 +18,7 @@ import hmac
 import json
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +41,10 @@ EVENTS = frozenset({
     # a profile carried what would have run before the guard (a saved session, start-up pages,
     # an extension): removed or kept from loading at its browser's start (issue 52)
     "profile_cleaned",
+    # key versions (supervisor/profiles/rotation.py): the chain's hand-over to a new key, a
+    # rotation's start, resumption and end, each profile moved, a version retired
+    "key_rotated", "key_rotation_started", "key_rotation_resumed", "key_rotation_finished",
+    "profile_rekeyed", "key_retired",
 })
 
 _TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)
@@ -125,6 +138,7 @@ FIELDS = {
     "rule": _text(300), "note": _text(500),
     "removed": _text(500),
     "person": _token,         # whom a console link was for (`sfguard console --as NAME`)
+    "version": _count, "from_version": _count, "to_version": _count, "pending": _count,
 }
 
 
@@ -141,6 +155,19 @@ def record_mac(key: bytes, rec: dict) -> str:
     """HMAC-SHA256 of the record without `mac` (its `hash` and `prev` included)."""
     return hmac.new(key, canonical({k: v for k, v in rec.items() if k != "mac"}),
                     hashlib.sha256).hexdigest()
+
+
+def record_mac_from(key: bytes, rec: dict) -> str:
+    """A `key_rotated` record's MAC by the old version's key: over the record without `hash`,
+    `mac` and `mac_from` (the hash and the new key's MAC then cover it)."""
+    return hmac.new(key, canonical({k: v for k, v in rec.items() if k not in ("hash", "mac", "mac_from")}),
+                    hashlib.sha256).hexdigest()
+
+
+def record_kid(rec: dict) -> int | None:
+    """The key version of a record (1 without `kid`); None when `kid` is not a version."""
+    kid = rec.get("kid", 1)
+    return kid if isinstance(kid, int) and not isinstance(kid, bool) and kid >= 1 else None
 
 
 def head_mac(key: bytes, seq: int, digest: str, what: str = "audit.head") -> str:
@@ -162,22 +189,56 @@ def clean_fields(event: str, fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def chain_record(key: bytes, last_seq: int, last_hash: str, event: str,
-                 clean: dict[str, Any]) -> dict[str, Any]:
-    """The next record after (last_seq, last_hash): hashed and keyed."""
-    rec = {"seq": last_seq + 1, "ts": round(time.time(), 6), "event": event,
-           "fields": clean, "prev": last_hash}
+                 clean: dict[str, Any], kid: int = 1, from_key: bytes | None = None) -> dict[str, Any]:
+    """The next record after (last_seq, last_hash): hashed and keyed by `key`, which is key
+    version `kid`; `from_key` (a `key_rotated` record): the old version's key signs it too."""
+    rec: dict[str, Any] = {"seq": last_seq + 1, "ts": round(time.time(), 6), "event": event,
+                           "fields": clean, "prev": last_hash}
+    if kid != 1:
+        rec["kid"] = kid
+    if from_key is not None:
+        rec["mac_from"] = record_mac_from(from_key, rec)
     rec["hash"] = record_hash(rec)
     rec["mac"] = record_mac(key, rec)
     return rec
 
 
+def tie_record(keys: Callable[[int], bytes | None], last_seq: int, last_hash: str, old: int,
+               new: int) -> dict[str, Any]:
+    """The `key_rotated` record that hands the chain from version `old` to `new` (both keys
+    must be here: KeyError otherwise, never a half-signed hand-over)."""
+    old_key, new_key = keys(old), keys(new)
+    if old_key is None or new_key is None:
+        raise KeyError(old if old_key is None else new)
+    return chain_record(new_key, last_seq, last_hash, "key_rotated",
+                        {"from_version": old, "to_version": new}, kid=new, from_key=old_key)
+
+
+@dataclass(frozen=True)
+class ChainKeys:
+    """The audit keys a walk checks MACs with: `lookup(version)` is that version's key (None
+    when this home has none), `retired` the versions whose keys were removed on purpose,
+    `current` the key state's current version (None: not checked)."""
+    lookup: Callable[[int], bytes | None]
+    retired: frozenset[int] = frozenset()
+    current: int | None = None
+
+    @classmethod
+    def of(cls, keys: bytes | None | ChainKeys) -> ChainKeys:
+        """Walks given one key (or None) check every version against it (the old callers)."""
+        if isinstance(keys, ChainKeys):
+            return keys
+        return cls(lambda _version: keys)
+
+
 @dataclass(frozen=True)
 class ChainEnd:
-    """Where a verified walk over the records ended."""
+    """Where a verified walk over the records ended (`kid`: the last keyed record's version)."""
     prev_hash: str
     seq: int
     count: int
     keyed: bool
+    kid: int | None = None
 
 
 def record_matches(rec: dict[str, Any], profile: str | None, run: str | None) -> bool:
@@ -186,68 +247,138 @@ def record_matches(rec: dict[str, Any], profile: str | None, run: str | None) ->
     return (profile is None or f.get("profile") == profile) and (run is None or f.get("run") == run)
 
 
-def walk_chain(lines: Iterable[tuple[int, bytes]], key: bytes | None,
+def walk_chain(lines: Iterable[tuple[int, bytes]], key: bytes | None | ChainKeys,
                start: tuple[int, str] = (0, GENESIS)) -> VerifyResult | ChainEnd:
     """Check every record (one canonical JSON line each, numbered from 1): hash, sequence,
-    link, event and MAC. A VerifyResult names the first bad record; a ChainEnd says the walk
-    was clean. Shared by every AuditSink that keeps the chain (file or database). `start`:
-    the (seq, hash) the first record must follow (an archived beginning, LocalAuditSink)."""
+    link, event, key version and MAC. A VerifyResult names the first bad record; a ChainEnd
+    says the walk was clean. Shared by every AuditSink that keeps the chain (file or database).
+    `start`: the (seq, hash) the first record must follow (an archived beginning,
+    LocalAuditSink); the first record read sets the key version."""
+    keys = ChainKeys.of(key)
     seq, prev_hash = start
     count = 0
     keyed = start[0] > 0        # only a keyed chain can be archived
+    kid: int | None = None
+    unchecked: int | None = None    # a record keyed by a retired version, not yet covered
     for n, line in lines:
-        if not line.endswith(b"\n"):
-            return VerifyResult(False, count, n, "last line is incomplete (cut mid-record)")
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError
-        except ValueError:
-            return VerifyResult(False, count, n, "not a JSON record")
-        if rec.get("hash") != record_hash(rec):
-            return VerifyResult(False, count, n, "record content does not match its hash (edited)")
-        if rec.get("seq") != seq + 1:
-            if count == 0 and seq == 0 and isinstance(rec.get("seq"), int) and rec["seq"] > 1:
-                return VerifyResult(False, count, n, f"the chain starts at record {rec['seq']}: "
-                                    f"records 1 to {rec['seq'] - 1} are missing (a segment removed "
-                                    "or emptied; old segments may only be moved away with "
-                                    "`sfguard audit archive`, which records an anchor)")
-            return VerifyResult(False, count, n, f"sequence number {rec.get('seq')} where "
-                                f"{seq + 1} was expected (record deleted, inserted or moved)")
-        if rec.get("prev") != prev_hash:
-            return VerifyResult(False, count, n, "does not chain to the previous record "
-                                "(record deleted, inserted or moved)")
-        if rec.get("event") not in EVENTS:
-            return VerifyResult(False, count, n, "unknown event")
+        rec, unparsed = _parse(line)
+        if rec is None:
+            return VerifyResult(False, count, n, unparsed)
+        problem = _link_problem(rec, seq, prev_hash, count)
+        if problem:
+            return VerifyResult(False, count, n, problem)
         if "mac" in rec:
-            if key is None:
-                return VerifyResult(False, count, n, "the record is keyed but the audit key "
-                                    "is missing (key deleted, or the log comes from "
-                                    "another home)")
-            if not isinstance(rec["mac"], str) or not hmac.compare_digest(
-                    rec["mac"], record_mac(key, rec)):
-                return VerifyResult(False, count, n, "record MAC does not match (rewritten "
-                                    "without the audit key)")
-            keyed = True
+            rkid = record_kid(rec)
+            problem = _version_problem(rec, rkid, kid)
+            if problem is None and rkid is not None:
+                problem, covered = _mac_problem(rec, rkid, keys)
+                if not covered:
+                    unchecked = unchecked or rkid
+                else:
+                    unchecked = None
+            if problem:
+                return VerifyResult(False, count, n, problem)
+            keyed, kid = True, rkid
         elif keyed:
             return VerifyResult(False, count, n, "an unkeyed record after keyed ones "
                                 "(rewritten without the audit key)")
         prev_hash, seq, count = rec["hash"], rec["seq"], count + 1
-    return ChainEnd(prev_hash, seq, count, keyed)
+    if unchecked is not None:
+        return VerifyResult(False, count, None, f"the last records are keyed by retired key version "
+                            f"{unchecked} and no later record keyed by a version still held covers them")
+    return ChainEnd(prev_hash, seq, count, keyed, kid)
 
 
-def check_head(end: ChainEnd, head: tuple[int, str, str | None], key: bytes | None,
+def _parse(line: bytes) -> tuple[dict | None, str]:
+    if not line.endswith(b"\n"):
+        return None, "last line is incomplete (cut mid-record)"
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None, "not a JSON record"
+    if not isinstance(rec, dict):
+        return None, "not a JSON record"
+    return rec, ""
+
+
+def _link_problem(rec: dict, seq: int, prev_hash: str, count: int) -> str | None:
+    """Hash, sequence, link and event of one record."""
+    if rec.get("hash") != record_hash(rec):
+        return "record content does not match its hash (edited)"
+    if rec.get("seq") != seq + 1:
+        if count == 0 and seq == 0 and isinstance(rec.get("seq"), int) and rec["seq"] > 1:
+            return (f"the chain starts at record {rec['seq']}: records 1 to {rec['seq'] - 1} are "
+                    "missing (a segment removed or emptied; old segments may only be moved away "
+                    "with `sfguard audit archive`, which records an anchor)")
+        return (f"sequence number {rec.get('seq')} where {seq + 1} was expected (record deleted, "
+                "inserted or moved)")
+    if rec.get("prev") != prev_hash:
+        return "does not chain to the previous record (record deleted, inserted or moved)"
+    if rec.get("event") not in EVENTS:
+        return "unknown event"
+    return None
+
+
+def _version_problem(rec: dict, rkid: int | None, kid: int | None) -> str | None:
+    """A record's key version against the one before it: the same, or higher only at a
+    `key_rotated` record that names both."""
+    if rkid is None:
+        return "the record's key version (kid) is not a version number"
+    if kid is None or rkid == kid:
+        if rec.get("event") == "key_rotated" and kid is not None:
+            return "a key_rotated record that does not change the key version"
+        return None
+    if rkid < kid:
+        return (f"keyed by key version {rkid} after records of version {kid} (written with an "
+                "old key after a rotation)")
+    f = rec.get("fields") or {}
+    if rec.get("event") != "key_rotated" or f.get("from_version") != kid or f.get("to_version") != rkid:
+        return (f"the key version changes from {kid} to {rkid} without a key_rotated record "
+                "naming both")
+    return None
+
+
+def _mac_problem(rec: dict, rkid: int, keys: ChainKeys) -> tuple[str | None, bool]:
+    """(what is wrong with the record's MACs, whether a held key checked it)."""
+    key = keys.lookup(rkid)
+    if key is None:
+        if rkid in keys.retired:
+            return None, False
+        return ("the record is keyed but the audit key is missing (key deleted, or the log comes "
+                "from another home)" if rkid == 1 else f"the record is keyed by key version "
+                f"{rkid}, whose audit key is missing (not retired: deleted by hand, or the log "
+                "comes from another home)"), False
+    if not isinstance(rec["mac"], str) or not hmac.compare_digest(rec["mac"], record_mac(key, rec)):
+        return "record MAC does not match (rewritten without the audit key)", True
+    if rec.get("event") == "key_rotated":
+        old = (rec.get("fields") or {}).get("from_version")
+        old_key = keys.lookup(old) if isinstance(old, int) else None
+        mac_from = rec.get("mac_from")
+        if old_key is not None and (not isinstance(mac_from, str) or not hmac.compare_digest(
+                mac_from, record_mac_from(old_key, rec))):
+            return f"the key_rotated record's MAC by key version {old} does not match", True
+    return None, True
+
+
+def check_head(end: ChainEnd, head: tuple[int, str, str | None], key: bytes | None | ChainKeys,
                what: str) -> VerifyResult:
-    """Compare a clean walk's end with the head (seq, hash, mac) kept beside the records."""
+    """Compare a clean walk's end with the head (seq, hash, mac) kept beside the records; the
+    head is keyed by the key version of the last record."""
+    keys = ChainKeys.of(key)
     seq, prev_hash, count = end.seq, end.prev_hash, end.count
     if head[0] == seq and head[1] == prev_hash and count:
-        if key is not None and not end.keyed:
+        last_key = keys.lookup(end.kid or 1)
+        if last_key is not None and not end.keyed:
             return VerifyResult(False, count, None, "the audit key exists but no record is "
                                 "keyed (log rewritten without the audit key)")
-        if end.keyed and (key is None or head[2] is None or not hmac.compare_digest(
-                head[2], head_mac(key, head[0], head[1]))):
+        if end.keyed and (last_key is None or head[2] is None or not hmac.compare_digest(
+                head[2], head_mac(last_key, head[0], head[1]))):
             return VerifyResult(False, count, None, f"{what} MAC does not "
                                 "match (rewritten without the audit key)")
+        if end.keyed and keys.current is not None and (end.kid or 1) < keys.current:
+            return VerifyResult(False, count, None, f"the chain ends on key version {end.kid or 1} "
+                                f"but version {keys.current} is current: the records keyed by it "
+                                "were cut (or the log was rewritten with an old key)")
     if head[0] != seq or head[1] != prev_hash:
         if head[0] > seq:
             return VerifyResult(False, count, count + 1, f"log ends at record {seq} but the "

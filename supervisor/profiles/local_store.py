@@ -134,7 +134,12 @@ class LocalProfileStore:
         # of one profile, so none of these belongs to a seal still running).
         for stale in folder.glob(f".{SEALED_FILE}.*.tmp"):
             stale.unlink(missing_ok=True)
-        sealing.seal_dir(src, folder / SEALED_FILE, self.keys.get_key(key.scope), key.scope, key.name)
+        version, scope_key = self.keys.current_key(key.scope)
+        sealing.seal_dir(src, folder / SEALED_FILE, scope_key, key.scope, key.name, key_version=version)
+
+    def _key_lookup(self, scope: str) -> sealing.KeyLookup:
+        """The scope's key of whichever version a sealed file names."""
+        return lambda version: self.keys.get_key(scope, create=False, version=version)
 
     # ----------------------------------------------------------------- ProfileStore
     def exists(self, key: ProfileKey) -> bool:
@@ -202,8 +207,7 @@ class LocalProfileStore:
         private_dir(self._runtime_root() / "profiles")
         private_dir(self._runtime_scope_dir(key.scope))
         try:
-            sealing.unseal_to(sealed, dest, self.keys.get_key(key.scope, create=False),
-                              key.scope, key.name)
+            sealing.unseal_to(sealed, dest, self._key_lookup(key.scope), key.scope, key.name)
         except BaseException:
             self._prune_runtime(dest.parent)
             raise
@@ -249,8 +253,39 @@ class LocalProfileStore:
     def verify(self, key: ProfileKey) -> None:
         """Authenticate every chunk of the sealed file without unsealing it (start-up check);
         raises SealError (a ProfileError) naming what is wrong, ProfileNotFound if absent."""
-        sealing.verify_sealed(self._require(key), self.keys.get_key(key.scope, create=False),
-                              key.scope, key.name)
+        sealing.verify_sealed(self._require(key), self._key_lookup(key.scope), key.scope, key.name)
+
+    def scopes(self) -> builtins.list[str]:
+        """The scopes with a folder of profiles in this home."""
+        root = self.home / "profiles"
+        if not root.is_dir():
+            return []
+        out = []
+        for entry in sorted(os.listdir(root)):
+            try:
+                out.append(validate_name(entry, "scope"))
+            except ProfileNameError:
+                continue
+        return out
+
+    def key_version(self, key: ProfileKey) -> int:
+        """The key version that sealed the profile's sealed copy (its header says)."""
+        return sealing.key_version_of(self._require(key), key.scope, key.name)
+
+    def rekey(self, key: ProfileKey) -> tuple[int, int]:
+        """Seal the sealed copy again under the current key version, in place and atomically
+        (the caller holds the profile's lease): (the version before, the version now). A copy
+        already under the current version is left as it is."""
+        sealed = self._require(key)
+        version, scope_key = self.keys.current_key(key.scope)
+        before = sealing.key_version_of(sealed, key.scope, key.name)
+        if before == version:
+            return before, version
+        for stale in sealed.parent.glob(f".{SEALED_FILE}.*.tmp"):
+            stale.unlink(missing_ok=True)
+        sealing.reseal(sealed, sealed, self._key_lookup(key.scope), scope_key, version,
+                       key.scope, key.name)
+        return before, version
 
     def unsealed(self) -> builtins.list[ProfileKey]:
         """Profiles with an unsealed working copy (after a crash: for the start-up sweep)."""

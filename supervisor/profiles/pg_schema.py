@@ -102,6 +102,28 @@ MIGRATIONS: list[str] = [
     );
     INSERT INTO sfguard_audit_head (id, seq, hash, mac) VALUES (1, 0, '{audit_mod.GENESIS}', NULL);
     """,
+    # 2: key versions (supervisor/profiles/pg_keys.py): which exist (check values), which is
+    # current and the rotation under way; scope keys, profiles and the audit head per version.
+    # What was there is version 1.
+    """
+    CREATE TABLE sfguard_key_versions (
+        version int PRIMARY KEY,
+        key_check text NOT NULL,
+        created double precision NOT NULL,
+        retired double precision
+    );
+    INSERT INTO sfguard_key_versions (version, key_check, created)
+        SELECT 1, key_check, extract(epoch FROM now()) FROM sfguard_meta;
+    ALTER TABLE sfguard_meta ADD COLUMN current_version int NOT NULL DEFAULT 1,
+        ADD COLUMN rotation_from int, ADD COLUMN rotation_to int,
+        ADD COLUMN rotation_started double precision,
+        ADD COLUMN rotation_switched boolean NOT NULL DEFAULT false;
+    ALTER TABLE sfguard_scope_keys ADD COLUMN version int NOT NULL DEFAULT 1;
+    ALTER TABLE sfguard_scope_keys DROP CONSTRAINT sfguard_scope_keys_pkey;
+    ALTER TABLE sfguard_scope_keys ADD PRIMARY KEY (scope, version);
+    ALTER TABLE sfguard_profiles ADD COLUMN key_version int NOT NULL DEFAULT 1;
+    ALTER TABLE sfguard_audit_head ADD COLUMN kid int NOT NULL DEFAULT 1;
+    """,
 ]
 
 _MIGRATION_LOCK = 0x5F6775617264    # advisory lock id for schema changes ("_guard")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sfguard.supervisor.home import private_dir, runtime_path
 from sfguard.supervisor.profiles import sealing
+from sfguard.supervisor.profiles.keys import KeyVersionMissing
 from sfguard.supervisor.profiles.local_store import working_copies
 from sfguard.supervisor.profiles.pg_audit import PgAuditSink
 from sfguard.supervisor.profiles.pg_backend import GUARD_ALIVE, PgBackend, StaleLease
@@ -112,11 +113,16 @@ class PgProfileStore:
     def _seal_to_file(self, key: ProfileKey, src: Path) -> Path:
         tmp = self._scratch(".seal-")
         try:
-            sealing.seal_dir(src, tmp, self.keys.get_key(key.scope), key.scope, key.name)
+            version, scope_key = self.keys.current_key(key.scope)
+            sealing.seal_dir(src, tmp, scope_key, key.scope, key.name, key_version=version)
         except BaseException:
             self._discard(tmp)
             raise
         return tmp
+
+    def _key_lookup(self, scope: str) -> sealing.KeyLookup:
+        """The scope's key of whichever version a sealed file names."""
+        return lambda version: self.keys.get_key(scope, create=False, version=version)
 
     @staticmethod
     def _insert_blob(conn, path: Path) -> tuple[int, int]:
@@ -182,8 +188,9 @@ class PgProfileStore:
                 now = time.time()
                 cur = conn.execute(
                     "INSERT INTO sfguard_profiles (scope, name, identity, created, updated, size, "
-                    "blob_id) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                    (key.scope, key.name, identity, now, now, size, blob_id))
+                    "blob_id, key_version) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                    (key.scope, key.name, identity, now, now, size, blob_id,
+                     sealing.key_version_of(sealed, key.scope, key.name)))
                 if cur.rowcount == 0:
                     raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
                 self._audit(conn, "profile_created", key, note)
@@ -233,8 +240,7 @@ class PgProfileStore:
         private_dir(dest.parent)
         sealed = self._fetch_to_file(key)
         try:
-            sealing.unseal_to(sealed, dest, self.keys.get_key(key.scope, create=False),
-                              key.scope, key.name)
+            sealing.unseal_to(sealed, dest, self._key_lookup(key.scope), key.scope, key.name)
         finally:
             self._discard(sealed)
         return dest
@@ -279,24 +285,32 @@ class PgProfileStore:
         return self.info(key)
 
     def _store_sealed(self, key: ProfileKey, sealed: Path, held: tuple[str, int] | None,
-                      final: bool = False) -> None:
+                      final: bool = False, rekey: bool = False) -> None:
         """Stream a sealed file in as the profile's new blob, fenced by `held`. `final`: a
-        deferred retry, whose file is removed once stored or refused."""
+        deferred retry, whose file is removed once stored or refused. A new key version is
+        recorded (`profile_rekeyed`) in the same transaction; `rekey`: a rotation's reseal at
+        rest, which leaves `last_used` as it was."""
+        version = sealing.key_version_of(sealed, key.scope, key.name)
         try:
             with self.backend.conn() as conn:
                 blob_id, size = self._insert_blob(conn, sealed)
                 run, token = self._check_fence(conn, key, "reseal", held)
-                old = conn.execute("SELECT blob_id FROM sfguard_profiles WHERE scope = %s AND "
-                                   "name = %s FOR UPDATE", (key.scope, key.name)).fetchone()
+                old = conn.execute("SELECT blob_id, key_version FROM sfguard_profiles WHERE scope = %s "
+                                   "AND name = %s FOR UPDATE", (key.scope, key.name)).fetchone()
                 if old is None:
                     raise ProfileNotFound(f"no profile {key.name!r} in scope {key.scope!r}")
                 now = time.time()
                 conn.execute("UPDATE sfguard_profiles SET blob_id = %s, size = %s, updated = %s, "
-                             "last_used = %s, written_generation = %s WHERE scope = %s AND "
-                             "name = %s", (blob_id, size, now, now, token, key.scope, key.name))
+                             "last_used = CASE WHEN %s THEN last_used ELSE %s END, written_generation = %s, "
+                             "key_version = %s WHERE scope = %s AND name = %s",
+                             (blob_id, size, now, rekey, now, token, version, key.scope, key.name))
                 conn.execute("DELETE FROM sfguard_blob_chunks WHERE blob_id = %s", (old[0],))
-                self._audit(conn, "profile_resealed", key,
-                            {"run": run, "outcome": "late" if final else "stored"})
+                if not rekey:
+                    self._audit(conn, "profile_resealed", key,
+                                {"run": run, "outcome": "late" if final else "stored"})
+                if int(old[1]) != version:
+                    self._audit(conn, "profile_rekeyed", key, {"run": run, "from_version": int(old[1]),
+                                                                "to_version": version})
         except StoreUnavailable:
             raise                                   # kept for the next retry
         except BaseException:
@@ -315,13 +329,18 @@ class PgProfileStore:
 
     def close(self, key: ProfileKey, *, save: bool = True) -> ProfileInfo:
         """End of lease: reseal (unless `save=False`) and remove the working copy. A refused
-        (stale) reseal still removes the working copy and then raises StaleLease."""
+        (stale) reseal still removes the working copy and then raises StaleLease; a reseal this
+        host cannot key (KeyVersionMissing) keeps it, for the guard to try again."""
         src = self._unsealed_dir(key)
         try:
             if save and src.is_dir():
                 self.save(key)
-        finally:
+        except KeyVersionMissing:
+            raise      # kept: sealed once this host has the store's current key version
+        except BaseException:
             shutil.rmtree(src, ignore_errors=True)
+            raise
+        shutil.rmtree(src, ignore_errors=True)
         return self.info(key)
 
     def delete(self, key: ProfileKey, *, note: dict | None = None) -> None:
@@ -367,3 +386,36 @@ class PgProfileStore:
     def unsealed(self) -> builtins.list[ProfileKey]:
         """Profiles with a working copy on this host (after a crash: for the start-up sweep)."""
         return working_copies(self._runtime_path())
+
+    def scopes(self) -> builtins.list[str]:
+        with self.backend.conn() as conn:
+            return [r[0] for r in conn.execute("SELECT DISTINCT scope FROM sfguard_profiles ORDER BY 1")]
+
+    def key_version(self, key: ProfileKey) -> int:
+        with self.backend.conn() as conn:
+            row = conn.execute("SELECT key_version FROM sfguard_profiles WHERE scope = %s AND name = %s",
+                               (key.scope, key.name)).fetchone()
+        if row is None:
+            raise ProfileNotFound(f"no profile {key.name!r} in scope {key.scope!r}")
+        return int(row[0])
+
+    def rekey(self, key: ProfileKey) -> tuple[int, int]:
+        """Seal the stored copy again under the current key version (the caller holds the
+        profile's lease: fenced like a reseal): (the version before, the version now)."""
+        held = self.backend.token(key)
+        version, scope_key = self.keys.current_key(key.scope)
+        before = self.key_version(key)
+        if before == version:
+            return before, version
+        fetched = self._fetch_to_file(key)
+        try:
+            out = self._scratch(".rekey-")
+            try:
+                sealing.reseal(fetched, out, self._key_lookup(key.scope), scope_key, version,
+                               key.scope, key.name)
+                self._store_sealed(key, out, held, rekey=True)
+            finally:
+                self._discard(out)
+        finally:
+            self._discard(fetched)
+        return before, version

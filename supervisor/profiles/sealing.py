@@ -1,19 +1,26 @@
 """Seal a profile folder into one authenticated, encrypted file, and unseal it again.
 
-File format (version 1)::
+File format (version 2; version 1 is still read)::
 
-    MAGIC (8 bytes "SFGSEAL" 0x01) | header length (u32 BE) | header (canonical JSON)
+    MAGIC (8 bytes "SFGSEAL" 0x02) | header length (u32 BE) | header (canonical JSON)
     then chunks:  ciphertext length (u32 BE) | AES-256-GCM ciphertext+tag
 
-- The header holds version, scope, name, a random 16-byte salt, a random 4-byte nonce prefix
+- The header holds version, scope, name, the key version (`kid`: which version of the scope
+  key sealed it, an id, never the key), a random 16-byte salt, a random 4-byte nonce prefix
   and the chunk size. The per-file AES key is HKDF-SHA256(scope key, salt, info=scope/name),
-  so every file has its own key and nonces never repeat across files.
+  so every file has its own key and nonces never repeat across files. A version 1 file
+  ("SFGSEAL" 0x01, written before key versions existed) has no `kid`: it was sealed by key
+  version 1, the original one.
 - The plaintext is a tar stream (PAX) of the profile folder, cut into fixed-size chunks.
   Chunk i is sealed with nonce = prefix || i (u64 BE) and
   AAD = sha256(MAGIC|len|header) || i (u64 BE) || final flag (1 byte).
   So the header (scope/name/version) is bound to every chunk, chunks cannot be reordered or
   moved between files, and a cut-off file (no chunk with the final flag) is refused.
 - Memory stays at about two chunks whatever the profile size (streamed both ways).
+
+`reseal` moves a sealed file to another key version without unpacking it: each chunk is
+verified under the old key and sealed again under the new one, into a temporary file renamed
+over the old (a key rotation; the plaintext never reaches a disk).
 
 Unsealing writes into a temporary sibling folder and renames it into place only after every
 chunk verified and the final chunk was seen: a tampered or truncated file leaves nothing
@@ -39,6 +46,7 @@ import stat
 import struct
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
@@ -49,8 +57,9 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sfguard.supervisor.home import DIR_MODE, FILE_MODE, atomic_file, fsync_dir
 from sfguard.supervisor.protocols import ProfileError
 
-MAGIC = b"SFGSEAL\x01"
-VERSION = 1
+MAGIC = b"SFGSEAL\x02"
+MAGIC_V1 = b"SFGSEAL\x01"      # read only: files sealed before key versions existed (kid 1)
+VERSION = 2
 CHUNK_SIZE = 1 << 20          # 1 MiB of plaintext per chunk
 MAX_HEADER = 4096
 TAG_BYTES = 16
@@ -75,6 +84,17 @@ class SealError(ProfileError):
     """The sealed file cannot be trusted or read: wrong key, tampered, truncated, foreign."""
 
 
+#: the scope key of a key version (raises KeyMissing, a ProfileError, when it is not here)
+KeyLookup = Callable[[int], bytes]
+
+
+def _lookup(keys: bytes | KeyLookup) -> KeyLookup:
+    """A key lookup; plain bytes are the key whatever version the file names (tools, tests)."""
+    if isinstance(keys, bytes):
+        return lambda _version: keys
+    return keys
+
+
 def is_excluded(rel: str) -> bool:
     """True when the relative path `rel` ('Default/Cache/x') is left out of the seal."""
     parts = rel.split("/")
@@ -91,11 +111,12 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _file_key(scope_key: bytes, salt: bytes, scope: str, name: str) -> AESGCM:
+def _file_key(scope_key: bytes, hdr: dict) -> AESGCM:
+    """The per-file key of a header (its format version is part of the HKDF info)."""
     if len(scope_key) != 32:
         raise SealError("the scope key must be 32 bytes")
-    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt,
-                info=f"sfguard seal v{VERSION} {scope}/{name}".encode())
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=bytes.fromhex(hdr["salt"]),
+                info=f"sfguard seal v{hdr['v']} {hdr['scope']}/{hdr['name']}".encode())
     return AESGCM(hkdf.derive(scope_key))
 
 
@@ -138,6 +159,19 @@ class _SealWriter(io.RawIOBase):
         self._buf.clear()
 
 
+def _open_chunk(aes: AESGCM, prefix: bytes, digest: bytes, index: int, ct: bytes) -> tuple[bytes, bool]:
+    """(plaintext, final flag) of chunk `index`; SealError when it does not authenticate."""
+    nonce = prefix + struct.pack(">Q", index)
+    # A chunk verifies either as a middle chunk or as the final one; try both flags.
+    for final in (False, True):
+        try:
+            return aes.decrypt(nonce, ct, _aad(digest, index, final)), final
+        except InvalidTag:
+            continue
+    raise SealError(f"sealed file failed authentication at chunk {index} "
+                    "(wrong key, tampered or not this profile's file)")
+
+
 class _UnsealReader(io.RawIOBase):
     """A read-only stream of verified plaintext; raises SealError on any bad chunk."""
 
@@ -162,22 +196,13 @@ class _UnsealReader(io.RawIOBase):
         ct = self._src.read(length)
         if len(ct) < length:
             raise SealError("sealed file is truncated (chunk cut off)")
-        nonce = self._prefix + struct.pack(">Q", self._index)
-        # A chunk verifies either as a middle chunk or as the final one; try both flags.
-        for final in (False, True):
-            try:
-                plain = self._aes.decrypt(nonce, ct, _aad(self._digest, self._index, final))
-            except InvalidTag:
-                continue
-            self._index += 1
-            self._plain = memoryview(plain)
-            if final:
-                self.finished = True
-                if self._src.read(1):
-                    raise SealError("sealed file has data after its final chunk")
-            return
-        raise SealError(f"sealed file failed authentication at chunk {self._index} "
-                        "(wrong key, tampered or not this profile's file)")
+        plain, final = _open_chunk(self._aes, self._prefix, self._digest, self._index, ct)
+        self._index += 1
+        self._plain = memoryview(plain)
+        if final:
+            self.finished = True
+            if self._src.read(1):
+                raise SealError("sealed file has data after its final chunk")
 
     def readinto(self, b) -> int:
         while not self._plain:
@@ -199,16 +224,20 @@ class _UnsealReader(io.RawIOBase):
                 raise SealError("sealed file holds data after the end of the archive")
 
 
-def _header(scope: str, name: str, chunk_size: int) -> tuple[bytes, dict]:
-    hdr = {"v": VERSION, "scope": scope, "name": name, "salt": secrets.token_hex(16),
-           "prefix": secrets.token_hex(4), "chunk": chunk_size}
+def _header(scope: str, name: str, chunk_size: int, key_version: int) -> tuple[bytes, dict]:
+    if isinstance(key_version, bool) or not isinstance(key_version, int) or key_version < 1:
+        raise SealError("the key version must be a whole number from 1")
+    hdr = {"v": VERSION, "scope": scope, "name": name, "kid": key_version,
+           "salt": secrets.token_hex(16), "prefix": secrets.token_hex(4), "chunk": chunk_size}
     body = _canonical(hdr)
     return MAGIC + struct.pack(">I", len(body)) + body, hdr
 
 
 def _read_header(fh, scope: str, name: str) -> tuple[bytes, dict]:
+    """(the header's raw bytes, the header) of a version 2 or version 1 file; a version 1
+    header gets `kid` 1 (the key version that sealed every file before versions existed)."""
     magic = fh.read(len(MAGIC))
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_V1):
         raise SealError("not a sealed profile file (bad magic or unsupported version)")
     raw_len = fh.read(4)
     if len(raw_len) < 4:
@@ -219,7 +248,12 @@ def _read_header(fh, scope: str, name: str) -> tuple[bytes, dict]:
     body = fh.read(length)
     try:
         hdr = json.loads(body)
-        ok = (isinstance(hdr, dict) and hdr.get("v") == VERSION
+        version = 1 if magic == MAGIC_V1 else VERSION
+        if isinstance(hdr, dict) and version == 1 and "kid" not in hdr:
+            hdr["kid"] = 1
+        kid = hdr.get("kid") if isinstance(hdr, dict) else None
+        ok = (isinstance(hdr, dict) and hdr.get("v") == version
+              and isinstance(kid, int) and not isinstance(kid, bool) and kid >= 1
               and isinstance(hdr.get("chunk"), int) and 0 < hdr["chunk"] <= 64 << 20
               and len(bytes.fromhex(hdr["salt"])) == 16 and len(bytes.fromhex(hdr["prefix"])) == 4)
     except (ValueError, TypeError, KeyError):
@@ -229,6 +263,12 @@ def _read_header(fh, scope: str, name: str) -> tuple[bytes, dict]:
     if hdr.get("scope") != scope or hdr.get("name") != name:
         raise SealError("sealed file belongs to another profile or scope")
     return magic + raw_len + body, hdr
+
+
+def key_version_of(sealed: Path, scope: str, name: str) -> int:
+    """The key version that sealed `sealed` (from its header; 1 for a version 1 file)."""
+    with open(sealed, "rb") as fh:
+        return int(_read_header(fh, scope, name)[1]["kid"])
 
 
 def _iter_sources(src: Path):
@@ -283,15 +323,16 @@ def _open_regular(name: str, dfd: int):
 
 
 def seal_dir(src: Path, dest: Path, scope_key: bytes, scope: str, name: str,
-             *, chunk_size: int = CHUNK_SIZE) -> int:
-    """Seal folder `src` into file `dest` atomically; returns the sealed size in bytes.
+             *, chunk_size: int = CHUNK_SIZE, key_version: int = 1) -> int:
+    """Seal folder `src` into file `dest` atomically under `scope_key`, which is key version
+    `key_version` (written in the header); returns the sealed size in bytes.
 
     Writes `.<dest>.<random>.tmp` (0600) next to `dest`, fsyncs, renames over `dest`, fsyncs
     the folder. Any failure (or crash) before the rename leaves the previous `dest` untouched.
     """
     src, dest = Path(src), Path(dest)
-    header, hdr = _header(scope, name, chunk_size)
-    aes = _file_key(scope_key, bytes.fromhex(hdr["salt"]), scope, name)
+    header, hdr = _header(scope, name, chunk_size, key_version)
+    aes = _file_key(scope_key, hdr)
     with atomic_file(dest, FILE_MODE, buffering=1 << 20) as out:
         out.write(header)
         writer = _SealWriter(out, aes, bytes.fromhex(hdr["prefix"]),
@@ -328,8 +369,9 @@ def _check_member(m: tarfile.TarInfo) -> None:
         raise SealError(f"sealed archive holds an unsafe path ({ascii(name)[:100]}): refused")
 
 
-def unseal_to(sealed: Path, dest: Path, scope_key: bytes, scope: str, name: str) -> None:
-    """Verify and unpack `sealed` into the new folder `dest` (which must not exist).
+def unseal_to(sealed: Path, dest: Path, scope_key: bytes | KeyLookup, scope: str, name: str) -> None:
+    """Verify and unpack `sealed` into the new folder `dest` (which must not exist), with the
+    scope key of the version its header names (`scope_key`: a lookup by version, or the key).
 
     Unpacks into a temporary 0700 sibling and renames it to `dest` only when every chunk
     verified and the final chunk was seen; on any error the temporary folder is removed and
@@ -343,7 +385,7 @@ def unseal_to(sealed: Path, dest: Path, scope_key: bytes, scope: str, name: str)
         os.chmod(tmp, DIR_MODE)
         with open(sealed, "rb", buffering=1 << 20) as fh:
             header, hdr = _read_header(fh, scope, name)
-            aes = _file_key(scope_key, bytes.fromhex(hdr["salt"]), scope, name)
+            aes = _file_key(_lookup(scope_key)(hdr["kid"]), hdr)
             reader = _UnsealReader(fh, aes, bytes.fromhex(hdr["prefix"]),
                                    hashlib.sha256(header).digest(), hdr["chunk"])
             try:
@@ -361,15 +403,54 @@ def unseal_to(sealed: Path, dest: Path, scope_key: bytes, scope: str, name: str)
     fsync_dir(dest.parent)
 
 
-def verify_sealed(sealed: Path, scope_key: bytes, scope: str, name: str) -> None:
+def verify_sealed(sealed: Path, scope_key: bytes | KeyLookup, scope: str, name: str) -> None:
     """Authenticate every chunk of `sealed` without writing anything; raises SealError."""
     with open(sealed, "rb", buffering=1 << 20) as fh:
         header, hdr = _read_header(fh, scope, name)
-        aes = _file_key(scope_key, bytes.fromhex(hdr["salt"]), scope, name)
+        aes = _file_key(_lookup(scope_key)(hdr["kid"]), hdr)
         reader = _UnsealReader(fh, aes, bytes.fromhex(hdr["prefix"]),
                                hashlib.sha256(header).digest(), hdr["chunk"])
         while reader.read(1 << 20):
             pass
+
+
+def reseal(sealed: Path, dest: Path, old_keys: bytes | KeyLookup, new_key: bytes, key_version: int,
+           scope: str, name: str) -> tuple[int, int]:
+    """Seal the contents of `sealed` again under `new_key` (key version `key_version`) into
+    `dest` atomically (`dest` may be `sealed` itself), chunk by chunk: each chunk is verified
+    under the key of the version its header names and sealed again with the same plaintext
+    and final flag. Nothing is unpacked. Returns (the old key version, the new file's size);
+    on any failure `dest` is left as it was."""
+    with open(sealed, "rb", buffering=1 << 20) as src:
+        old_header, old = _read_header(src, scope, name)
+        old_aes = _file_key(_lookup(old_keys)(old["kid"]), old)
+        old_digest, old_prefix = hashlib.sha256(old_header).digest(), bytes.fromhex(old["prefix"])
+        header, hdr = _header(scope, name, old["chunk"], key_version)
+        aes, prefix = _file_key(new_key, hdr), bytes.fromhex(hdr["prefix"])
+        digest = hashlib.sha256(header).digest()
+        with atomic_file(dest, FILE_MODE, buffering=1 << 20) as out:
+            out.write(header)
+            index, final = 0, False
+            while not final:
+                head = src.read(4)
+                if len(head) < 4:
+                    raise SealError("sealed file is truncated (no final chunk)")
+                (length,) = struct.unpack(">I", head)
+                if length < TAG_BYTES or length > old["chunk"] + TAG_BYTES:
+                    raise SealError(f"sealed file is damaged (chunk {index} has a bad length)")
+                ct = src.read(length)
+                if len(ct) < length:
+                    raise SealError("sealed file is truncated (chunk cut off)")
+                plain, final = _open_chunk(old_aes, old_prefix, old_digest, index, ct)
+                nonce = prefix + struct.pack(">Q", index)
+                new_ct = aes.encrypt(nonce, plain, _aad(digest, index, final))
+                out.write(struct.pack(">I", len(new_ct)))
+                out.write(new_ct)
+                index += 1
+            if src.read(1):
+                raise SealError("sealed file has data after its final chunk")
+            size = out.tell()
+    return int(old["kid"]), size
 
 
 def _extract_all(tf: tarfile.TarFile, root: Path) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sfguard.errors import SfguardError
+from sfguard.supervisor.profiles.keys import KeyVersionMissing
 from sfguard.supervisor.protocols import (
     Granted,
     ProfileExists,
@@ -66,6 +67,8 @@ def release_run(stores, run: str, outcome: str) -> tuple[list[ProfileKey], list[
         except StoreUnavailable:
             return [], ["the database is unreachable: the release of this run's profiles waits "
                         "on this guard host and is done (and audited) when the database is back"]
+        except KeyVersionMissing as exc:      # its record cannot be keyed here: nothing written
+            return [], [f"releasing the run's leases waits: {exc} (key_missing)"]
     try:
         released = stores.lease.release_all(run)
     except OSError as exc:

@@ -75,20 +75,20 @@ def open_stores(home: Path, runtime: Path | None = None, flag: str | None = None
         from sfguard.supervisor.profiles.lease import LocalProfileLease  # noqa: PLC0415
         from sfguard.supervisor.profiles.local_store import LocalProfileStore  # noqa: PLC0415
         keys = default_key_provider(home)
-        if read_only:
-            return Stores("local", "local home", keys, None, None,
-                          LocalAuditSink(home, keys, read_only=True))
+        if read_only:    # an existing home: these create nothing in it until asked to write
+            return Stores("local", "local home", keys, LocalProfileStore(home, keys, runtime=runtime),
+                          LocalProfileLease(home), LocalAuditSink(home, keys, read_only=True))
         return Stores("local", "local home", keys, LocalProfileStore(home, keys, runtime=runtime),
                       LocalProfileLease(home), LocalAuditSink(home, keys))
     from sfguard.supervisor.profiles.pg_audit import PgAuditSink  # noqa: PLC0415
     from sfguard.supervisor.profiles.pg_backend import PgBackend  # noqa: PLC0415
-    from sfguard.supervisor.profiles.pg_keys import PgKeyProvider, load_master_key  # noqa: PLC0415
+    from sfguard.supervisor.profiles.pg_keys import PgKeyProvider, load_master_keys  # noqa: PLC0415
     from sfguard.supervisor.profiles.pg_lease import PgProfileLease  # noqa: PLC0415
     from sfguard.supervisor.profiles.pg_store import PgProfileStore  # noqa: PLC0415
-    master, source = load_master_key()
+    masters, source = load_master_keys()
     backend = PgBackend(url, heartbeat=heartbeat, read_only=read_only)
     try:
-        keys = PgKeyProvider(backend, master, source)
+        keys = PgKeyProvider(backend, masters, source)
     except BaseException:
         backend.close()
         raise

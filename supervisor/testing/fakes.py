@@ -1,14 +1,15 @@
 """In-memory fakes of the profile seams, for contract suites and daemon tests (test support:
 nothing in the product imports `sfguard.supervisor.testing`).
 
-- `FakeKeyProvider`: keys in a dict.
+- `FakeKeyProvider`: keys in a dict, per key version; the version rules of the local
+  providers (key_versions.LocalVersions) over a state kept in memory.
 - `FakeProfileStore`: two (or more) fixed scopes; sealed profiles are dicts of
   {relative path: bytes} kept in memory; `open` materialises a private temp folder.
 - `FakeProfileLease`: the lease algorithm of `sfguard.supervisor.profiles.lease_fifo` (the one the local lease
   runs) over states kept in a dict; several "processes" share one `FakeLeaseState` through
   `for_process(owner)`, and `kill(owner)` marks one dead.
-- `FakeAuditSink`: records in a list, same event/field validation and hash chain as the
-  local sink.
+- `FakeAuditSink`: records in a list, same event/field validation, hash chain and key
+  versions as the local sink (given the FakeKeyProvider; without one, a key of its own).
 
 They follow the same contracts as the local implementations (tests/profiles runs one suite
 against both), so the daemon can be tested without touching the disk layout.
@@ -16,11 +17,15 @@ against both), so the daemon can be tested without touching the disk layout.
 from __future__ import annotations
 
 import builtins
+import contextlib
+import copy
 import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +36,16 @@ from sfguard.supervisor.profiles.audit import (
     VerifyResult,
     canonical,
     chain_record,
+    check_head,
     clean_fields,
+    head_mac,
+    record_kid,
     record_matches,
     walk_chain,
 )
-from sfguard.supervisor.profiles.keys import KeyMissing
+from sfguard.supervisor.profiles.audit_chain import ChainKeys, tie_record
+from sfguard.supervisor.profiles.key_versions import KeyState, KeyStateError, LocalVersions
+from sfguard.supervisor.profiles.keys import KeyMissing, KeyVersionMissing
 from sfguard.supervisor.profiles.lease_fifo import LeaseState
 from sfguard.supervisor.profiles.sealing import is_excluded
 from sfguard.supervisor.protocols import (
@@ -55,30 +65,75 @@ from sfguard.supervisor.protocols import (
 )
 
 
-class FakeKeyProvider:
+class FakeKeyProvider(LocalVersions):
+    """Keys in a dict {(version, scope): key}; "#audit" is the audit key's scope."""
+
     def __init__(self):
-        self.keys: dict[str, bytes] = {}
+        self.keys: dict[tuple[int, str], bytes] = {}
+        self._state = KeyState()
+        self._lock = threading.Lock()
 
-    def get_key(self, scope: str, *, create: bool = True) -> bytes:
-        validate_name(scope, "scope")
-        if scope not in self.keys:
-            if not create:
-                raise KeyMissing(f"no key for scope {scope!r}")
-            self.keys[scope] = secrets.token_bytes(32)
-        return self.keys[scope]
+    def state(self) -> KeyState:
+        return copy.deepcopy(self._state)
 
-    def delete_key(self, scope: str) -> bool:
-        return self.keys.pop(scope, None) is not None
+    def _save(self, state: KeyState) -> None:
+        self._state = copy.deepcopy(state)
 
-    def get_audit_key(self, *, create: bool = True) -> bytes | None:
-        if "#audit" not in self.keys:
+    @contextlib.contextmanager
+    def locked(self, wait: float = 0.0) -> Iterator[None]:
+        with self._lock:
+            yield
+
+    def _version(self, version: int | None) -> int:
+        try:
+            return self._usable(version)[1]
+        except KeyStateError as exc:
+            raise KeyVersionMissing(str(exc)) from None
+
+    def _get(self, name: str, create: bool, version: int | None) -> bytes | None:
+        v = self._version(version)
+        if (v, name) not in self.keys:
             if not create:
                 return None
-            self.keys["#audit"] = secrets.token_bytes(32)
-        return self.keys["#audit"]
+            self.keys[(v, name)] = secrets.token_bytes(32)
+        return self.keys[(v, name)]
+
+    def get_key(self, scope: str, *, create: bool = True, version: int | None = None) -> bytes:
+        validate_name(scope, "scope")
+        key = self._get(scope, create, version)
+        if key is None:
+            raise KeyMissing(f"no key for scope {scope!r}")
+        return key
+
+    def current_key(self, scope: str) -> tuple[int, bytes]:
+        v = self.current_version()
+        return v, self.get_key(scope, version=v)
+
+    def delete_key(self, scope: str) -> bool:
+        gone = [k for k in self.keys if k[1] == scope]
+        for k in gone:
+            del self.keys[k]
+        return bool(gone)
+
+    def get_audit_key(self, *, create: bool = True, version: int | None = None) -> bytes | None:
+        return self._get("#audit", create, version)
 
     def describe(self) -> str:
         return "in-memory keys (test fake)"
+
+    def _where(self, version: int) -> str:
+        return f"in-memory keys, version {version} (test fake)"
+
+    def _has_material(self, version: int) -> bool:
+        return version == 1 or (version, "#audit") in self.keys
+
+    def _make_material(self, version: int, scopes: list[str]) -> None:
+        for name in ("#audit", *scopes):
+            self.keys.setdefault((version, name), secrets.token_bytes(32))
+
+    def _drop_material(self, version: int, scopes: list[str]) -> None:
+        for k in [k for k in self.keys if k[0] == version]:
+            del self.keys[k]
 
 
 @dataclass
@@ -88,13 +143,14 @@ class _FakeProfile:
     key_id: bytes                       # the scope key it was "sealed" with
     last_used: float | None = None
     identity: str | None = None
+    version: int = 1                    # the key version of that key
 
 
 class FakeProfileStore:
     """ProfileStore in memory with a fixed set of scopes (default "alpha" and "beta")."""
 
     def __init__(self, scopes: tuple[str, ...] = ("alpha", "beta"), keys: FakeKeyProvider | None = None):
-        self.scopes = tuple(validate_name(s, "scope") for s in scopes)
+        self.known_scopes = tuple(validate_name(s, "scope") for s in scopes)
         self.keys = keys or FakeKeyProvider()
         self._profiles: dict[ProfileKey, _FakeProfile] = {}
         self._open: dict[ProfileKey, Path] = {}
@@ -104,7 +160,7 @@ class FakeProfileStore:
         self._tmp = Path(self._tmpdir.name)
 
     def _check_scope(self, scope: str) -> None:
-        if scope not in self.scopes:
+        if scope not in self.known_scopes:
             raise ProfileNameError(f"unknown scope {scope!r}")
 
     def _get(self, key: ProfileKey) -> _FakeProfile:
@@ -112,9 +168,12 @@ class FakeProfileStore:
         prof = self._profiles.get(key)
         if prof is None:
             raise ProfileNotFound(f"no profile {key.name!r} in scope {key.scope!r}")
-        if prof.key_id != self.keys.get_key(key.scope, create=False):
+        if prof.key_id != self.keys.get_key(key.scope, create=False, version=prof.version):
             raise ProfileNotFound(f"profile {key.name!r} cannot be opened (its scope key is gone)")
         return prof
+
+    def _seal(self, prof: _FakeProfile, scope: str) -> None:
+        prof.version, prof.key_id = self.keys.current_key(scope)
 
     def _info(self, key: ProfileKey, prof: _FakeProfile) -> ProfileInfo:
         return ProfileInfo(key, prof.created, prof.last_used,
@@ -131,8 +190,9 @@ class FakeProfileStore:
             validate_name(identity, "profile identity")
         if key in self._profiles:
             raise ProfileExists(f"profile {key.name!r} already exists in scope {key.scope!r}")
-        self._profiles[key] = _FakeProfile({}, time.time(), self.keys.get_key(key.scope),
-                                           identity=identity)
+        version, scope_key = self.keys.current_key(key.scope)
+        self._profiles[key] = _FakeProfile({}, time.time(), scope_key, identity=identity,
+                                           version=version)
         return self.info(key)
 
     def info(self, key: ProfileKey) -> ProfileInfo:
@@ -169,6 +229,7 @@ class FakeProfileStore:
                 if full.is_file() and not full.is_symlink() and not is_excluded(rel):
                     files[rel] = full.read_bytes()
         prof.files, prof.last_used = files, time.time()
+        self._seal(prof, key.scope)
         return self._info(key, prof)
 
     def close(self, key: ProfileKey, *, save: bool = True) -> ProfileInfo:
@@ -203,6 +264,18 @@ class FakeProfileStore:
         """Like the local store's start-up check: absent, or sealed under a scope key that is
         gone, raises a ProfileError."""
         self._get(key)
+
+    def scopes(self) -> builtins.list[str]:
+        return sorted({k.scope for k in self._profiles})
+
+    def key_version(self, key: ProfileKey) -> int:
+        return self._get(key).version
+
+    def rekey(self, key: ProfileKey) -> tuple[int, int]:
+        prof = self._get(key)
+        before = prof.version
+        self._seal(prof, key.scope)
+        return before, prof.version
 
 
 @dataclass
@@ -264,23 +337,85 @@ class FakeProfileLease:
 
 
 class FakeAuditSink:
-    """AuditSink in memory with the local sink's validation and hash chain."""
+    """AuditSink in memory with the local sink's validation, hash chain and key versions."""
 
-    def __init__(self):
+    def __init__(self, keys: FakeKeyProvider | None = None):
         self.entries: list[dict[str, Any]] = []
-        self.key = secrets.token_bytes(32)
+        self.keys = keys
+        self.key = secrets.token_bytes(32) if keys is None else None
+        self.head: tuple[int, str, str | None] | None = None
+
+    def _key(self, version: int, create: bool = False) -> bytes | None:
+        if self.keys is None:
+            return self.key
+        try:
+            return self.keys.get_audit_key(create=create, version=version)
+        except KeyVersionMissing:
+            return None
+
+    def _current(self) -> int:
+        return 1 if self.keys is None else self.keys.current_version()
+
+    def _last_kid(self) -> int | None:
+        return record_kid(self.entries[-1]) if self.entries else None
+
+    def _append(self, event: str, clean: dict[str, Any], kid: int) -> dict[str, Any]:
+        seq, last = (self.entries[-1]["seq"], self.entries[-1]["hash"]) if self.entries else (0, GENESIS)
+        if event == "key_rotated":
+            rec = tie_record(lambda v: self._key(v, v == kid), seq, last, clean["from_version"], kid)
+        else:
+            key = self._key(kid, True)
+            assert key is not None
+            rec = chain_record(key, seq, last, event, clean, kid=kid)
+        self.entries.append(rec)
+        key = self._key(kid)
+        assert key is not None
+        self.head = (rec["seq"], rec["hash"], head_mac(key, rec["seq"], rec["hash"]))
+        return rec
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         clean = clean_fields(event, fields)
-        seq, last = (self.entries[-1]["seq"], self.entries[-1]["hash"]) if self.entries else (0, GENESIS)
-        rec = chain_record(self.key, seq, last, event, clean)
-        self.entries.append(rec)
-        return rec
+        last_kid = self._last_kid()
+        kid = max(self._current(), last_kid or 1)
+        if last_kid is not None and last_kid < kid:
+            self._append("key_rotated", {"from_version": last_kid, "to_version": kid}, kid)
+        return self._append(event, clean, kid)
+
+    def switch_key(self, version: int) -> None:
+        assert self.keys is not None, "a FakeAuditSink without keys has one key version"
+        last_kid = self._last_kid()
+        if last_kid is not None and last_kid < version:
+            self._append("key_rotated", {"from_version": last_kid, "to_version": version}, version)
+        self.keys.set_current(version)
+
+    def finish_rotation(self, version: int, **fields: Any) -> bool:
+        assert self.keys is not None
+        rot = self.keys.rotation()
+        if rot is None or rot.to_version != version or not rot.switched:
+            return False
+        self.record("key_rotation_finished", to_version=version, **fields)
+        return self.keys.end_rotation(version)
+
+    def key_coverage(self) -> dict[int, dict[str, int]]:
+        out: dict[int, dict[str, int]] = {}
+        for rec in self.entries:
+            kid = record_kid(rec) or 1
+            out.setdefault(kid, {"segments": 1, "records": 0})["records"] += 1
+        return out
+
+    def chain_keys(self) -> ChainKeys:
+        if self.keys is None:
+            return ChainKeys.of(self.key)
+        retired = frozenset(v.version for v in self.keys.versions() if v.state == "retired")
+        return ChainKeys(lambda v: None if v in retired else self._key(v), retired, self._current())
 
     def verify(self) -> VerifyResult:
-        """The local sink's chain walk over the records in memory (hash, link, MAC)."""
-        walked = walk_chain(((n, canonical(r) + b"\n") for n, r in enumerate(self.entries, 1)), self.key)
-        return walked if isinstance(walked, VerifyResult) else VerifyResult(True, walked.count)
+        """The local sink's chain walk over the records in memory (hash, link, MAC, versions)."""
+        keys = self.chain_keys()
+        walked = walk_chain(((n, canonical(r) + b"\n") for n, r in enumerate(self.entries, 1)), keys)
+        if isinstance(walked, VerifyResult) or self.head is None:
+            return walked if isinstance(walked, VerifyResult) else VerifyResult(True, walked.count)
+        return check_head(walked, self.head, keys, "head")
 
     def records(self, *, profile: str | None = None, run: str | None = None) -> list[dict[str, Any]]:
         return [r for r in self.entries if record_matches(r, profile, run)]

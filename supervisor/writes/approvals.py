@@ -9,7 +9,7 @@ body) with secrets masked (supervisor/writes/masking.py). A decided approval is 
 appended to `<home>/approvals/decided.jsonl` (query values hidden) and read back at the next
 start for the retention period; approvals still pending when the guard stops are recorded as
 cancelled. No form value or query value is ever logged or audited.
-Why: docs/decisions/0021-approvals-are-records.md.
+Why: docs/decisions/0010-approvals-are-records.md.
 """
 from __future__ import annotations
 

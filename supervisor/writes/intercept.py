@@ -19,7 +19,7 @@ a write follows its host, not the tab that sends it.
 The tab that sent a write (supervisor/writes/tabs.py) names its stage: the labels of its log
 lines and approval, and a replay-unsafe retry's history (a retry of a stage that wrote holds
 what it would have allowed; it never loosens a deny). Nothing here logs a body, a query value
-or a credential. Why the patterns look as they do: docs/decisions/0020-write-gate-patterns.md.
+or a credential. Why the patterns look as they do: docs/decisions/0009-write-gate-patterns.md.
 """
 from __future__ import annotations
 

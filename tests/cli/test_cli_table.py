@@ -98,6 +98,9 @@ TABLE = [
     (["profiles", "show", "p1", "--home", "HOME"], 2, "no guard home at HOME"),
     (["audit", "verify", "--home", "HOME"], 2, "no guard home at HOME"),
     (["audit", "show", "--home", "HOME"], 2, "no guard home at HOME"),
+    (["keys", "status", "--home", "HOME"], 2, "no guard home at HOME"),
+    (["keys", "status", "--json", "--home", "HOME"], 2, "no guard home at HOME"),
+    (["keys", "retire", "one", "--home", "HOME"], 2, "VERSION: a key version number"),
     (["sweep", "--home", "HOME"], 2, "no guard home at HOME"),
     (["validate", "MISSING"], 2, "cannot read"),
     (["policy", "validate", "MISSING"], 2, "cannot read"),
@@ -139,7 +142,8 @@ def test_read_only_commands_on_an_existing_home_create_nothing(tmp_path):
     assert sfguard("profiles", "create", "p1", env=env).returncode == 0
     before = _tree(home)
     for argv in (["profiles", "list"], ["profiles", "show", "p1"], ["profiles", "list", "--json"],
-                 ["audit", "verify"], ["audit", "verify", "--json"], ["audit", "show"]):
+                 ["audit", "verify"], ["audit", "verify", "--json"], ["audit", "show"],
+                 ["keys", "status"], ["keys", "status", "--json"]):
         proc = sfguard(*argv, env=env)
         assert proc.returncode == 0, (argv, proc.stderr)
         assert _tree(home) == before, argv

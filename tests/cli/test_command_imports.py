@@ -21,7 +21,7 @@ print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
 
 
 @pytest.mark.parametrize("argv", [["policy"], ["stage-exec"], ["status"], ["validate"], ["audit"],
-                                  ["doctor"], ["sweep"], ["profiles"], ["--version"]])
+                                  ["doctor"], ["sweep"], ["profiles"], ["keys"], ["--version"]])
 def test_a_command_loads_only_its_own_module(argv):
     r = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *argv],
                        capture_output=True, text=True, timeout=60)

@@ -79,6 +79,12 @@ ELSEWHERE = {
     ("POST", "/v1/runs/{run_id}/login-check", 503, "browser_failed"):
         "test_a_browser_that_cannot_start_is_an_answer_not_a_500 below",
     ("GET", "/v1/health/ready", 503, "not_ready"): "tests/pg/test_outage.py (the shared store's database away)",
+    ("POST", "/v1/keys/rotate", 409, "keys_busy"):
+        "tests/reliability/test_fault_key_rotation.py (a second rotation while one is held at a step)",
+    ("POST", "/v1/keys/rotate", 409, "key_missing"):
+        "tests/pg/test_key_rotation.py (the new master key not yet in this host's key file)",
+    ("POST", "/v1/keys/rotate", 409, "key_state"): "a damaged keys.json (tests/daemon/test_key_rotation.py)",
+    ("POST", "/v1/keys/rotate", 503, "store_unreachable"): "a shared store whose database is away (as /v1/profiles)",
     ("DELETE", "/v1/profiles/{name}", 400, "invalid_name"):
         "unreachable through HTTP: the path pattern refuses a bad name first (invalid_request)",
 }
@@ -268,6 +274,8 @@ def test_a_runner_session_gets_only_documented_answers(daemon):
     assert call("POST", "/v1/console/link", {})[0] == 200
     assert call("GET", "/v1/status")[0] == 200
     assert call("GET", "/v1/profiles")[0] == 200
+    status, rotated = call("POST", "/v1/keys/rotate")          # r1 holds acct: resealed at its end
+    assert status == 200 and "acct" in [p["profile"] for p in rotated["pending"]]
     assert call("GET", "/v1/openapi.json")[0] == 200
     assert call("GET", "/v1/health/live") == (200, {"status": "alive"})
     assert call("GET", "/v1/health/ready") == (200, {"status": "ready"})

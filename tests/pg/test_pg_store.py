@@ -17,7 +17,7 @@ from sfguard.supervisor.profiles.pg_audit import PgAuditSink
 from sfguard.supervisor.profiles.pg_backend import PgBackend, StaleLease
 from sfguard.supervisor.profiles.pg_keys import PgKeyProvider, load_master_key
 from sfguard.supervisor.profiles.pg_lease import PgProfileLease
-from sfguard.supervisor.profiles.pg_schema import SchemaTooNew
+from sfguard.supervisor.profiles.pg_schema import MIGRATIONS, SchemaTooNew
 from sfguard.supervisor.profiles.pg_store import BLOB_CHUNK, PgProfileStore
 from sfguard.supervisor.protocols import Granted, ProfileKey, StoreUnavailable, Waiting
 from tests.pg.conftest import ROOT
@@ -63,14 +63,15 @@ def rows(url, sql, args=()):
 def test_migrations_are_versioned_and_idempotent(pg_url, hosts):
     hosts("a")
     hosts("b")                                    # a second start applies nothing again
-    assert rows(pg_url, "SELECT version FROM sfguard_schema_version") == [(1,)]
+    assert rows(pg_url, "SELECT version FROM sfguard_schema_version ORDER BY 1") == \
+        [(v,) for v in range(1, len(MIGRATIONS) + 1)]
 
 
 def test_a_newer_schema_refuses_to_start_with_a_clear_message(pg_url, hosts, tmp_path, key_file):
     hosts("a")
     with psycopg.connect(pg_url) as conn:
-        conn.execute("INSERT INTO sfguard_schema_version VALUES (2, 0)")
-    with pytest.raises(SchemaTooNew, match="version 2, newer than this sfguard knows"):
+        conn.execute("INSERT INTO sfguard_schema_version VALUES (%s, 0)", (len(MIGRATIONS) + 1,))
+    with pytest.raises(SchemaTooNew, match=f"version {len(MIGRATIONS) + 1}, newer than this sfguard knows"):
         PgBackend(pg_url)
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
            "SFGUARD_KEY_FILE": str(key_file)}
@@ -78,7 +79,7 @@ def test_a_newer_schema_refuses_to_start_with_a_clear_message(pg_url, hosts, tmp
                           str(tmp_path / "g"), "--store", pg_url], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert "newer than this sfguard knows (up to 1): upgrade sfguard" in out.stderr
+    assert f"newer than this sfguard knows (up to {len(MIGRATIONS)}): upgrade sfguard" in out.stderr
 
 
 def test_sealed_blob_is_stored_in_chunks_and_never_in_clear(pg_url, hosts):
@@ -192,10 +193,9 @@ def test_audit_chain_in_the_database_verifies_and_finds_tampering(pg_url, hosts)
 
 def test_the_audit_record_and_its_event_commit_together(pg_url, hosts):
     h = hosts("a")
-    key = h.keys.get_audit_key()
     with pytest.raises(RuntimeError):
         with h.backend.conn() as conn:
-            PgAuditSink.append(conn, key, "profile_deleted", {"profile": "shop"})
+            PgAuditSink(h.backend, h.keys).append(conn, "profile_deleted", {"profile": "shop"})
             raise RuntimeError("the event's own write failed")
     assert rows(pg_url, "SELECT count(*) FROM sfguard_audit") == [(0,)]
     assert h.audit.verify().ok

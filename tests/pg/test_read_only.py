@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from sfguard.supervisor.profiles.pg_backend import PgBackend, StoreRefused
+from sfguard.supervisor.profiles.pg_schema import MIGRATIONS
 from tests.pg.conftest import ROOT
 
 
@@ -89,7 +90,8 @@ def test_a_read_only_session_cannot_write(pg_url):
         ro.close()
 
 
-NEWER = "the database schema is version 2, newer than this sfguard knows (up to 1)"
+NEWER = (f"the database schema is version {len(MIGRATIONS) + 1}, newer than this sfguard knows "
+         f"(up to {len(MIGRATIONS)})")
 
 # every command that touches the store, each refused with the same message
 EVERY = [("profiles", "list"), ("profiles", "show", "shop"), ("profiles", "create", "x"),
@@ -100,7 +102,7 @@ EVERY = [("profiles", "list"), ("profiles", "show", "shop"), ("profiles", "creat
 def test_a_newer_schema_is_refused_by_every_command(cli, pg_url):
     assert cli("profiles", "create", "shop").returncode == 0
     with psycopg.connect(pg_url) as conn:
-        conn.execute("INSERT INTO sfguard_schema_version VALUES (2, 0)")
+        conn.execute("INSERT INTO sfguard_schema_version VALUES (%s, 0)", (len(MIGRATIONS) + 1,))
     before = rows(pg_url, "SELECT count(*) FROM sfguard_audit")
     for argv in EVERY:
         out = cli(*argv)
@@ -110,7 +112,7 @@ def test_a_newer_schema_is_refused_by_every_command(cli, pg_url):
     doctor = cli("doctor")
     assert doctor.returncode == 1 and NEWER in doctor.stdout
     assert rows(pg_url, "SELECT count(*) FROM sfguard_audit") == before
-    assert rows(pg_url, "SELECT max(version) FROM sfguard_schema_version") == [(2,)]
+    assert rows(pg_url, "SELECT max(version) FROM sfguard_schema_version") == [(len(MIGRATIONS) + 1,)]
 
 
 def test_an_older_schema_is_left_to_start(cli, pg_url):
@@ -120,5 +122,5 @@ def test_an_older_schema_is_left_to_start(cli, pg_url):
         conn.execute("DELETE FROM sfguard_schema_version")      # as if made by an older sfguard
     out = cli("profiles", "list")
     assert out.returncode == 2
-    assert "older than this sfguard (1): start a guard of this version" in out.stderr
+    assert f"older than this sfguard ({len(MIGRATIONS)}): start a guard of this version" in out.stderr
     assert rows(pg_url, "SELECT count(*) FROM sfguard_schema_version") == [(0,)]

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from sfguard.supervisor.profiles.audit import LocalAuditSink
 from sfguard.supervisor.profiles.keys import FileKeyProvider
 from sfguard.supervisor.profiles.lease import LocalProfileLease
 from sfguard.supervisor.profiles.local_store import LocalProfileStore
-from sfguard.supervisor.testing import FakeKeyProvider, FakeProfileLease, FakeProfileStore
+from sfguard.supervisor.profiles.stores import Stores
+from sfguard.supervisor.testing import FakeAuditSink, FakeKeyProvider, FakeProfileLease, FakeProfileStore
 
 ROOT = Path(__file__).resolve().parents[2]
 SCOPE_A, SCOPE_B = "alpha", "beta"
@@ -63,7 +65,21 @@ class LocalHarness:
         self.keys = FileKeyProvider(self.home)
         self.store = LocalProfileStore(self.home, self.keys, runtime=self.runtime)
         self.lease = LocalProfileLease(self.home)
+        self.audit = LocalAuditSink(self.home, self.keys)
         self._procs: list[subprocess.Popen] = []
+
+    def stores(self) -> Stores:
+        return Stores(self.kind, self.kind, self.keys, self.store, self.lease, self.audit)
+
+    def add_key_version(self) -> None:
+        """What the operator does before a rotation: nothing here (the home makes its keys)."""
+
+    def snapshot(self, key):
+        """The sealed copy as an attacker could copy it."""
+        return (self.home / "profiles" / key.scope / key.name / "profile.sealed").read_bytes()
+
+    def restore(self, key, snap) -> None:
+        (self.home / "profiles" / key.scope / key.name / "profile.sealed").write_bytes(snap)
 
     def other_process_acquires(self, key, run):
         proc = run_python(HOLDER_SCRIPT, str(self.home), key.scope, key.name, run)
@@ -98,6 +114,20 @@ class FakeHarness:
         self.keys = FakeKeyProvider()
         self.store = FakeProfileStore((SCOPE_A, SCOPE_B), self.keys)
         self.lease = FakeProfileLease()
+        self.audit = FakeAuditSink(self.keys)
+
+    def stores(self) -> Stores:
+        return Stores(self.kind, self.kind, self.keys, self.store, self.lease, self.audit)
+
+    def add_key_version(self) -> None:
+        pass
+
+    def snapshot(self, key):
+        import copy
+        return copy.copy(self.store._profiles[key])
+
+    def restore(self, key, snap) -> None:
+        self.store._profiles[key] = snap
 
     def other_process_acquires(self, key, run):
         other = self.lease.for_process()
@@ -133,16 +163,43 @@ class PgHarness:
     kind = "pg"
 
     def __init__(self, tmp: Path, url: str):
+        from sfguard.supervisor.profiles.pg_audit import PgAuditSink
         from sfguard.supervisor.profiles.pg_backend import PgBackend
         from sfguard.supervisor.profiles.pg_keys import PgKeyProvider
         from sfguard.supervisor.profiles.pg_lease import PgProfileLease
         from sfguard.supervisor.profiles.pg_store import PgProfileStore
         self.url = url
         self.backend = PgBackend(url, ttl=PG_TTL)
-        self.keys = PgKeyProvider(self.backend, os.urandom(32), "test key")
+        #: the operator's key file, by version (read again by the provider for a new version)
+        self.masters = {1: os.urandom(32)}
+        self.keys = PgKeyProvider(self.backend, dict(self.masters), "test key",
+                                  reload=lambda: dict(self.masters))
         self.store = PgProfileStore(self.backend, self.keys, tmp / "home", runtime=tmp / "run")
         self.lease = PgProfileLease(self.backend)
+        self.audit = PgAuditSink(self.backend, self.keys)
         self._procs: list[subprocess.Popen] = []
+
+    def stores(self) -> Stores:
+        return Stores(self.kind, self.kind, self.keys, self.store, self.lease, self.audit, self.backend)
+
+    def add_key_version(self) -> None:
+        """The operator puts the next master key into every host's key file."""
+        self.masters[max(self.masters) + 1] = os.urandom(32)
+
+    def snapshot(self, key):
+        with self.backend.conn() as conn:
+            return conn.execute("SELECT c.idx, c.data, p.key_version FROM sfguard_blob_chunks c JOIN "
+                                "sfguard_profiles p ON p.blob_id = c.blob_id WHERE p.scope = %s AND "
+                                "p.name = %s ORDER BY c.idx", (key.scope, key.name)).fetchall()
+
+    def restore(self, key, snap) -> None:
+        with self.backend.conn() as conn:
+            blob = conn.execute("SELECT nextval('sfguard_blob_ids')").fetchone()[0]
+            for idx, data, _v in snap:
+                conn.execute("INSERT INTO sfguard_blob_chunks (blob_id, idx, data) VALUES (%s, %s, %s)",
+                             (blob, idx, data))
+            conn.execute("UPDATE sfguard_profiles SET blob_id = %s, key_version = %s WHERE scope = %s "
+                         "AND name = %s", (blob, snap[0][2], key.scope, key.name))
 
     def other_process_acquires(self, key, run):
         proc = run_python(PG_HOLDER_SCRIPT, self.url, key.scope, key.name, run, str(PG_TTL))

@@ -176,8 +176,8 @@ def test_reordered_chunks_refused(sealed_file, tmp_path):
 
 def _seal_tar_bytes(tar_bytes: bytes, dest: Path) -> None:
     """Seal arbitrary tar bytes, as a holder of the key could (hostile archive content)."""
-    header, hdr = sealing._header("local", "shop", 4096)
-    aes = sealing._file_key(SECRET_KEY, bytes.fromhex(hdr["salt"]), "local", "shop")
+    header, hdr = sealing._header("local", "shop", 4096, 1)
+    aes = sealing._file_key(SECRET_KEY, hdr)
     with open(dest, "wb") as out:
         out.write(header)
         w = sealing._SealWriter(out, aes, bytes.fromhex(hdr["prefix"]),
