@@ -6,7 +6,7 @@ field is the dotted path of the offending input, e.g. `browser.allow_domains.2`.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
@@ -200,6 +200,9 @@ class StageReady(Answer):
     writes: dict[str, Literal["allow", "gate", "deny"]] = Field(default_factory=dict, description=(
         "the effective write mode per allowed host pattern (the stricter of browser.writes and "
         "the site policy), for the runner to tell the agent"))
+    approvals: list[dict[str, Any]] = Field(default_factory=list, description=(
+        "this stage's writes held for a person now: id, method, host, path, created, expires "
+        "(long-poll GET /v1/approvals?run=RUN&state=pending&wait=S for changes)"))
 
 
 class StageUser(Strict):

@@ -450,7 +450,9 @@ class Guard:
     def _stage_answer(self, run: Run, stage: Stage) -> dict[str, Any]:
         answer = stage.answer()
         if answer.get("state") == "ready":
-            answer = {**answer, "exec_prefix": stage_exec.exec_prefix(self, run.run_id, stage.stage_id)}
+            answer = {**answer, "exec_prefix": stage_exec.exec_prefix(self, run.run_id, stage.stage_id),
+                      "approvals": [a for a in self.approvals.pending_for(run.run_id)
+                                    if a["stage_id"] == stage.stage_id]}
         return answer
 
     async def stage_exec(self, run_id: str, stage_id: str) -> dict[str, Any]:

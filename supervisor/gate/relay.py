@@ -35,6 +35,9 @@ _TARGET_EVENTS = frozenset({
 _conn_numbers = itertools.count(1)
 _INSPECTED_REPLIES = frozenset({"Target.createTarget", "Target.getTargets",
                                 "Target.getTargetInfo", "Target.attachToTarget"})
+#: commands to a tab whose navigation the write gate holds that the browser answers itself
+#: (the rest wait in Chromium until the navigation commits: the gate answers them at once)
+WHILE_HELD = frozenset({"Page.captureScreenshot"})
 
 
 class Relay:
@@ -101,6 +104,12 @@ class Relay:
                     await self._out(json.dumps(policy.refusal_message(
                         data.get("id"), method or "<malformed>", reason, data.get("sessionId"))))
                 continue
+            waiting = self._held(data)
+            if waiting is not None:   # at once, not after Chromium's hold ends (or 30 s of nothing)
+                await self._out(json.dumps({"id": data["id"], **({"sessionId": data["sessionId"]}
+                                                                  if data.get("sessionId") else {}),
+                                            "error": {"code": -32000, "message": waiting}}))
+                continue
             if method in _INSPECTED_REPLIES:
                 self.pending[key] = method
                 self.pending_ids[data["id"]] += 1
@@ -125,6 +134,26 @@ class Relay:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.no_creates.wait(), CONNECT_TIMEOUT_S)
         await self.upstream.close()
+
+    def _held(self, data: dict) -> str | None:
+        """The write gate's answer for a command to a tab whose navigation it holds (or for
+        closing that tab), else None. Chromium would keep such a command until the navigation
+        commits, and the stage's client gives up on the tab after 30 s ("page_wedged"); the
+        browser's own picture of the tab is still taken (`WHILE_HELD`)."""
+        writes = self.upstream.pipe.writes
+        if writes is None or not writes.held_tabs:
+            return None
+        sid = data.get("sessionId")
+        if sid is not None:
+            if data.get("method") in WHILE_HELD:
+                return None
+            target = self.ctx.own_sessions.get(sid)
+        elif data.get("method") == "Target.closeTarget":
+            target = (data.get("params") or {}).get("targetId")
+        else:
+            return None
+        answer = writes.held_navigation(target)
+        return answer if isinstance(answer, str) else None
 
     # Chrome -> client
     async def _upstream_to_client(self) -> None:

@@ -24,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from sfguard.errors import SfguardError
 from sfguard.supervisor.home import FILE_MODE, atomic_file, private_dir
 from sfguard.supervisor.states import APPROVAL_TRANSITIONS, ApprovalState
-from sfguard.supervisor.writes.held import HeldWrite, WriteOutcome, new_approval_id
+from sfguard.supervisor.writes.held import HeldWrite, WriteOutcome, hidden_query, new_approval_id
 from sfguard.supervisor.writes.masking import MASK, mask_form
 
 log = logging.getLogger("sfguard.writes")
@@ -50,23 +50,6 @@ class ApprovalNotFound(SfguardError):
 
 class ApprovalDecided(SfguardError):
     pass
-
-
-def hidden_query(url: str) -> str:
-    """For logs and records: scheme, host, port and path, the query's names with their values
-    hidden (`?id=...&t=...`), no user info, no fragment."""
-    try:
-        p = urlsplit(url)
-        netloc = p.hostname or ""
-        if ":" in netloc:
-            netloc = f"[{netloc}]"
-        if p.port is not None:
-            netloc += f":{p.port}"
-    except ValueError:
-        return "(unreadable address)"
-    names = [k for k, _ in parse_qsl(p.query, keep_blank_values=True)][:20]
-    query = ("?" + "&".join(f"{k[:40]}=..." for k in names)) if names else ("?..." if p.query else "")
-    return f"{p.scheme}://{netloc}{p.path}{query}"
 
 
 def shown_url(url: str) -> str:

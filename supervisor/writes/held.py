@@ -10,6 +10,24 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 from typing import Protocol
+from urllib.parse import parse_qsl, urlsplit
+
+
+def hidden_query(url: str) -> str:
+    """For logs and records: scheme, host, port and path, the query's names with their values
+    hidden (`?id=...&t=...`), no user info, no fragment."""
+    try:
+        p = urlsplit(url)
+        netloc = p.hostname or ""
+        if ":" in netloc:
+            netloc = f"[{netloc}]"
+        if p.port is not None:
+            netloc += f":{p.port}"
+    except ValueError:
+        return "(unreadable address)"
+    names = [k for k, _ in parse_qsl(p.query, keep_blank_values=True)][:20]
+    query = ("?" + "&".join(f"{k[:40]}=..." for k in names)) if names else ("?..." if p.query else "")
+    return f"{p.scheme}://{netloc}{p.path}{query}"
 
 
 def new_approval_id() -> str:

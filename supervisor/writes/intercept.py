@@ -43,7 +43,7 @@ from sfguard.policy.patterns import PatternError, parse_pattern
 from sfguard.policy.writes import WriteRules, WriteVerdict, effective, stricter
 from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.writes import tabs
-from sfguard.supervisor.writes.held import HeldWrite, WriteApprover, WriteOutcome, new_approval_id
+from sfguard.supervisor.writes.held import HeldWrite, WriteApprover, WriteOutcome, hidden_query, new_approval_id
 from sfguard.supervisor.writes.masking import shown_body, shown_headers
 
 log = logging.getLogger("sfguard.writes")
@@ -167,6 +167,10 @@ class WriteInterceptor:
         #: that attached last, and a retry's history is every stage's (`ctx`): fail closed.
         self.stages: dict[str, StageWrites] = {}
         self.owner: Callable[[Any], str | None] | None = None
+        #: tabs whose own navigation is held (target id -> what waits): Chromium holds every
+        #: DevTools message to a navigating frame until it commits, so the CDP gate answers the
+        #: stage's commands to such a tab itself (`held_navigation`) instead of letting them hang
+        self.held_tabs: dict[str, dict[str, str]] = {}
         self.set_modes(ctx.modes)
 
     @property
@@ -281,10 +285,40 @@ class WriteInterceptor:
             {"name": "Cache-Control", "value": "no-store"}], body)
         self.record_decision(decision, method, host, port, path, verdict, who, approval=approval)
 
+    def held_navigation(self, target_id: object) -> str | None:
+        """What a stage is told when it sends a command to a tab whose navigation is held (the
+        CDP gate answers with it at once), or None when nothing of that tab waits."""
+        held = self.held_tabs.get(target_id) if isinstance(target_id, str) else None
+        if held is None:
+            return None
+        return (f"write_held: approval {held['approval']} waits for a person ({held['request']}); this tab "
+                f"keeps the page it was on ({held['page']}) and goes on once the write is decided. "
+                "Take a screenshot and report it; do not send the write another way, and do not close "
+                "or navigate this tab (docs/SKILL.md)")
+
     async def _hold(self, rid: Any, params: dict, method: str, url: str, host: str, port: int, path: str,
                     verdict: WriteVerdict, who: StageWrites, tab: dict | None) -> None:
-        shot, tab_url, secret_inputs = await tabs.capture(self.pipe, tabs.shown_tab(self.pipe, tab, url))
         approval = new_approval_id()
+        target = str(tab.get("targetId")) if tab is not None else None
+        navigating = params.get("resourceType") == "Document" and target is not None \
+            and target == params.get("frameId")
+        if navigating and target is not None and tab is not None:
+            # the tab's own page is on its way out: the gate answers commands to it (see held_tabs)
+            self.held_tabs[target] = {"approval": approval, "request": f"{method} {hidden_query(url)}",
+                                      "page": hidden_query(str(tab.get("url") or ""))}
+        try:
+            await self._hold_until_decided(rid, params, method, url, host, port, path, verdict, who, tab,
+                                           approval, navigating)
+        finally:
+            if target is not None:
+                self.held_tabs.pop(target, None)
+
+    async def _hold_until_decided(self, rid: Any, params: dict, method: str, url: str, host: str, port: int,
+                                  path: str, verdict: WriteVerdict, who: StageWrites, tab: dict | None,
+                                  approval: str, navigating: bool) -> None:
+        # a navigating tab cannot be read (its messages wait for the commit): its picture only
+        shot, tab_url, secret_inputs = await tabs.capture(self.pipe, tabs.shown_tab(self.pipe, tab, url),
+                                                          read_inputs=not navigating)
         held = self.held_write(params, method, url, host, path, verdict, who, port=port, screenshot=shot,
                                tab_url=tab_url, password_fields=secret_inputs, approval_id=approval)
         self.record_decision("held", method, host, port, path, verdict, who, approval=approval)

@@ -86,9 +86,12 @@ PASSWORD_FIELDS = ("(() => { const out = []; const walk = d => { for (const e of
                    " return out.filter(Boolean).slice(0, 50); })()")
 
 
-async def capture(pipe: Any, tab: dict | None) -> tuple[bytes | None, str | None, tuple[str, ...]]:
-    """A PNG of `tab`, its address and the names of its password inputs. (None, address, ())
-    when it cannot be captured within CAPTURE_SECONDS."""
+async def capture(pipe: Any, tab: dict | None,
+                  read_inputs: bool = True) -> tuple[bytes | None, str | None, tuple[str, ...]]:
+    """A PNG of `tab`, its address and (`read_inputs`) the names of its password inputs. (None,
+    address, ()) when it cannot be captured within CAPTURE_SECONDS. A tab whose own navigation
+    is held cannot be read (Chromium holds every DevTools message to it until the navigation
+    commits, measured on Chromium 156): its picture is the browser's, its inputs are not read."""
     if tab is None:
         return None, None, ()
     url = str(tab.get("url") or "") or None
@@ -102,6 +105,8 @@ async def capture(pipe: Any, tab: dict | None) -> tuple[bytes | None, str | None
                 shot = await cdp.call("Page.captureScreenshot", {"format": "png"}, session=sid)
                 names: tuple[str, ...] = ()
                 with contextlib.suppress(CdpCallError, TimeoutError, KeyError):
+                    if not read_inputs:
+                        return base64.b64decode(shot.get("data") or ""), url, names
                     res = await cdp.call("Runtime.evaluate", {"expression": PASSWORD_FIELDS, "returnByValue": True},
                                          session=sid, timeout=2)
                     value = (res.get("result") or {}).get("value")
