@@ -156,8 +156,7 @@ class Guard:
         self._rotate: asyncio.Task[None] | None = None
         # reseals and lease releases a full disk put off (supervisor/daemon/deferred.py)
         self.deferred = Deferred(self.stores, self.calls)
-        # write gates: held writes wait for a person here; decided ones are kept as long as the
-        # decision log's lines that name them (supervisor/writes/approvals.py)
+        # held writes wait here; decided ones are kept as long as the decision lines naming them
         self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields), notify=self.notify,
                                    folder=self.home / "approvals",
                                    keep_seconds=self.log_retention.max_age_s * (self.log_retention.keep + 1))

@@ -24,6 +24,7 @@ from sfguard.supervisor.daemon.runs import (
 from sfguard.supervisor.errors import BrowserStartError, swallowed
 from sfguard.supervisor.procs import terminate_recorded
 from sfguard.supervisor.profiles import rotation, store_ops
+from sfguard.supervisor.writes.modes import stage_left
 
 if TYPE_CHECKING:
     from sfguard.supervisor.browsers.host import BrowserHost
@@ -86,6 +87,8 @@ class Teardown:
         browser = run.browsers.get(stage.browser_key or "")
         if browser is not None:
             browser.stages.discard(stage.stage_id)
+            with swallowed(log, f"stage {stage.stage_id}: its browser's write gate without it"):
+                stage_left(run, browser)
             if browser.profile is None:
                 problems += await self.close_browser(run, browser)
             elif run.proxy is not None and browser.client in run.proxy.clients:

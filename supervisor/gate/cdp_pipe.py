@@ -38,10 +38,12 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from sfguard.errors import SfguardError
+from sfguard.supervisor.gate.cdp_session import CdpCallError, CdpSession, PipeClosed
 from sfguard.supervisor.gate.warden import TargetWarden
 
 log = logging.getLogger("sfguard.cdp_pipe")
+
+__all__ = ["CdpCallError", "CdpPipe", "CdpSession", "PipeClient", "PipeClosed", "m_end"]
 
 #: Largest message accepted from the browser (a full-page screenshot stays far below).
 MAX_MESSAGE = 256 * 1024 * 1024
@@ -50,6 +52,8 @@ MAX_MESSAGE = 256 * 1024 * 1024
 #: request with ERR_INVALID_AUTH_CREDENTIALS), so every request pauses at its start and is let
 #: go at once (_answer_fetch); challenges get the credential.
 FETCH_ENABLE = {"handleAuthRequests": True, "patterns": [{"urlPattern": "*"}]}
+#: A Fetch pattern no address matches: interception on, nothing new paused (see apply_write_patterns)
+HOLD_ONLY = {"urlPattern": "sfguard-hold-only:*"}
 #: Seconds without a new proxy challenge, after one was answered, before Fetch is switched off.
 #: The parallel requests of a first page load each get their challenge within milliseconds
 #: (they started before the credential was cached); later ones carry it from the cache.
@@ -57,14 +61,6 @@ FETCH_QUIET = 1.0
 _REPLY_ID_RE = re.compile(r'^\{"id":(\d+)([,}])')
 _TARGET_LIST_EVENTS = frozenset({"Target.targetCreated", "Target.targetInfoChanged",
                                  "Target.targetDestroyed", "Target.targetCrashed"})
-
-
-class PipeClosed(SfguardError):
-    """The browser's pipe is closed (the browser exited or crashed)."""
-
-
-class CdpCallError(SfguardError):
-    """A CDP command answered with an error (the browser's message, no secrets)."""
 
 
 class PipeClient:
@@ -95,64 +91,6 @@ class PipeClient:
         self.closed = True
         self.queue.put_nowait(None)
         await self.pipe._client_closed(self)
-
-
-class CdpSession:
-    """A request/response helper on top of a PipeClient, for the guard's own work (login check,
-    closing tabs, warm-up). Events go to `events` (a queue of dicts)."""
-
-    def __init__(self, client: PipeClient) -> None:
-        self.client = client
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
-        self.events: asyncio.Queue[dict] = asyncio.Queue()
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        try:
-            while (text := await self.client.recv()) is not None:
-                try:
-                    data = json.loads(text)
-                except ValueError:
-                    continue
-                if "id" in data:
-                    fut = self._pending.pop(data["id"], None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(data)
-                else:
-                    self.events.put_nowait(data)
-        finally:
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(PipeClosed("the browser closed its DevTools pipe"))
-            self._pending.clear()
-            self.events.put_nowait({})     # an empty event: the session has ended
-
-    async def call(self, method: str, params: dict | None = None, *, session: str | None = None,
-                   timeout: float | None = 30.0) -> dict:
-        if self.client.closed or self.client.pipe.closed.is_set():
-            raise PipeClosed("the browser closed its DevTools pipe")
-        msg_id = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[msg_id] = fut
-        msg: dict[str, Any] = {"id": msg_id, "method": method, "params": params or {}}
-        if session:
-            msg["sessionId"] = session
-        await self.client.send(msg)
-        try:
-            reply = await asyncio.wait_for(fut, timeout)
-        finally:
-            self._pending.pop(msg_id, None)
-        if "error" in reply:
-            err = reply["error"] if isinstance(reply["error"], dict) else {}
-            raise CdpCallError(f"{method}: {str(err.get('message', 'error'))[:200]}")
-        return reply.get("result") or {}
-
-    async def close(self) -> None:
-        await self.client.close()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._reader
 
 
 class CdpPipe:
@@ -515,6 +453,10 @@ class CdpPipe:
         if self.closed.is_set() or self.fetch_on:
             return
         patterns = self.writes.patterns() if self.writes is not None else []
+        if not patterns and self.writes is not None and self.writes.holding():
+            # Fetch.disable lets every paused request go (measured): a held write would be
+            # sent unapproved. Interception stays on, naming nothing, until none is held.
+            patterns = [HOLD_ONLY]
         with contextlib.suppress(PipeClosed):
             if patterns:
                 self._fire("Fetch.enable", {"handleAuthRequests": False, "patterns": patterns})

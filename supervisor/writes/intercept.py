@@ -171,6 +171,7 @@ class WriteInterceptor:
         #: DevTools message to a navigating frame until it commits, so the CDP gate answers the
         #: stage's commands to such a tab itself (`held_navigation`) instead of letting them hang
         self.held_tabs: dict[str, dict[str, str]] = {}
+        self._holding = 0                  # requests paused until a person decides
         self.set_modes(ctx.modes)
 
     @property
@@ -285,6 +286,11 @@ class WriteInterceptor:
             {"name": "Cache-Control", "value": "no-store"}], body)
         self.record_decision(decision, method, host, port, path, verdict, who, approval=approval)
 
+    def holding(self) -> bool:
+        """True while a request waits for a person (the pipe must not turn interception off:
+        Fetch.disable would let it go)."""
+        return self._holding > 0
+
     def held_navigation(self, target_id: object) -> str | None:
         """What a stage is told when it sends a command to a tab whose navigation is held (the
         CDP gate answers with it at once), or None when nothing of that tab waits."""
@@ -306,12 +312,16 @@ class WriteInterceptor:
             # the tab's own page is on its way out: the gate answers commands to it (see held_tabs)
             self.held_tabs[target] = {"approval": approval, "request": f"{method} {hidden_query(url)}",
                                       "page": hidden_query(str(tab.get("url") or ""))}
+        self._holding += 1
         try:
             await self._hold_until_decided(rid, params, method, url, host, port, path, verdict, who, tab,
                                            approval, navigating)
         finally:
+            self._holding -= 1
             if target is not None:
                 self.held_tabs.pop(target, None)
+            if not self._holding:
+                self.pipe.apply_write_patterns()    # interception kept on for it may end now
 
     async def _hold_until_decided(self, rid: Any, params: dict, method: str, url: str, host: str, port: int,
                                   path: str, verdict: WriteVerdict, who: StageWrites, tab: dict | None,

@@ -68,10 +68,7 @@ def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: flo
 
     pipe = browser.anchor.pipe
     current = pipe.writes
-    modes = dict(current.ctx.modes) if current is not None else {}
-    for pattern, mode in stage.write_modes.items():
-        modes[pattern] = mode if pattern not in modes else max(
-            (modes[pattern], mode), key=("allow", "gate", "deny").index)
+    modes = browser_modes(run, browser, stage)
     # replay_safe: false: every write of the stage is watched; once one was sent, a retry's are held
     replay_unsafe = not getattr(stage, "replay_safe", True)
     history = run.released_writes.setdefault(stage.stage_id, [])
@@ -104,6 +101,31 @@ def guard_writes(run: Any, browser: Any, stage: Any, approver: Any, timeout: flo
     current.ctx.earlier = next((sw.earlier for sw in current.stages.values() if sw.earlier), ())
     current.released = history          # what this attempt sends is the next attempt's `earlier`
     pipe.apply_write_patterns()
+
+
+def browser_modes(run: Any, browser: Any, stage: Any = None) -> dict[str, str]:
+    """The write mode per host pattern of a browser: the strictest of the stages that use it now
+    (`stage` too), whichever of them names the pattern. A write follows its host, whoever sends it."""
+    modes: dict[str, str] = {}
+    users = [run.stages[sid] for sid in sorted(browser.stages) if sid in run.stages]
+    for st in users + ([stage] if stage is not None and stage not in users else []):
+        for pattern, mode in st.write_modes.items():
+            modes[pattern] = stricter(modes.get(pattern, "allow"), mode)
+    return modes
+
+
+def stage_left(run: Any, browser: Any) -> None:
+    """A stage left the browser (it ended): the write gate keeps the modes of the stages that
+    are still there, and the browser's interception and WebSocket rules follow."""
+    from sfguard.supervisor.writes.websockets import schedule_websockets  # noqa: PLC0415
+    pipe = getattr(browser.anchor, "pipe", None) if browser.anchor is not None else None
+    writes = getattr(pipe, "writes", None) if pipe is not None else None
+    if pipe is None or writes is None:
+        return
+    writes.stages = {sid: sw for sid, sw in writes.stages.items() if sid in browser.stages}
+    writes.set_modes(browser_modes(run, browser))
+    pipe.apply_write_patterns()
+    schedule_websockets(browser.anchor)
 
 
 def rewire_writes(runs: Any, site_policy: Any, approver: Any, timeout: float,

@@ -416,3 +416,28 @@ async def test_a_write_filed_under_a_type_the_gate_does_not_pause_is_refused_by_
             assert await gate_.matched("https://b.test/w/x", rtype, "post") == [], rtype
     finally:
         await real_rig.host.close_anchor(anchor)
+
+
+@pytest.mark.browser
+async def test_a_write_held_while_the_gate_loosens_still_waits_for_its_person(guarded):
+    """When every host's mode turns to allow (a stage that gated it ended, a floor loosened by a
+    live edit) while a write is held, the held write is not let go: turning interception off
+    (Fetch.disable) would send it unapproved (measured), so the pipe keeps interception on,
+    naming nothing, until no write is held."""
+    anchor, site = guarded
+    approver = FakeApprover("manual")
+    w = gate(anchor, "gate", approver)
+    tab = await fresh_tab(anchor, site)
+    n = len(site.got)
+    await run(tab, WAYS["fetch"][0])
+    assert await until(lambda: bool(approver.asked))
+    w.set_modes({"a.test": "allow", "b.test": "allow"})
+    anchor.pipe.apply_write_patterns()
+    await asyncio.sleep(2.0)
+    assert [g for g in site.got[n:] if g[1] != "GET"] == []        # still held
+    assert approver.decide_all(False) == 1
+    await asyncio.sleep(1.0)
+    assert [g for g in site.got[n:] if g[1] != "GET"] == []        # denied: never sent
+    # no write held any more: interception is off, a write to b.test (now allow) is sent
+    await run(tab, WAYS["xhr"][0])
+    assert await until(lambda: any(g[1] == "PUT" for g in site.got[n:]))

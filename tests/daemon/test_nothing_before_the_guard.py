@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from sfguard.supervisor.browsers import tools
-from sfguard.supervisor.profiles.keys import default_key_provider
+from sfguard.supervisor.profiles.keys import FileKeyProvider
 from sfguard.supervisor.profiles.local_store import LocalProfileStore
 from sfguard.supervisor.protocols import ProfileKey
 
@@ -118,7 +118,8 @@ def prepared(tmp_path_factory):
     policy = tmp / "sites.yaml"
     policy.write_text(f"version: 1\nmode: enforce\nports: [80, 443, {port}]\nblock: []\nallow_always: [wg.test]\n"
                       "private_networks:\n  allow: [127.0.0.1/32]\n")
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT),
+           "SFGUARD_KEY_PROVIDER": "file"}
     d = Daemon((tmp / "home").absolute(), env, tmp / "daemon.log")
     d.start("--policy", str(policy), "--resolve", "wg.test=127.0.0.1")
     assert d.call("POST", "/v1/runs", {"run_id": "r0"})[0] == 201          # the profile exists
@@ -128,7 +129,7 @@ def prepared(tmp_path_factory):
     d.stop()
     # as a person or an earlier run would leave it: the hostile page open (a saved session),
     # start-up pages, a crash, and an extension loaded in developer mode
-    store = LocalProfileStore(d.home, default_key_provider(d.home))
+    store = LocalProfileStore(d.home, FileKeyProvider(d.home))     # the guard's (SFGUARD_KEY_PROVIDER=file)
     key = ProfileKey("local", "acct")
     unsealed = store.open(key)
     site_page = f"http://wg.test:{port}/hostile"

@@ -8,6 +8,7 @@ attempt); a live-view login handoff gives `handoff_waiting`, shows in status and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def test_held_writes_and_handoffs_reach_the_operator(real_daemon, site):
     held = hooks.wait("write_held")[0].event
     assert {k: held[k] for k in ("approval", "run", "stage", "profile", "site", "method", "path", "why")} == {
         "approval": ap["id"], "run": "p1", "stage": "s1", "profile": "acct", "site": "site-a.test",
-        "method": "POST", "path": "/login", "why": "gate"}, held
+        "method": "POST", "path": "/login", "why": "stage_mode"}, held
     console = d.call("GET", "/v1/status")[1]["console"]["url"]
     assert held["link"] == f"{console}/approvals#{ap['id']}"
 
@@ -76,7 +77,9 @@ def test_held_writes_and_handoffs_reach_the_operator(real_daemon, site):
     assert hooks.events("write_denied") == []
     hooks.up()
     denied = hooks.wait("write_denied", bound=60)[0].event
-    assert (denied["approval"], denied["decided_by"], denied["reason"]) == (ap["id"], "api", "not tonight")
+    import pwd
+    me = f"user:{pwd.getpwuid(os.getuid()).pw_name}"        # the control socket's caller
+    assert (denied["approval"], denied["decided_by"], denied["reason"]) == (ap["id"], me, "not tonight")
     last = d.call("GET", "/v1/status")[1]["notifications"]["webhooks"][0]["last"]
     assert last["event"] == "write_denied" and last["result"] == "delivered" and last["attempts"] >= 2, last
     assert d.call("GET", "/v1/status")[1]["approvals"] == []
