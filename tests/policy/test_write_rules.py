@@ -141,6 +141,11 @@ def test_explain_with_a_method_names_the_write_rule(tmp_path):
                    "--policy", str(tmp_path / "sites.yaml"))
     write = json.loads(proc.stdout)["write"]
     assert (write["write"], write["mode"], write["reason"]) == (True, "deny", "stage_mode")
+    # a listed GET in a spelling the server routes to it: caught, with the entry that names it
+    proc = sfguard("policy", "explain", "news.example", "--allow", "news.example", "--json",
+                   "--method", "GET", "--path", "/%73ignout/", "--policy", str(tmp_path / "sites.yaml"))
+    write = json.loads(proc.stdout)["write"]
+    assert (write["write"], write["reason"], write["line"]) == (True, "site_write_get", 18), write
     # a denied host has no write verdict: nothing is sent at all
     proc = sfguard("policy", "explain", "www.bank.example:443", "--json", "--method", "POST",
                    "--policy", str(tmp_path / "sites.yaml"))
@@ -157,10 +162,12 @@ cases:
   - {host: news.example, allow: news.example, expect: allow, method: GET, path: /signout,
      writes: deny, expect_write: deny}
   - {host: shop.example, allow: shop.example, expect: allow, method: POST, expect_write: allow, name: loosened}
+  - {host: news.example, allow: news.example, expect: allow, method: GET, path: "/signout;x", writes: gate,
+     expect_write: gate, name: a listed GET as the server routes it}
 """)
     proc = sfguard("policy", "test", str(tmp_path / "cases.yaml"))
     assert proc.returncode == 1
-    assert "3 passed, 1 failed" in proc.stdout + proc.stderr
+    assert "4 passed, 1 failed" in proc.stdout + proc.stderr
     assert "cases.yaml:7: shop.example [loosened]: expected allow, POST / allow" in proc.stdout + proc.stderr
     assert "POST / deny (site_floor, rule sites.yaml:12 writes shop.example, 10.0.0.0/8)" in proc.stdout + proc.stderr
     (tmp_path / "bad.yaml").write_text("policy: sites.yaml\ncases:\n"
