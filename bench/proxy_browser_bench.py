@@ -36,8 +36,9 @@ browser with no gated or denied host costs against plain Chromium behind the sam
 (target, issue 45: <= 1.05x). `direct-fetch-idle` is a direct browser with Fetch on and a pattern no
 URL matches: nothing pauses, so direct-fetch-idle / direct is what interception being on costs
 every request, the floor under guard-gated / guard (docs/threat-model.md, "Cost, measured").
-`direct-noext` is the direct launch with that extension uninstalled again: direct /
-direct-noext is what the extension costs every guarded browser.
+`direct-noext` is the direct launch without that extension (`AnchorSpec.guard_extension`
+False: `--disable-extensions`, the benchmark's baseline only): direct / direct-noext is what the
+extension costs every guarded browser.
 After the page loads, the gated browser's page POSTs `--releases` times; each write is held in
 the approvals store (supervisor/writes/approvals.py) and approved by the benchmark; the time
 from the approval to the origin receiving the request is printed (p50 target: <= 100 ms).
@@ -90,7 +91,7 @@ from sfguard.supervisor.daemon.run_proxy import RunProxy  # noqa: E402
 from sfguard.supervisor.gate.cdp_pipe import FETCH_ENABLE  # noqa: E402
 from sfguard.supervisor.writes.approvals import Approvals  # noqa: E402
 from sfguard.supervisor.writes.intercept import WriteContext, WriteInterceptor  # noqa: E402
-from sfguard.supervisor.writes.websockets import EXTENSION_ID, guard_websockets  # noqa: E402
+from sfguard.supervisor.writes.websockets import guard_websockets  # noqa: E402
 
 GIF = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///ywAAAAAAQABAAACAUwAOw==")
 LOAD_TIMEOUT = 30.0
@@ -319,15 +320,11 @@ async def bench(args, tmp: Path, ports: list[int], origins: dict[tuple[str, str]
         for name, proxy_url in browsers:
             anchor = await host.launch_anchor(AnchorSpec(
                 session=f"bb-{name}-{os.getpid()}", socket_dir=tmp / "s", config_path=tmp / "cfg.json",
-                browser_path=browser, proxy_url=proxy_url, allow_direct=proxy_url is None,
-                temp_root=tmp / "w"))
+                browser_path=browser, proxy_url=proxy_url, allow_direct=True,
+                temp_root=tmp / "w", guard_extension=name not in ("direct-noext", "guard-noext")))
             anchors[name] = anchor
             # the https origins are self-signed: every browser alike ignores certificate errors
             await anchor.pipe.call("Security.setIgnoreCertificateErrors", {"ignore": True})
-            if name in ("direct-noext", "guard-noext"):
-                # the guard's extension (loaded by every launch: its service-worker rule) taken
-                # out again: direct / direct-noext is what the extension costs every browser
-                await anchor.pipe.call("Extensions.uninstall", {"id": EXTENSION_ID})
             if name == "direct-fetch-idle":
                 # Fetch on with a pattern no URL matches: nothing pauses; what interception
                 # being on at all costs (the floor under any write gate that holds in Fetch)

@@ -71,6 +71,9 @@ class AnchorSpec:
     allow_direct: bool = False
     #: the title of a headed browser's window (xdisplay.window_title: profile, site)
     window_title: str | None = None
+    #: False: no extension at all, the guard's own neither (only with `allow_direct`: the
+    #: benchmark's plain-browser baseline). A guarded browser always carries the guard's.
+    guard_extension: bool = True
 
 
 @dataclass
@@ -251,8 +254,8 @@ agent-browser sessions attached to the CDP gate."""
     # ---- anchors
 
     async def launch_anchor(self, spec: AnchorSpec) -> Anchor:
-        if spec.proxy_url is None and not spec.allow_direct:
-            raise AnchorError("refusing to launch a browser without the run's proxy")
+        if (spec.proxy_url is None or not spec.guard_extension) and not spec.allow_direct:
+            raise AnchorError("refusing to launch a browser without the run's proxy or the guard's extension")
         if spec.headed and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
             raise AnchorError("a headed browser needs a display, but neither DISPLAY nor "
                               "WAYLAND_DISPLAY is set (run headless, or start the guard in a desktop session)")
@@ -297,7 +300,8 @@ agent-browser sessions attached to the CDP gate."""
             # the write gate's WebSocket extension (loaded only once a host's writes are guarded):
             # the guard's files, readable by the browser user, beside the HOME or in the socket dir
             private = temp_profile or user is not None or bool(self.ca)
-            ext_dir = websockets.extension_dir(work if private else socket_dir, user.gid if user else None)
+            ext_dir = websockets.extension_dir(work if private else socket_dir, user.gid if user else None) \
+                if spec.guard_extension else None
         except (HomeError, OSError, trust.TrustError) as exc:
             if profile_dir is not None:
                 self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
@@ -337,8 +341,9 @@ agent-browser sessions attached to the CDP gate."""
             blank_tab = await _start_up_tab(pipe)
             # the guard's extension and its rules, before any page loads: no service worker can
             # be registered in this browser (writes/websockets.py)
-            pipe.websockets = websockets.WebSocketGate(pipe, ext_dir)
-            await pipe.websockets.apply(websockets.dnr_rules(None))
+            if ext_dir is not None:
+                pipe.websockets = websockets.WebSocketGate(pipe, ext_dir)
+                await pipe.websockets.apply(websockets.dnr_rules(None))
         except (OSError, CdpCallError, PipeClosed, TimeoutError, BrowserStartError) as exc:
             what = "did not answer in time" if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) \
                 else ("exited during start" if isinstance(exc, PipeClosed) else str(exc))

@@ -49,6 +49,7 @@ set_guard_prefs), so a sealed profile never loads it by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -286,8 +287,9 @@ class WebSocketGate:
                     sid = await self._attach_worker(cdp, set())
                 else:
                     self.step = "loading the extension" + (f" (attempt {attempt})" if attempt > 1 else "")
-                    if attempt > 1:
-                        await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
+                    if attempt > 1:   # the one the command line loaded cannot be: it is loaded again
+                        with contextlib.suppress(CdpCallError):
+                            await cdp.call("Extensions.uninstall", {"id": EXTENSION_ID}, timeout=LOAD_TIMEOUT)
                     stale = set(self._worker_targets())
                     await self._load(cdp)
                     self.step = "attaching to its worker"
