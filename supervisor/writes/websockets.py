@@ -9,9 +9,10 @@ frames and dedicated workers, so a page or a renderer it took over cannot skip i
 
 So the guard owns one small extension per browser (this module writes its two files into a folder
 of the anchor; `host.launch_anchor` makes it): no content scripts, no host permissions, nothing a
-page can message. It is loaded over the guard's own DevTools pipe (`Extensions.loadUnpacked`;
-Chromium allows it only on a pipe and with `--enable-unsafe-extension-debugging`) when the
-browser starts, before any page loads. The guard keeps a session on the extension's service
+page can message. The browser loads it at start, before any page, as the only extension it
+may load (`--disable-extensions-except`, chromium.chromium_args); over the guard's own DevTools
+pipe (`Extensions.loadUnpacked`, allowed only on a pipe and with
+`--enable-unsafe-extension-debugging`) when its worker does not show. The guard keeps a session on the extension's service
 worker (an attached DevTools session also keeps the worker alive) and replaces its *session*
 rules (kept in memory by the browser, gone when it closes, never written into the profile) with
 one block rule per guarded host pattern, resource type `websocket`:
