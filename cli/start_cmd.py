@@ -344,9 +344,7 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
         site = web.TCPSite(tcp_runner, "127.0.0.1", tcp_port)
         await site.start()
         # the port it listens on (--tcp 0: one the system chose), for the banner and status
-        server = site._server
-        sockets = getattr(server, "sockets", None) or ()
-        port = sockets[0].getsockname()[1] if sockets else tcp_port
+        port = int(tcp_runner.addresses[0][1]) if tcp_runner.addresses else tcp_port
         guard.listening(api_tcp_port=port)
         lines.append(f"sfguard: API on http://127.0.0.1:{port} (bearer token in {token_path})"
                      if token_path else f"sfguard: API on http://127.0.0.1:{port} (bearer token: {token})")

@@ -107,7 +107,7 @@ def redact(text: str) -> str:
 
 def redact_record(record: logging.LogRecord) -> logging.LogRecord:
     """Mask a record in place (idempotent): message, args, exception, stack and extras."""
-    if getattr(record, "_sfguard_redacted", False):
+    if getattr(record, "sfguard_redacted", False):
         return record
     try:
         message = record.getMessage()
@@ -128,7 +128,7 @@ def redact_record(record: logging.LogRecord) -> logging.LogRecord:
             setattr(record, name, redact(value))
         elif name not in _STD_ATTRS and isinstance(value, (dict, list, tuple)):
             setattr(record, name, redact(repr(value)))
-    record._sfguard_redacted = True
+    record.sfguard_redacted = True   # masked once (a record passes several handlers)
     return record
 
 

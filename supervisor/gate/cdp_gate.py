@@ -111,7 +111,7 @@ class CdpGate:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
-        self._port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._port = int(self._runner.addresses[0][1])   # the port bound (0: the system's choice)
 
     async def stop(self) -> None:
         for key in list(self._stages):

@@ -1,51 +1,15 @@
-"""WebSocket upgrades to hosts whose writes are gated or refused: refused in the browser process.
+"""WebSocket upgrades to hosts whose writes are gated or refused, refused in the browser
+process; and the always-on rules of every guarded browser (no service worker, no write filed
+as a read). The guard owns one small extension per browser (`extension_dir` writes it; the
+browser loads it at start as the only extension it may load; `WebSocketGate` keeps a session on
+its worker and sets its declarativeNetRequest session rules: `dnr_rules`). Each refusal the
+extension reports is a `write_refused` line, reason `websocket_upgrade`.
 
-Every WebSocket upgrade is a write (policy/writes.py). The write gate of intercept.py cannot see
-one: measured on Chromium 156, browser-level Fetch does not pause a WebSocket handshake, and
-neither do page-level Fetch or `Network.setBlockedURLs`. What does stop one is the browser's own
-request filter for extensions, declarativeNetRequest (DNR): its rules are matched in the browser
-process (the handshake is proxied there for extensions), before anything is sent, for pages,
-frames and dedicated workers, so a page or a renderer it took over cannot skip it.
+    gate = WebSocketGate(pipe, ext_dir); await gate.apply(dnr_rules(pipe.writes))
+    await guard_websockets(anchor)      # in step with the browser's write gate
 
-So the guard owns one small extension per browser (this module writes its two files into a folder
-of the anchor; `host.launch_anchor` makes it): no content scripts, no host permissions, nothing a
-page can message. The browser loads it at start, before any page, as the only extension it
-may load (`--disable-extensions-except`, chromium.chromium_args); over the guard's own DevTools
-pipe (`Extensions.loadUnpacked`, allowed only on a pipe and with
-`--enable-unsafe-extension-debugging`) when its worker does not show. The guard keeps a session on the extension's service
-worker (an attached DevTools session also keeps the worker alive) and replaces its *session*
-rules (kept in memory by the browser, gone when it closes, never written into the profile) with
-one block rule per guarded host pattern, resource type `websocket`:
-
-  deny   refused: the page sees the socket fail (error, then close 1006); the site sees nothing;
-  gate   refused too, never held: approving one handshake would release an unbounded stream of
-         later frames in both directions that no person sees.
-
-declarativeNetRequest does not see a WebSocket that a service worker or a shared worker opens
-(measured: one reached a deny host). So a guarded browser has neither, whatever its hosts' modes
-(a host's mode can turn to gate by a live policy edit or a later stage, and a worker started
-before would outlive that):
-
-  shared workers  off by a launch flag (browsers/chromium.py `--disable-shared-workers`:
-                  `SharedWorker` is undefined in pages and frames, for http, blob: and data:);
-  service workers one more rule, always in force (WORKER_RULE): every request no tab made is
-                  refused. Measured on Chromium 156: a service worker's script and its requests
-                  carry tabId -1; pages, frames, dedicated workers, beacons, prefetches and their
-                  requests carry their tab's; so no page can register a service worker (also as
-                  a module, from a cached script or from another origin's frame), and nothing a
-                  page does otherwise is refused. A registration made before the rule would
-                  survive it: the rule is in force before any page loads, and the profile's
-                  `Service Worker` folder is removed before every start (chromium.set_guard_prefs).
-
-Holding such workers at their start through a browser-level auto-attach worked too, but any
-browser-level auto-attach made `window.open` hang its opener (measured on Chromium 156).
-
-Each refusal is reported by the extension (`onRuleMatchedDebug`, an unpacked extension's own
-feedback) on that session and logged like the other writes: `write_refused`, reason
-`websocket_upgrade`, host and path only. A stage cannot reach any of this: the CDP gate refuses
-the whole `Extensions` domain and shows a stage only its own tabs (cdp_policy.py). The extension's
-entry in the profile's preferences is removed before every start (browsers/chromium.py
-set_guard_prefs), so a sealed profile never loads it by itself.
+Why an extension, and what it does not see: docs/decisions/0024-websocket-gate-extension.md and
+docs/threat-model.md, "WebSocket upgrades".
 """
 from __future__ import annotations
 
