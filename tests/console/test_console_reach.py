@@ -81,6 +81,8 @@ def test_the_console_keeps_its_port_across_restarts(fake_guard):
     assert urlsplit(console_url(d.banner)).port == first
     d.stop()
     with socket.socket() as squatter:                  # someone else took the port meanwhile
+        # (as a server does: the guard's own closed connections may still be in TIME_WAIT)
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", first))
         squatter.listen()
         d.start()

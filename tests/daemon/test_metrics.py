@@ -164,9 +164,14 @@ def test_browser_and_proxy_restarts_are_counted(daemon):
     os.kill(browser_pid, signal.SIGKILL)
     wait(lambda: run()["browsers"][0]["restarts"] == 1, "the browser was not restarted")
     port = run()["proxy"]["port"]
+    def listens(p: psutil.Process) -> bool:
+        try:
+            return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                       for c in p.net_connections("tcp"))
+        except psutil.Error:      # a child that ended meanwhile (a command the guard ran)
+            return False
     tree = psutil.Process(d.proc.pid).children(recursive=True)
-    proxy = next(p for p in tree if any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                                        for c in p.net_connections("tcp")))
+    proxy = next(p for p in tree if listens(p))
     proxy.kill()
     wait(lambda: run()["proxy"]["restarts"] == 1 and run()["proxy"]["alive"], "the proxy was not restarted")
     fams = parse(scrape_unix(d)[2])

@@ -156,7 +156,10 @@ def prepared(tmp_path_factory):
     before = len(site.got)
     plain = Plain(copy)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not {"/w/boot/post", "/w/boot/tick"} <= {g.path for g in site.got[before:]}:
+    def seen() -> set[str]:
+        return {g.path for g in site.got[before:]}
+    while time.monotonic() < deadline and not ({"/w/boot/post", "/w/boot/tick"} <= seen()
+                                               and any(x.startswith("/ws/boot") for x in seen())):
         time.sleep(0.2)
     control = {g.path for g in site.got[before:]}
     plain.close()
