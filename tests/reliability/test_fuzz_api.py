@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfguard.supervisor.daemon.api import ROUTES, openapi_document
+from sfguard.supervisor.daemon.api import MAX_WAIT, ROUTES, openapi_document
 from tests.conftest import free_port
 from tests.daemon.conftest import fake_browser_for
 from tests.daemon.fake_cdp import FakeCdp
@@ -78,7 +78,7 @@ def api(tmp_path_factory):
 
 def raw(d, method: str, path: str, body: bytes | None = None,
         ctype: str = "application/json") -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=MAX_WAIT + 30)
     try:
         headers = {"Authorization": f"Bearer {d.token}"}
         if body is not None:
@@ -201,7 +201,8 @@ if HAVE_SCHEMATHESIS:
               suppress_health_check=list(HealthCheck))
     def test_schemathesis_every_route(api, case):
         resp = case.call(base_url=f"http://127.0.0.1:{api.port}",
-                         headers={"Authorization": f"Bearer {api.token}"}, timeout=60)
+                         headers={"Authorization": f"Bearer {api.token}"},
+                         timeout=MAX_WAIT + 30)  # a long-poll may answer only at wait=MAX_WAIT
         assert_error_shape_or_ok(resp.status_code, resp.content,
                                  f"{case.method} {case.formatted_path} {case.body!r:.200}")
 else:
