@@ -181,7 +181,7 @@ class RunsRoutes:
         rid, sid = self._rid(request), self._part(request, "sid", STAGE_RE)
         run, stage = self._ready_stage(rid, sid)
         if stage.state != StageState.READY or run.state != RunState.ACTIVE:
-            return self.server._render("message.html", 410, title="Nothing to watch", session=sess,
+            return self.server._render("message.html", 410, page="runs", title="Nothing to watch", session=sess,
                                        message=f"Stage {sid} of run {rid} is {stage.state}: only a running "
                                                "stage's tab can be watched.")
         if not await self._watched(sess, rid, sid):
@@ -279,7 +279,7 @@ class RunsRoutes:
         raise web.HTTPSeeOther(f"/runs/{rid}")
 
     def _refused(self, sess: Any, text: str, status: int = 409) -> web.StreamResponse:
-        return self.server._render("message.html", status, title="Not done", session=sess, message=text)
+        return self.server._render("message.html", status, page="runs", title="Not done", session=sess, message=text)
 
     async def end_run(self, request: web.Request) -> web.StreamResponse:
         got = await self._control(request)
