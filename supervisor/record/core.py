@@ -260,27 +260,30 @@ class RecordCore:
             return None
 
     # -- screenshots --------------------------------------------------------------------------
-    def shoot(self, run_id: str, stage_id: str | None, tab: str | None, why: str, cause: int | None) -> None:
+    def shoot(self, run_id: str, stage_id: str | None, tab: str | None, why: str, cause: int | None,
+              handoff: bool = False) -> None:
         """A picture of a stage's tab, in the background (never of a tab no stage owns, of a
-        browser in a login handoff, of a site recorded below full, or over the cap)."""
+        browser in a login handoff (`handoff`: the one picture as it opens), of a site recorded
+        below full, or over the cap)."""
         run = self.runs.get(run_id)
         st = run.stages.get(stage_id) if run is not None and stage_id else None
         if run is None or st is None or tab is None or st.pipe is None or self.settings.level != "full":
             return
         watcher = run.watchers.get(id(st.pipe))
-        if watcher is None or run.capped or run.profile_of.get(id(st.pipe), "") in run.paused:
+        if watcher is None or run.capped or (run.profile_of.get(id(st.pipe), "") in run.paused and not handoff):
             return
         st.last_shot, st.busy = time.monotonic(), 0
-        self.spawn(self._shoot(run, stage_id, st, watcher, tab, why, cause))
+        self.spawn(self._shoot(run, stage_id, st, watcher, tab, why, cause, handoff))
 
     async def _shoot(self, run: RunRec, stage_id: str | None, st: StageRec, watcher: TabWatcher, tab: str,
-                     why: str, cause: int | None) -> None:
+                     why: str, cause: int | None, handoff: bool = False) -> None:
         url = (st.pipe.targets.get(tab) or {}).get("url")
         if self.level(site(url)) != "full":
             return
         data = await watcher.capture(tab, self.settings.shot_quality)
         after = (st.pipe.targets.get(tab) or {}).get("url")
-        if data is None or self.level(site(after)) != "full" or run.profile_of.get(id(st.pipe), "") in run.paused:
+        paused = run.profile_of.get(id(st.pipe), "") in run.paused and not handoff
+        if data is None or self.level(site(after)) != "full" or paused:
             return
         await self.keep_shot(run, data, ".jpg", stage=stage_id, attempt=st.attempt, tab=tab[:8], why=why,
                              url=summary.address(after), cause=cause)

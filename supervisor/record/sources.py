@@ -29,9 +29,9 @@ AUDIT_KINDS = {"login_checked": "login_check", "handoff_opened": "handoff", "han
                "handoff_confirmed": "handoff", "handoff_closed": "handoff", "profile_leased": "lease",
                "profile_released": "lease", "profile_cleaned": "browser", "console_run_ended": "console",
                "console_stage_cancelled": "console", "console_browser_restarted": "console",
-               "console_stage_watched": "console"}
+               "console_stage_watched": "console", "console_signed_in": "console"}
 #: the fields of those records an entry shows (never a secret: the audit chain refuses them)
-AUDIT_FIELDS = ("profile", "stage", "host", "logged_in", "result", "outcome", "by", "mode", "removed")
+AUDIT_FIELDS = ("profile", "stage", "host", "logged_in", "result", "outcome", "by", "mode", "person", "removed")
 #: seconds within which a proxy decision or a navigation is linked to the command that asked
 LINK_S = 30.0
 
@@ -259,8 +259,8 @@ class Sources(RecordCore):
              if st.pipe is not None and run.profile_of.get(id(st.pipe)) == profile), None)
         st = run.stages.get(stage_id) if stage_id else None
         if event == "handoff_opened":
-            if st is not None:
-                self.shoot(run.run_id, stage_id, st.last_tab, "handoff_start", seq)
+            if st is not None:    # the stage's tab as the login starts (never the login's own tab)
+                self.shoot(run.run_id, stage_id, st.last_tab, "handoff_start", seq, handoff=True)
             run.paused.add(str(profile))      # a person logs in: no picture of that browser
         else:
             run.paused.discard(str(profile))
