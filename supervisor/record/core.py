@@ -40,6 +40,9 @@ MB = 1024 * 1024
 #: how often written entries are fsynced, interval screenshots looked at, old records pruned
 SYNC_S = 1.0
 PRUNE_S = 3600.0
+#: a load's or an interval's picture waits until the stage has been quiet this long (at most QUIET_MAX_S)
+QUIET_S = 0.3
+QUIET_MAX_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -249,8 +252,10 @@ class RecordCore:
         return self._write(run, entry)
 
     def _write(self, run: RunRec, entry: dict[str, Any]) -> int | None:
-        entry.setdefault("t", round(time.monotonic(), 4))
-        entry.setdefault("ts", now_ts())
+        if "t" not in entry:
+            entry["t"] = round(time.monotonic(), 4)
+        if "ts" not in entry:
+            entry["ts"] = now_ts()
         try:
             return run.writer.append(entry)[0]
         except OSError as exc:
@@ -261,10 +266,13 @@ class RecordCore:
 
     # -- screenshots --------------------------------------------------------------------------
     def shoot(self, run_id: str, stage_id: str | None, tab: str | None, why: str, cause: int | None,
-              handoff: bool = False) -> None:
+              handoff: bool = False, quiet: bool = False) -> None:
         """A picture of a stage's tab, in the background (never of a tab no stage owns, of a
         browser in a login handoff (`handoff`: the one picture as it opens), of a site recorded
-        below full, or over the cap)."""
+        below full, or over the cap). `quiet`: once the stage has sent nothing for QUIET_S (at
+        most QUIET_MAX_S): a capture holds the tab's renderer for milliseconds, and a stage
+        reads a page right after it loads; a picture of a tab that went on to another page
+        meanwhile is not taken (that page's own load takes one)."""
         run = self.runs.get(run_id)
         st = run.stages.get(stage_id) if run is not None and stage_id else None
         if run is None or st is None or tab is None or st.pipe is None or self.settings.level != "full":
@@ -273,11 +281,17 @@ class RecordCore:
         if watcher is None or run.capped or (run.profile_of.get(id(st.pipe), "") in run.paused and not handoff):
             return
         st.last_shot, st.busy = time.monotonic(), 0
-        self.spawn(self._shoot(run, stage_id, st, watcher, tab, why, cause, handoff))
+        self.spawn(self._shoot(run, stage_id, st, watcher, tab, why, cause, handoff, quiet))
 
     async def _shoot(self, run: RunRec, stage_id: str | None, st: StageRec, watcher: TabWatcher, tab: str,
-                     why: str, cause: int | None, handoff: bool = False) -> None:
+                     why: str, cause: int | None, handoff: bool = False, quiet: bool = False) -> None:
         url = (st.pipe.targets.get(tab) or {}).get("url")
+        if quiet:
+            until = time.monotonic() + QUIET_MAX_S
+            while time.monotonic() - st.last_t < QUIET_S and time.monotonic() < until:
+                await asyncio.sleep(QUIET_S / 2)
+            if (st.pipe.targets.get(tab) or {}).get("url") != url:
+                return
         if self.level(site(url)) != "full":
             return
         data = await watcher.capture(tab, self.settings.shot_quality)
@@ -306,4 +320,4 @@ class RecordCore:
         for run in list(self.runs.values()):
             for stage_id, st in list(run.stages.items()):
                 if st.ready and st.busy and st.last_tab and now - st.last_shot >= every:
-                    self.shoot(run.run_id, stage_id, st.last_tab, "interval", st.last_cmd)
+                    self.shoot(run.run_id, stage_id, st.last_tab, "interval", st.last_cmd, quiet=True)

@@ -37,6 +37,7 @@ class StageRec:
     busy: int = 0                  # commands since the last interval picture
     last_shot: float = 0.0
     last_cmd: int | None = None    # seq of its last command
+    last_t: float = 0.0            # when it sent its last command (monotonic)
 
 
 @dataclass

@@ -125,7 +125,7 @@ class Sources(RecordCore):
         if level == "off" or (level == "decisions" and not refused):
             self._mark(run, sites, level)
             return
-        st.pipe = pipe
+        st.pipe, st.last_t = pipe, t
         if target and tab_type == "page":
             st.last_tab = target
             watcher = run.watchers.get(id(pipe))
@@ -183,7 +183,7 @@ class Sources(RecordCore):
                              url=summary.address(url))
             if st is not None:
                 st.pipe = st.pipe or pipe
-                self.shoot(run_id, stage_id, tab, "navigation", seq)
+                self.shoot(run_id, stage_id, tab, "navigation", seq, quiet=True)
 
     # -- the write gate and the approvals store ---------------------------------------------
     def write_decision(self, rec: dict[str, object]) -> None:

@@ -26,6 +26,8 @@ log = logging.getLogger("sfguard.record")
 
 CALL_S = 5.0
 FIELD_S = 1.5
+#: the widest picture kept (a wider viewport is scaled down: fewer pixels to encode and keep)
+SHOT_WIDTH = 960
 #: the focused element, read in the guard's isolated world (no page script runs there)
 FOCUSED = ("(() => { let e = document.activeElement; while (e && e.shadowRoot && e.shadowRoot.activeElement)"
            " e = e.shadowRoot.activeElement; if (!e || e === document.body || e === document.documentElement)"
@@ -138,14 +140,21 @@ class TabWatcher:
                 self.on_event("loaded", tid, {"url": (self.pipe.targets.get(tid) or {}).get("url")})
 
     async def capture(self, target: str, quality: int = 50) -> bytes | None:
-        """A JPEG of the tab as it is now, or None."""
+        """A JPEG of the tab's viewport as it is now, at most SHOT_WIDTH pixels wide, or None."""
         try:
             async with asyncio.timeout(CALL_S):
                 sid = await self._session(target)
                 if sid is None or self.cdp is None:
                     return None
-                shot = await self.cdp.call("Page.captureScreenshot", {
-                    "format": "jpeg", "quality": quality, "optimizeForSpeed": True}, session=sid, timeout=CALL_S)
+                params: dict[str, Any] = {"format": "jpeg", "quality": quality, "optimizeForSpeed": True}
+                with contextlib.suppress(CdpCallError):
+                    view = (await self.cdp.call("Page.getLayoutMetrics", session=sid, timeout=CALL_S)).get(
+                        "cssVisualViewport") or {}
+                    w, h = float(view.get("clientWidth") or 0), float(view.get("clientHeight") or 0)
+                    if w > SHOT_WIDTH and h > 0:
+                        params["clip"] = {"x": float(view.get("pageX") or 0), "y": float(view.get("pageY") or 0),
+                                          "width": w, "height": h, "scale": SHOT_WIDTH / w}
+                shot = await self.cdp.call("Page.captureScreenshot", params, session=sid, timeout=CALL_S)
         except (CdpCallError, PipeClosed, TimeoutError) as exc:
             log.debug("record: no picture of a tab: %s", type(exc).__name__)
             return None
