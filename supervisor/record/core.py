@@ -170,8 +170,11 @@ class RecordCore:
             w.close()
         except OSError as exc:
             log.error("the record of run %s could not be closed: %s", run.run_id, exc)
-        return self.seal(w.folder, run.index, "ended", outcome, files.Written(w.seq, w.head, dict(w.shots), w.bytes),
-                         dropped=run.dropped, capped=run.capped)
+        with run.index_lock:
+            run.sealed = True
+            return self.seal(w.folder, run.index, "ended", outcome,
+                             files.Written(w.seq, w.head, dict(w.shots), w.bytes), dropped=run.dropped,
+                             capped=run.capped)
 
     def seal(self, folder: Path, index: dict[str, Any], state: str, outcome: str, written: files.Written,
              **extra: Any) -> dict[str, Any] | None:
@@ -306,7 +309,8 @@ class RecordCore:
         run.shots += 1
         name = f"{run.shots:05d}{ext}"
         try:
-            await asyncio.to_thread(run.writer.add_shot, name, data)
+            if not await asyncio.to_thread(run.writer.add_shot, name, data):
+                return
         except OSError as exc:
             log.warning("run %s: a screenshot could not be kept: %s", run.run_id, exc)
             return

@@ -84,12 +84,20 @@ class RecordWriter:
             self._dirty = True
             return self.seq, len(line)
 
-    def add_shot(self, name: str, data: bytes) -> None:
-        """A screenshot, written whole (call off the event loop: it fsyncs)."""
-        atomic_write(self.folder / SHOTS / name, data)
+    def add_shot(self, name: str, data: bytes) -> bool:
+        """A screenshot, written whole (call off the event loop: it fsyncs); False when the
+        record is closed (a picture that came after its run's end is not kept)."""
+        if self._fd is None:
+            return False
+        atomic_write(self.folder / SHOTS / name, data)     # outside the lock: entries go on meanwhile
         with self._lock:
+            if self._fd is None:          # sealed meanwhile: the picture is not part of it
+                with contextlib.suppress(OSError):
+                    (self.folder / SHOTS / name).unlink()
+                return False
             self.shots[name] = hashlib.sha256(data).hexdigest()
             self.bytes += len(data)
+            return True
 
     def sync(self) -> None:
         with self._lock:

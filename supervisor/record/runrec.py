@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -56,3 +57,7 @@ class RunRec:
     capped: bool = False
     dropped: int = 0
     shots: int = 0
+    #: the index is written by threads (a stage's profile named, the seal): one at a time, and
+    #: nothing after the seal
+    index_lock: threading.Lock = field(default_factory=threading.Lock)
+    sealed: bool = False

@@ -72,8 +72,13 @@ class Sources(RecordCore):
 
     async def _rewrite_index(self, run: RunRec) -> None:
         index = dict(run.index)
+
+        def write() -> None:
+            with run.index_lock:
+                if not run.sealed:        # a run that ended meanwhile keeps its sealed index
+                    files.write_index(run.writer.folder, index, False)
         try:
-            await asyncio.to_thread(files.write_index, run.writer.folder, index, False)
+            await asyncio.to_thread(write)
         except OSError as exc:
             log.warning("run %s: its record's index was not rewritten: %s", run.run_id, exc)
 

@@ -191,3 +191,71 @@ async def test_a_record_left_open_is_sealed_as_abandoned_at_the_next_start(tmp_p
 def test_settings_are_checked(bad):
     with pytest.raises(ValueError):
         RecordSettings(**bad).check()
+
+
+class Camera:
+    """A browser view that takes pictures (what tabs.TabWatcher does with a real tab)."""
+
+    def __init__(self, pipe):
+        self.pipe, self.taken = pipe, []
+
+    def ensure(self, target):
+        pass
+
+    async def capture(self, target, quality=50):
+        self.taken.append(target)
+        return b"\xff\xd8jpeg"
+
+    async def close(self):
+        pass
+
+
+async def test_a_busy_stage_is_pictured_at_most_every_interval_and_an_idle_one_not(tmp_path, monkeypatch):
+    from sfguard.supervisor.record import core
+    monkeypatch.setattr(core, "QUIET_S", 0.05)
+    r = await recorder(tmp_path, shot_interval=1)
+    shop = Pipe({"T1": "https://shop.test/"})
+    camera = Camera(shop)
+    r.runs["r1"].watchers[id(shop)] = camera
+    for _ in range(3):                          # busy: commands, the interval passes
+        r.command("r1/s1/1", {"id": 1, "method": "Runtime.evaluate", "params": {"expression": "1"}}, "T1", shop, None)
+        await settled()
+        r._interval_shots()
+        await asyncio.sleep(0.3)
+    assert len(camera.taken) == 1               # once in the interval, however busy
+    await asyncio.sleep(1.0)
+    r._interval_shots()
+    await asyncio.sleep(0.3)
+    assert len(camera.taken) == 2               # it was busy after that picture
+    await asyncio.sleep(1.1)
+    r._interval_shots()
+    await asyncio.sleep(0.3)
+    assert len(camera.taken) == 2               # idle since: no new picture
+    r.command("r1/s1/1", {"id": 2, "method": "Runtime.evaluate", "params": {"expression": "2"}}, "T1", shop, None)
+    await settled()
+    r._interval_shots()
+    await asyncio.sleep(0.3)
+    assert len(camera.taken) == 3
+    shots = [e for e in entries(r) if e["kind"] == "screenshot"]
+    assert {s["why"] for s in shots} == {"interval"} and shots[0]["url"] == "https://shop.test/"
+
+
+async def test_no_picture_of_a_site_recorded_below_full_nor_while_a_handoff_is_open(tmp_path):
+    r = await recorder(tmp_path, shot_interval=1)
+    bank = Pipe({"T1": "https://bank.test/statement"})
+    camera = Camera(bank)
+    run = r.runs["r1"]
+    run.watchers[id(bank)], run.profile_of[id(bank)] = camera, "acct"
+    st = run.stages["s1"]
+    st.pipe, st.last_tab = bank, "T1"
+    r.shoot("r1", "s1", "T1", "navigation", None)
+    await asyncio.sleep(0.1)
+    assert camera.taken == []                   # bank.test: decisions only
+    bank.targets["T1"]["url"] = "https://shop.test/"
+    run.paused.add("acct")                      # a person logs in on this browser
+    r.shoot("r1", "s1", "T1", "interval", None)
+    await asyncio.sleep(0.1)
+    assert camera.taken == []
+    r.shoot("r1", "s1", "T1", "handoff_start", None, handoff=True)
+    await asyncio.sleep(0.1)
+    assert camera.taken == ["T1"]               # the one picture as the handoff opens

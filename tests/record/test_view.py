@@ -81,3 +81,16 @@ def test_the_export_is_one_archive_that_needs_nothing_else(tmp_path):
     assert len(lines) == len(ENTRIES) and json.loads(lines[0])["kind"] == "stage_ready"
     assert 'src="shots/00001.jpg"' in html and "Storage.getCookies REFUSED" in html
     assert "<script" not in html and "http://" not in html.split("<table", 1)[0].split("<style>")[0]
+
+
+@pytest.mark.parametrize("filters,want", [
+    ({"text": "nightly ana"}, True), ({"text": "nightly bob"}, False), ({"pipeline": "NIGHT"}, True),
+    ({"profile": "ana"}, True), ({"profile": "an"}, False), ({"outcome": "failed"}, True),
+    ({"outcome": "succeeded"}, False), ({"since": 1000.0}, True), ({"since": 2001.0}, False),
+    ({"until": 2001.0}, True), ({"until": 2000.0}, False),
+])
+def test_a_listing_is_searched_by_words_pipeline_profile_outcome_and_dates(filters, want):
+    line = view.summary_line({"record": "r9", "run_id": "r9", "host": "h", "pipeline": "nightly.yaml",
+                              "profiles": ["ana"], "stages": ["s"], "state": "ended", "outcome": "failed",
+                              "started": 2000.0, "ended": 2100.0})
+    assert view.matches(line, **filters) is want
