@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "sfguard.cli.policy_cmd",
     "sfguard.cli.profiles_cmd",
     "sfguard.cli.audit_cmd",
+    "sfguard.cli.runs_cmd",
     "sfguard.cli.keys_cmd",
     "sfguard.cli.sweep_cmd",
     "sfguard.cli.validate_cmd",

@@ -80,8 +80,9 @@ def register(sub) -> None:
     p.add_argument("--console-public", action="store_true",
                    help="allow a console address that is not loopback (then with TLS, or "
                         "--console-plain-http)")
-    from sfguard.cli import console_options
+    from sfguard.cli import console_options, record_options
     console_options.add(p)
+    record_options.add(p)
     p.add_argument("--log-max-mb", metavar="MB", type=float, default=64,
                    help="rotate the decision log at this size (default 64)")
     p.add_argument("--log-max-age", metavar="HOURS", type=float, default=24,
@@ -152,6 +153,7 @@ def run(args) -> int:
     from sfguard.supervisor.protocols import ProfileError
 
     _logging(args.log_format)
+    from sfguard.cli import record_options
     from sfguard.supervisor.daemon.log_rotation import Retention
     from sfguard.supervisor.daemon.settings import KEEP_ENDED_RUNS, KEEP_ENDED_SECONDS, GuardSettings
     from sfguard.supervisor.profiles.stores import StoreError
@@ -192,7 +194,7 @@ def run(args) -> int:
         write_gate_timeout=args.write_gate_timeout, log_retention=retention, api_gid=api_gid,
         stage_user_name=args.stage_user or defaults.stage_user_name,
         browser_user_name=args.browser_user or defaults.browser_user_name,
-        proxies=_proxies(args.proxies), audit_check_seconds=args.audit_check)
+        proxies=_proxies(args.proxies), audit_check_seconds=args.audit_check, record=record_options.settings(args))
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
                       store=args.store, browser_host=_browser_host(args.ca_file), settings=settings)

@@ -19,14 +19,14 @@ and applies the same rule (`private_address`). Link-local addresses, which hold 
 metadata services, and the other metadata addresses (`METADATA_ADDRESSES`) are covered only by
 an entry that is that very address, never by a wider range. `run_pattern_refusal` says the same
 about a run's IP and CIDR patterns before a run (`sfguard validate`, the stage API). The proxy
-refuses SNI or Host header mismatches itself through `refuse`.
-
-`mode: report` relaxes only the allow and block lists: a `not_allowed` or `blocked_by_policy`
-denial becomes decision "allow" with reason "would_deny:<code>" (in one place, `_finish`). Every
-other check (malformed host, port, private and special addresses, SNI and Host agreement,
-credentials, request limits) denies in every mode, and `check_address` judges the addresses of
-a would-deny host like those of an allowed one. An allowing IP or CIDR pattern never exempts
-an address: only `private_networks.allow` does. Writes on an allowed host: policy/writes.py.
+refuses SNI or Host header mismatches itself through `refuse`. `mode: report` relaxes only the
+allow and block lists: a `not_allowed` or `blocked_by_policy` denial becomes decision "allow"
+with reason "would_deny:<code>" (in one place, `_finish`). Every other check (malformed host,
+port, private and special addresses, SNI and Host agreement, credentials, request limits) denies
+in every mode, and `check_address` judges the addresses of a would-deny host like those of an
+allowed one. An allowing IP or CIDR pattern never exempts an address: only
+`private_networks.allow` does. Writes on an allowed host: policy/writes.py; what a run's record
+keeps of a site: policy/recording.py.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from sfguard.policy.errors import MalformedHost
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, printable_host
 from sfguard.policy.index import Match, RuleSet, suffixes
 from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
+from sfguard.policy.recording import RecordingRules
 from sfguard.policy.writes import WriteRules
 
 DEFAULT_PORTS = frozenset({80, 443})
@@ -107,12 +108,10 @@ class Decision:
 
     def as_dict(self) -> DecisionRecord:
         """The fields as a JSON-ready dict (the shape of `sfguard policy explain --json`)."""
-        return {
-            "host": self.host, "port": self.port, "normalized_host": self.normalized_host,
-            "decision": self.decision, "reason": self.reason, "rule": self.rule,
-            "allowed_by_ip": self.allowed_by_ip, "quiet": self.quiet,
-            "explanation": self.explanation, "mode": self.mode,
-        }
+        return {"host": self.host, "port": self.port, "normalized_host": self.normalized_host,
+                "decision": self.decision, "reason": self.reason, "rule": self.rule,
+                "allowed_by_ip": self.allowed_by_ip, "quiet": self.quiet,
+                "explanation": self.explanation, "mode": self.mode}
 
 
 #: Cloud metadata services (instance credentials): AWS, GCP, Azure, Oracle (169.254.169.254),
@@ -231,6 +230,7 @@ def _special_in(net: IPNetwork) -> tuple[IPNetwork, str] | None:
 
 class SitePolicy:
     """A loaded site policy. Build with `policy.load_policy` / `policy.parse_policy`."""
+    recording: RecordingRules = RecordingRules()   # policy/recording.py (what run records keep)
 
     def __init__(self, *, source: str, mode: str = "enforce", ports: Iterable[int] = DEFAULT_PORTS,
                  tab_quota: int = 8, block: RuleSet | None = None,
@@ -256,8 +256,8 @@ class SitePolicy:
                                    for i in range(len(self.private_networks)))
 
     def __repr__(self) -> str:
-        return (f"SitePolicy(source={self.source!r}, mode={self.mode!r}, ports={sorted(self.ports)}, "
-                f"block={len(self.block)}, allow_always={len(self.allow_always)}, quiet={len(self.quiet)})")
+        return (f"SitePolicy(source={self.source!r}, mode={self.mode!r}, ports={sorted(self.ports)}, block="
+                f"{len(self.block)}, allow_always={len(self.allow_always)}, quiet={len(self.quiet)})")
 
     def summary(self) -> PolicySummary:
         return {"source": self.source, "mode": self.mode, "ports": sorted(self.ports),

@@ -38,6 +38,7 @@ from sfguard.policy.engine import DEFAULT_PORTS, SitePolicy
 from sfguard.policy.errors import PolicyError, PolicyIssue
 from sfguard.policy.index import RuleSet
 from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
+from sfguard.policy.recording import RecordingEntry, RecordingRules
 from sfguard.policy.writes import WriteEntry, WriteRules, parse_request_pattern
 from sfguard.policy.yamlpos import Loc, loc_path, validate_at
 from sfguard.policy.yamltree import COL_BITS, Composer, YMap, YSeq, at_root, child, unpack
@@ -99,6 +100,23 @@ class WriteEntryModel(_Strict):
         return self
 
 
+class RecordingEntryModel(_Strict):
+    """One entry of `recording` (policy/recording.py): how much of a site a run record keeps."""
+
+    pattern: str | None = None
+    patterns: list[str] | None = None
+    level: Literal["off", "decisions", "full"]
+    reason: str
+
+    @model_validator(mode="after")
+    def _one_of(self) -> RecordingEntryModel:
+        if (self.pattern is None) == (self.patterns is None):
+            raise ValueError("give either 'pattern' or 'patterns'")
+        if not self.reason.strip():
+            raise ValueError("the reason is empty")
+        return self
+
+
 class PrivateNetworks(_Strict):
     allow: list[str] = []
 
@@ -118,6 +136,7 @@ class PolicyFile(_Strict):
     quiet: list[str] = []
     private_networks: PrivateNetworks = PrivateNetworks()
     writes: list[WriteEntryModel] = []
+    recording: list[RecordingEntryModel] = []
 
 
 _KEYS: dict[tuple[str, ...], list[str]] = {
@@ -126,6 +145,7 @@ _KEYS: dict[tuple[str, ...], list[str]] = {
     ("private_networks",): list(PrivateNetworks.model_fields),
     ("writes",): list(WriteEntryModel.model_fields),
     ("writes", "writes"): list(WriteRequestModel.model_fields),
+    ("recording",): list(RecordingEntryModel.model_fields),
 }
 
 
@@ -150,8 +170,11 @@ def _schema_issue(err: dict[str, Any], at: tuple[Any, int], source: str) -> Poli
     elif kind == "missing":
         msg = f"'{name}' is required"
         hint = {"version": "start the file with: version: 1",
+                "level": "write the recording level: off, decisions or full",
                 "reason": ('every writes entry needs a reason a reviewer can read, '
                            'e.g. reason: "payments need a person"' if "writes" in shape else
+                           'every recording entry needs a reason a reviewer can read, '
+                           'e.g. reason: "statements on screen"' if "recording" in shape else
                            'every block entry needs a reason a reviewer can read, '
                            'e.g. reason: "terms forbid automation"'),
                 }.get(name)
@@ -159,6 +182,7 @@ def _schema_issue(err: dict[str, Any], at: tuple[Any, int], source: str) -> Poli
     elif kind == "literal_error":
         hint = {"mode": ("write mode: allow, gate or deny" if "writes" in shape else
                          "write mode: enforce (deny) or mode: report (log would_deny, allow)"),
+                "level": "recording level: off, decisions or full",
                 "version": "this sfguard reads version: 1"}.get(name, None)
         msg = f"{msg}, got {err.get('input')!r}"
     elif kind in ("greater_than_equal", "less_than_equal"):
@@ -201,6 +225,7 @@ class _Builder:
         self.private: list[str] = []
         self.private_lines: list[int] = []
         self.writes: list[WriteEntry] = []
+        self.recording: list[RecordingEntry] = []
 
     def issue(self, pos: int, field: str, message: str, hint: str | None) -> None:
         if len(self.issues) >= MAX_ISSUES:
@@ -262,6 +287,27 @@ class _Builder:
             self.writes.append(WriteEntry(tuple(texts), hosts, mode, reason,
                                           unpack(entry.pos)[0], tuple(found["reads"]),
                                           tuple(found["writes"]), label))
+
+    def recording_entry(self, entry: YMap, i: int, label: str) -> None:
+        """One entry of `recording`: its host patterns into a RuleSet of its own."""
+        reason = entry.get("reason")
+        reason = reason.strip() if isinstance(reason, str) else ""
+        level = entry.get("level")
+        hosts = RuleSet(label)
+        texts: list[str] = []
+        before = len(self.issues)
+        if "pattern" in entry:
+            found = self.one(entry["pattern"], entry.valpos.get("pattern", entry.pos),
+                             f"recording[{i}].pattern", hosts, allow_list=False, reason=reason)
+            texts += [found.text] if found is not None else []
+        if isinstance(entry.get("patterns"), YSeq):
+            for j, text in enumerate(entry["patterns"]):
+                found = self.one(text, entry["patterns"].itempos[j], f"recording[{i}].patterns[{j}]",
+                                 hosts, allow_list=False, reason=reason)
+                texts += [found.text] if found is not None else []
+        if len(self.issues) == before and texts and reason and level in ("off", "decisions", "full"):
+            self.recording.append(RecordingEntry(tuple(texts), hosts, str(level), reason,
+                                                 unpack(entry.pos)[0], label))
 
     def one(self, text: Any, pos: int, field: str, rules: RuleSet | None, *, allow_list: bool,
             reason: str | None = None, networks_only: bool = False) -> Pattern | None:
@@ -387,6 +433,11 @@ def _parse(text: str, source: str) -> SitePolicy:
             for i, entry in enumerate(writes):
                 if isinstance(entry, YMap):
                     build.write_entry(entry, i, label)
+        recording = root.get("recording")
+        if isinstance(recording, YSeq):
+            for i, entry in enumerate(recording):
+                if isinstance(entry, YMap):
+                    build.recording_entry(entry, i, label)
         networks = root.get("private_networks")
         if isinstance(networks, YMap):
             build.patterns(networks.get("allow"), "private_networks.allow", None, allow_list=True,
@@ -397,7 +448,9 @@ def _parse(text: str, source: str) -> SitePolicy:
         more = build.more + max(0, len(issues) - MAX_ISSUES)
         raise PolicyError(issues[:MAX_ISSUES], more=more)
 
-    return SitePolicy(source=source, mode=model.mode, ports=model.ports, tab_quota=model.tab_quota,
-                      block=build.block, allow_always=build.allow_always, quiet=build.quiet,
-                      private_networks=build.private, version=model.version,
-                      private_lines=build.private_lines, writes=WriteRules(build.writes))
+    site_policy = SitePolicy(source=source, mode=model.mode, ports=model.ports, tab_quota=model.tab_quota,
+                             block=build.block, allow_always=build.allow_always, quiet=build.quiet,
+                             private_networks=build.private, version=model.version,
+                             private_lines=build.private_lines, writes=WriteRules(build.writes))
+    site_policy.recording = RecordingRules(build.recording)
+    return site_policy

@@ -10,7 +10,7 @@ import shlex
 from collections import deque
 from typing import Any
 
-from sfguard.supervisor.console import approvals_page
+from sfguard.supervisor.console import approvals_page, runs_page
 from sfguard.supervisor.protocols import ProfileError
 from sfguard.supervisor.states import HandoffPhase
 
@@ -28,6 +28,8 @@ async def page_context(guard: Any, handoffs: dict[str, Any], page: str, query: d
         return await _profiles(guard)
     if page == "approvals":
         return approvals_page.context(guard)
+    if page == "runs":
+        return await runs_page.context(guard, query)
     return _audit(guard)
 
 

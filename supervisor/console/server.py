@@ -44,7 +44,7 @@ from typing import Any
 import jinja2
 from aiohttp import WSMsgType, web
 
-from sfguard.supervisor.console import approvals_page, pages
+from sfguard.supervisor.console import approvals_page, pages, runs_page
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.console.auth import LINK_TTL, SESSION_TTL, ConsoleAuth, Session
 from sfguard.supervisor.console.listen import ConsoleConfig
@@ -61,7 +61,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
        "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 SSE_STEP = 1.0
 SSE_HEARTBEAT = 15.0
-PAGES = ("overview", "approvals", "decisions", "profiles", "audit")
+PAGES = ("overview", "approvals", "decisions", "profiles", "audit", "runs")
 REFUSED_PERIOD = 60.0       # refused sign-in links: at most one audit record a minute
 
 def _text(value: object) -> str | None:
@@ -217,6 +217,7 @@ class ConsoleServer:
         app.router.add_post("/live/{hid}/done", self.h_live_end)
         app.router.add_post("/live/{hid}/cancel", self.h_live_end)
         approvals_page.register(app, self)
+        runs_page.register(app, self)      # run records and the controls of running runs
         return app
 
     @staticmethod

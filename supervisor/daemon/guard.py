@@ -65,11 +65,11 @@ from sfguard.supervisor.daemon.runs import (
 from sfguard.supervisor.daemon.settings import GuardSettings
 from sfguard.supervisor.daemon.shared_proxy import proxy_pool
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
-from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
+from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages, effective_headed
 from sfguard.supervisor.daemon.status_view import guard_status
 from sfguard.supervisor.daemon.teardown import Teardown
 from sfguard.supervisor.daemon.watchdog import Watchdog
-from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, NotFound, swallowed
+from sfguard.supervisor.errors import Conflict, Forbidden, NotFound, swallowed
 from sfguard.supervisor.gate.cdp_gate import CdpGate
 from sfguard.supervisor.home import (
     ensure_home,
@@ -83,6 +83,8 @@ from sfguard.supervisor.home import (
 from sfguard.supervisor.profiles.store_ops import StoreCalls
 from sfguard.supervisor.profiles.stores import Stores, open_stores
 from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileKey
+from sfguard.supervisor.record.recorder import Recorder, recorded
+from sfguard.supervisor.record.tee import AuditTee
 from sfguard.supervisor.stage.stage_bridge import BridgeHost
 from sfguard.supervisor.writes.approvals import Approvals
 from sfguard.supervisor.writes.modes import decision_recorder
@@ -124,6 +126,10 @@ class Guard:
         self.resolve = dict(resolve or {})
         # the local home, or a shared PostgreSQL (`--store` / $SFGUARD_STORE): supervisor/profiles/stores.py
         self.stores = stores if stores is not None else open_stores(self.home, self.runtime, store)
+        # the run records (supervisor/record): every audit record naming a run is one of its entries
+        self.recorder = Recorder(self.home / "records", settings.record, policy=lambda: self.policy_watch.policy,
+                                 backend=self.stores.backend)
+        self.stores.audit = self.recorder.audit = AuditTee(self.stores.audit, self.recorder.audit_event)
         self.keys, self.store = self.stores.keys, self.stores.store
         self.lease, self.audit = self.stores.lease, self.stores.audit
         # seam calls run off the event loop (supervisor/profiles/store_ops.py)
@@ -131,7 +137,8 @@ class Guard:
         self.host: BrowserHost = browser_host if browser_host is not None else LocalBrowserHost()
         self.new_handoff = handoff
         self.browser_tool = tools.find_browser()
-        self.gate = CdpGate(on_refusal=self._on_refusal)
+        self.gate = self.recorder.gate = CdpGate(on_refusal=self._on_refusal)
+        self.gate.observer = self.recorder.command     # every command a stage sends
         self.runs: dict[str, Run] = {}
         # ended runs still in memory, oldest end first (run id -> end time); `retire` drops them
         self.ended: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -161,8 +168,9 @@ class Guard:
                                    folder=self.home / "approvals",
                                    keep_seconds=self.log_retention.max_age_s * (self.log_retention.keep + 1))
         self.approvals_api, self.write_approver = ApprovalsApi(self.approvals), self.approvals
+        self.approvals.observers.append(self.recorder.approval)
         self.write_gate_timeout = settings.write_gate_timeout
-        self.write_record = decision_recorder(self.logs_dir / "decisions.log")
+        self.write_record = recorded(decision_recorder(self.logs_dir / "decisions.log"), self.recorder.write_decision)
         self._lock_fd: int | None = None
         self._watch: asyncio.Task[None] | None = None
         self._refusals: dict[str, int] = {}
@@ -177,12 +185,12 @@ class Guard:
                              bridges=self.bridges, proxies=self.proxies, runtime=self.runtime,
                              socket_dir=self.socket_dir, config_path=self.config_path,
                              write_approver=self.write_approver, write_gate_timeout=self.write_gate_timeout,
-                             write_record=self.write_record)
+                             write_record=self.write_record, recorder=self.recorder)
         self.teardown = Teardown(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
                                  sessions=self.sessions, gate=self.gate, bridges=self.bridges,
                                  approvals=self.approvals, stores=self.stores, calls=self.calls,
                                  deferred=self.deferred, run_ended=self.run_ended,
-                                 flush_refusals=self.flush_refusals, notify=self.notify)
+                                 flush_refusals=self.flush_refusals, notify=self.notify, recorder=self.recorder)
         self.watchdog = Watchdog(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
                                  sessions=self.sessions, gate=self.gate, deferred=self.deferred,
                                  check_policy=self.check_policy, metrics=self.metrics)
@@ -254,6 +262,7 @@ class Guard:
         self.stage_user, self.agent_browser_path = sandbox.user, sandbox.agent_browser_path
         self.sandbox_ok, self.sandbox_detail = sandbox.ok, sandbox.detail
         await self.gate.start()
+        report["records_sealed"] = await self.recorder.start(self.logs_dir / "decisions.log")
         self._watch = asyncio.get_running_loop().create_task(self.watchdog.loop())
         self._rotate = asyncio.get_running_loop().create_task(
             keep_rotated([self.logs_dir / "decisions.log"], self.log_retention))
@@ -276,6 +285,7 @@ class Guard:
         for run in list(self.runs.values()):
             if run.state == RunState.ACTIVE:
                 await self.teardown.end_run(run, RunOutcome.ABANDONED)
+        await self.recorder.stop()      # records still open (a start that failed) are sealed
         await self.sessions.drop_all()
         await self.proxies.stop()
         await self.bridges.close_all()
@@ -370,19 +380,6 @@ class Guard:
                               "denials_aggregated", count=total, reason="cdp_gate")
             self._refusals.clear()
 
-    def _effective_headed(self, req: models.BrowserField) -> bool:
-        if not req.headed:
-            return False
-        if tools.display_available():
-            return True
-        if "headed" in req.model_fields_set:
-            where = ("; the guard runs inside a container, where a visible window is not possible"
-                     if tools.in_container() else "")
-            raise BadRequest("no_display", "headed: true needs a display, but neither DISPLAY nor "
-                             f"WAYLAND_DISPLAY is set{where}; set headed: false for this stage or run "
-                             "the guard in a desktop session", "browser.headed")
-        return False  # default headed, but no display: headless
-
     # -- services: runs ----------------------------------------------------------------------
     async def create_run(self, body: models.CreateRun) -> dict[str, Any]:
         self.retire()
@@ -390,6 +387,7 @@ class Guard:
             raise Conflict("run_exists", f"run {body.run_id!r} already exists", "run_id")
         run = Run(body.run_id, body.pipeline, time.time())
         self.runs[run.run_id] = run
+        self.recorder.run_started(run.run_id, body.pipeline)
         log.info("run %s created", run.run_id, extra={"run": run.run_id})
         return {"run_id": run.run_id, "state": run.state}
 
@@ -429,7 +427,7 @@ class Guard:
             raise Forbidden(policy.REVIEWER_ONLY, "; ".join(
                 f"browser.allow_domains.{i}: {msg}" for i, msg in refused),
                 f"browser.allow_domains.{refused[0][0]}")
-        headed = self._effective_headed(body.browser)
+        headed = effective_headed(body.browser)
         if body.browser.profile is not None:
             self.profile_key(run, body.browser.profile)  # validate now (bad input is refused)
         stage = Stage(run_id, body.stage_id, body.attempt, body.browser, headed, replay_safe=body.replay_safe)

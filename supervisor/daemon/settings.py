@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
 from sfguard.supervisor.daemon.log_rotation import Retention
+from sfguard.supervisor.record.recorder import RecordSettings
 from sfguard.supervisor.stage.sandbox import DEFAULT_STAGE_USER
 from sfguard.supervisor.writes.intercept import DEFAULT_TIMEOUT as WRITE_GATE_TIMEOUT
 
@@ -41,3 +42,5 @@ class GuardSettings:
     proxies: str = PROXIES_DEFAULT
     #: how often the running guard verifies the audit chain again, in seconds (--audit-check)
     audit_check_seconds: float = 300.0
+    #: the run records: level, retention, size caps, screenshots (--record, --record-*)
+    record: RecordSettings = field(default_factory=RecordSettings)

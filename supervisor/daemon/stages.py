@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from sfguard.policy.writes import WriteRules
 from sfguard.supervisor import models
-from sfguard.supervisor.browsers import browser_user, xdisplay
+from sfguard.supervisor.browsers import browser_user, tools, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon.deferred import no_space
 from sfguard.supervisor.daemon.run_proxy import short_id
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from sfguard.supervisor.gate.cdp_gate import CdpGate
     from sfguard.supervisor.profiles.store_ops import StoreCalls
     from sfguard.supervisor.profiles.stores import Stores
+    from sfguard.supervisor.record.recorder import Recorder
     from sfguard.supervisor.stage.stage_bridge import BridgeHost
     from sfguard.supervisor.writes.held import WriteApprover
 
@@ -64,6 +65,22 @@ def browser_failed(exc: BaseException, message: str, field: str | None) -> Guard
     return Unavailable("browser_failed", f"{message}: {exc}", field)
 
 
+def effective_headed(req: models.BrowserField) -> bool:
+    """Whether a stage's browser opens a window: `headed` (the default) needs a display; asked
+    for explicitly without one it is refused (no_display), by default it runs headless."""
+    if not req.headed:
+        return False
+    if tools.display_available():
+        return True
+    if "headed" in req.model_fields_set:
+        where = ("; the guard runs inside a container, where a visible window is not possible"
+                 if tools.in_container() else "")
+        raise BadRequest("no_display", "headed: true needs a display, but neither DISPLAY nor "
+                         f"WAYLAND_DISPLAY is set{where}; set headed: false for this stage or run "
+                         "the guard in a desktop session", "browser.headed")
+    return False  # default headed, but no display: headless
+
+
 class Stages:
     """The stage state machine and the browsers behind it, over the guard's parts."""
 
@@ -73,11 +90,13 @@ class Stages:
                  browser_user: Callable[[], browser_user.BrowserUser | None], gate: CdpGate,
                  sessions: StageSessions, bridges: BridgeHost, proxies: AnyPool, runtime: Path,
                  socket_dir: Path, config_path: Path, write_approver: WriteApprover,
-                 write_gate_timeout: float, write_record: WriteRecorder):
+                 write_gate_timeout: float, write_record: WriteRecorder, recorder: Recorder):
         """Given exactly what it uses: the guard's runs and scope, the profile store (and its
         calls off the event loop), run records and metrics, the policy in force, the browser host
         and tool, the browser user (set when the guard starts), the gate, stage sessions and
-        bridges, the proxy pool, the runtime folders, and the write gates' approver and log."""
+        bridges, the proxy pool, the runtime folders, the write gates' approver and log, and
+        the run record (supervisor/record: what each stage did)."""
+        self.recorder = recorder
         self.runs, self.scope, self.stores, self.store, self.calls = runs, scope, stores, stores.store, calls
         self.store_call, self.records, self.metrics, self.policy_watch = store_call, records, metrics, policy_watch
         self.host, self.browser_tool, self.browser_user, self.gate = host, browser_tool, browser_user, gate
@@ -119,12 +138,14 @@ class Stages:
     async def advance(self, run: Run, stage: Stage) -> None:
         """Move a pending/waiting stage forward: lease, browser, gate token, env."""
         t0 = time.monotonic()
+        req = stage.browser_req
+        self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "requested", profile=req.profile,
+                            allow=list(req.allow_domains), writes=req.writes, headed=stage.headed)
         try:
             async with run.lock:
                 if stage.state in (StageState.READY, StageState.ENDED, StageState.FAILED) \
                         or run.state != RunState.ACTIVE:
                     return
-                req = stage.browser_req
                 if req.profile is not None:
                     key = self.profile_key(run, req.profile)
                     try:
@@ -142,6 +163,8 @@ class Stages:
                             self.metrics.lease_waited()
                         stage.move(StageState.WAITING)
                         stage.waiting = result
+                        self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "waiting",
+                                            holder_run=result.holder_run or None)
                         return
                     t1 = time.monotonic()
                     browser = await self.ensure_anchor(run, key, stage.headed)
@@ -151,6 +174,7 @@ class Stages:
                 t2 = time.monotonic()
                 await self.attach(run, browser, stage)
                 if stage.state == StageState.READY:
+                    self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "ready", browser=browser.key)
                     self.metrics.stage_ready(time.monotonic() - t0)
                     # where a stage's start-up time goes (supervisor_bench measures the whole)
                     log.info("stage %s/%s ready in %.0f ms (lease %.0f, browser %.0f, session %.0f)",
@@ -166,6 +190,8 @@ class Stages:
             stage.move(StageState.FAILED)
             stage.error = browser_failed(exc, "the guard could not start this stage's browser", None)
         finally:
+            if stage.state == StageState.FAILED and stage.error is not None:
+                self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "failed", error=stage.error.code)
             with swallowed(log, f"run {run.run_id}: saving its record", (OSError,)):
                 self.records.save(run)
 
@@ -181,6 +207,7 @@ class Stages:
                                "waiting: end it with POST .../end", "stage_id")
             stage.move(StageState.ENDED)
             stage.outcome = StageOutcome.CANCELLED
+            self.recorder.stage(run.run_id, stage_id, stage.attempt, "ended", outcome="cancelled")
             profile = stage.browser_req.profile
             others = [s for s in run.stages.values() if s is not stage and s.state in WAITING_STATES
                       and s.browser_req.profile == profile]
@@ -233,6 +260,8 @@ class Stages:
         # force (a new browser's proxy client is held until this set_allow)
         guard_writes(run, browser, stage, self.write_approver, self.write_gate_timeout, self.write_record,
                      self.write_rules, self.write_owner(browser))
+        # the record's own view of the browser's stage tabs, before the stage's session opens one
+        await self.recorder.browser(run.run_id, browser.anchor.pipe, browser.profile.name if browser.profile else None)
         await guard_websockets(browser.anchor)   # before the stage gets the browser
         await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"

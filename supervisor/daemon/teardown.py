@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from sfguard.supervisor.gate.cdp_gate import CdpGate
     from sfguard.supervisor.profiles.store_ops import StoreCalls
     from sfguard.supervisor.profiles.stores import Stores
+    from sfguard.supervisor.record.recorder import Recorder
     from sfguard.supervisor.stage.stage_bridge import BridgeHost
     from sfguard.supervisor.writes.approvals import Approvals
 
@@ -52,11 +53,12 @@ class Teardown:
                  host: BrowserHost, sessions: StageSessions, gate: CdpGate, bridges: BridgeHost,
                  approvals: Approvals, stores: Stores, calls: StoreCalls, deferred: Deferred,
                  run_ended: Callable[[Run], None], flush_refusals: Callable[[], None],
-                 notify: Callable[[str, dict[str, Any]], None] | None = None):
+                 notify: Callable[[str, dict[str, Any]], None] | None = None, recorder: Recorder | None = None):
         self.runs, self.stages, self.records, self.host = runs, stages, records, host
         self.sessions, self.gate, self.bridges, self.approvals = sessions, gate, bridges, approvals
         self.stores, self.calls, self.deferred = stores, calls, deferred
         self.run_ended, self.flush_refusals, self.notify = run_ended, flush_refusals, notify
+        self.recorder = recorder      # the run record: a stage's end, the run's end and seal
 
     async def end_stage(self, run: Run, stage: Stage, outcome: StageOutcome) -> list[str]:
         """Close the stage's tabs and session (with its own env), revoke its token, then drop
@@ -67,6 +69,8 @@ class Teardown:
         was_ready = stage.state == StageState.READY
         stage.move(StageState.ENDED)
         stage.outcome = StageOutcome(outcome)
+        if self.recorder is not None:
+            self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "ended", outcome=str(stage.outcome))
         self.approvals.cancel(run.run_id, stage.stage_id)    # its held writes are denied, never sent
         if stage.gate_key:  # a stage-exec sandbox loses its gate and proxy at once
             await self.bridges.close(stage.gate_key, run.proxy)
@@ -163,6 +167,8 @@ class Teardown:
         if run.workdir is not None:
             shutil.rmtree(run.workdir, ignore_errors=True)
         run.state = RunState.ENDED
+        if self.recorder is not None:    # sealed: its index's digest goes into the audit chain
+            await self.recorder.run_ended(run.run_id, str(outcome), run.problems)
         self.records.drop(run.run_id)
         self.run_ended(run)      # its record stays on disk; it leaves memory after the retention
         # hand the released profiles over at once, not at the next watchdog tick

@@ -77,12 +77,14 @@ class Watchdog:
                         and not self.host.alive(browser.anchor)):
                     await self.restart_browser(run, browser)
 
-    async def restart_browser(self, run: Run, browser: Browser) -> None:
+    async def restart_browser(self, run: Run, browser: Browser, by: str | None = None) -> None:
+        """Replace a run's browser (it died; or `by` a person in the console asked): the old
+        one's processes end, a new one starts on the same profile and proxy client."""
         async with browser.lock:
             if browser.closing or run.state != RunState.ACTIVE:
                 return
-            log.warning("run %s: browser %s died; restarting it", run.run_id, browser.key,
-                        extra={"run": run.run_id})
+            log.warning("run %s: browser %s %s; restarting it", run.run_id, browser.key,
+                        f"restarted by {by}" if by else "died", extra={"run": run.run_id})
             dead = browser.anchor
             assert dead is not None
             await self.sessions.drop(dead)
@@ -93,10 +95,10 @@ class Watchdog:
                 self.metrics.restarted("browser")
             for sid in browser.stages:  # answer 202 until the new env works
                 st = run.stages[sid]
+                what = f"was restarted by {by}" if by else "stopped and was restarted"
                 st.events.append({"ts": now_iso(), "event": "browser_restarted",
-                                  "message": "the stage's browser stopped and was restarted: its "
-                                  "tabs are gone and its gate URL changed; GET the stage for the "
-                                  "new env"})
+                                  "message": f"the stage's browser {what}: its tabs are gone and its gate "
+                                  "URL changed; GET the stage for the new env"})
                 if st.state == StageState.READY:
                     st.move(StageState.RELAUNCHING)
             browser.anchor = await self.stages.launch(run, browser,

@@ -47,6 +47,9 @@ from sfguard.supervisor.gate.relay import CONNECT_TIMEOUT_S, Relay
 log = logging.getLogger("sfguard.cdp_gate")
 
 RefusalCallback = Callable[[str, str, str], None]
+#: (stage key, the command as sent, its tab's target id, the browser's pipe, what the gate did:
+#: None forwarded, else the refusal's reason or `write_held`); the run record (supervisor/record)
+Observer = Callable[[str, dict, str | None, CdpPipe, str | None], None]
 CLOSE_WAIT_S = 5.0
 CLIENT_MAX_MSG = 64 * 1024 * 1024
 
@@ -99,6 +102,8 @@ class CdpGate:
         self._host, self._port = host, port
         self._on_refusal = on_refusal
         self._record = record_methods
+        #: sees every command a stage sends, forwarded or refused (`Observer`)
+        self.observer: Observer | None = None
         self._stages: dict[str, _Stage] = {}
         self._runner: web.AppRunner | None = None
 

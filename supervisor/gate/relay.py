@@ -100,11 +100,13 @@ class Relay:
                     reason = "a command with this id is still in flight"
             if reason is not None:
                 self.gate._refused(self.stage, method or "", reason)
+                self._observe(data, reason)
                 if isinstance(data, dict) and "id" in data:
                     await self._out(json.dumps(policy.refusal_message(
                         data.get("id"), method or "<malformed>", reason, data.get("sessionId"))))
                 continue
             waiting = self._held(data)
+            self._observe(data, None if waiting is None else "write_held")
             if waiting is not None:   # at once, not after Chromium's hold ends (or 30 s of nothing)
                 await self._out(json.dumps({"id": data["id"], **({"sessionId": data["sessionId"]}
                                                                   if data.get("sessionId") else {}),
@@ -134,6 +136,20 @@ class Relay:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.no_creates.wait(), CONNECT_TIMEOUT_S)
         await self.upstream.close()
+
+    def _observe(self, data: Any, outcome: str | None) -> None:
+        """Tell the gate's observer (the run record) of a command: the tab it is for, and what
+        the gate did with it (None: forwarded; else the refusal's reason, or `write_held`)."""
+        observer = self.gate.observer
+        if observer is None or not isinstance(data, dict):
+            return
+        sid = data.get("sessionId")
+        target = self.ctx.own_sessions.get(sid) if isinstance(sid, str) else \
+            (data.get("params") or {}).get("targetId") if isinstance(data.get("params"), dict) else None
+        try:
+            observer(self.stage.key, data, target if isinstance(target, str) else None, self.upstream.pipe, outcome)
+        except Exception:   # a broken observer must not stop (or open) the gate
+            log.exception("the gate's observer failed")
 
     def _held(self, data: dict) -> str | None:
         """The write gate's answer for a command to a tab whose navigation it holds (or for

@@ -45,6 +45,10 @@ EVENTS = frozenset({
     # rotation's start, resumption and end, each profile moved, a version retired
     "key_rotated", "key_rotation_started", "key_rotation_resumed", "key_rotation_finished",
     "profile_rekeyed", "key_retired",
+    # run records (supervisor/record): a record sealed (the digest of its index), one removed
+    # by the retention; console controls over running sessions, with who used them
+    "run_recorded", "run_record_removed",
+    "console_run_ended", "console_stage_cancelled", "console_browser_restarted", "console_stage_watched",
 })
 
 _TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,63}$", re.ASCII)
@@ -139,6 +143,7 @@ FIELDS = {
     "removed": _text(500),
     "person": _token,         # whom a console link was for (`sfguard console --as NAME`)
     "version": _count, "from_version": _count, "to_version": _count, "pending": _count,
+    "record": _text(200), "record_sha256": _digest,     # a run record's folder and index digest
 }
 
 

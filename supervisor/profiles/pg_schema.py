@@ -124,6 +124,38 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sfguard_profiles ADD COLUMN key_version int NOT NULL DEFAULT 1;
     ALTER TABLE sfguard_audit_head ADD COLUMN kid int NOT NULL DEFAULT 1;
     """,
+    # 3: run records (supervisor/record/shared.py): each guard host's records, their index for
+    # listing and searching on any host, and, once a run ended, its timeline and screenshots
+    """
+    CREATE TABLE sfguard_run_records (
+        host text NOT NULL,
+        record text NOT NULL,
+        run_id text NOT NULL,
+        started double precision NOT NULL,
+        ended double precision,
+        state text NOT NULL,
+        outcome text,
+        pipeline text,
+        profiles text[] NOT NULL DEFAULT '{}',
+        index_json text NOT NULL,
+        PRIMARY KEY (host, record)
+    );
+    CREATE INDEX sfguard_run_records_started ON sfguard_run_records (started);
+    CREATE INDEX sfguard_run_records_run ON sfguard_run_records (run_id);
+    CREATE TABLE sfguard_run_record_lines (
+        host text NOT NULL,
+        record text NOT NULL,
+        body bytea NOT NULL,
+        PRIMARY KEY (host, record)
+    );
+    CREATE TABLE sfguard_run_record_shots (
+        host text NOT NULL,
+        record text NOT NULL,
+        name text NOT NULL,
+        data bytea NOT NULL,
+        PRIMARY KEY (host, record, name)
+    );
+    """,
 ]
 
 _MIGRATION_LOCK = 0x5F6775617264    # advisory lock id for schema changes ("_guard")

@@ -128,6 +128,8 @@ class Approvals:
         self.changed = asyncio.Event()
         #: called on every change (the console's live pages)
         self.listeners: list[Callable[[], None]] = []
+        #: told of each event with its approval (the run record: a held write and its picture)
+        self.observers: list[Callable[[str, Approval], None]] = []
         self.folder, self.keep_seconds = folder, keep_seconds
         if folder is not None:
             self._load()
@@ -226,6 +228,11 @@ class Approvals:
         """The audit record: what was held (method, address with query values hidden, form
         field names, body type and size), why and by which rule, who decided and their reason."""
         self._notify(event, ap)
+        for observer in list(self.observers):
+            try:
+                observer(event, ap)
+            except Exception as exc:   # the record's failure never stops a decision
+                log.warning("an approvals observer failed: %s", type(exc).__name__)
         if self.audit is None:
             return
         h = ap.held

@@ -139,6 +139,10 @@ def any_console(request):
 
 # -- 1. every route, every session, both cookie names ----------------------------------------------
 NO_APPROVAL = "ap_" + "0" * 20
+NO_SHOT = "99999.jpg"
+#: what each route variable is in the walk: this handoff's id (below), an approval and a
+#: screenshot that do not exist, the run, stage and browser of the handoff (issue 48)
+VARIABLES = {"aid": NO_APPROVAL, "shot": NO_SHOT, "rid": "scope-a", "sid": "login", "bkey": "acct-a"}
 
 
 def test_every_console_route_takes_only_its_own_scope(any_console):
@@ -156,12 +160,14 @@ def test_every_console_route_takes_only_its_own_scope(any_console):
         if (method, pattern) in PUBLIC:
             continue
         names = set(re.findall(r"{(\w+)}", pattern))
-        assert names <= {"hid", "aid"}, f"a new route variable in {pattern}: add it to this table"
-        path = pattern.replace("{hid}", a["hid"]).replace("{aid}", NO_APPROVAL)
+        assert names <= {"hid", *VARIABLES}, f"a new route variable in {pattern}: add it to this table"
+        path = pattern.replace("{hid}", a["hid"])
+        for name, value in VARIABLES.items():
+            path = path.replace("{" + name + "}", value)
         live_route = pattern.startswith("/live/{hid}")
         ok = 403 if method == "POST" else 101 if path.endswith("/ws") else 200
-        if "{aid}" in pattern and method == "GET":
-            ok = 404           # past the session check: no such approval here
+        if ("{aid}" in pattern or "{shot}" in pattern) and method == "GET":
+            ok = 404           # past the session check: no such approval, no such screenshot
         for who in ("console", "live", "other-live", "other-guard", "signed-out", None):
             for name in (CONSOLE_COOKIE, LIVE_COOKIE) if who else (None,):
                 right = (who == "console" and name == CONSOLE_COOKIE) or \

@@ -1,5 +1,6 @@
 """The audit log of a guard (issue 35, section 4): the first run of a new profile is recorded
-in causal order (created, leased, released; a second stage of the run leases nothing new),
+in causal order (created, leased, released, its record sealed; a second stage of the run
+leases nothing new),
 and a refused edit of the live policy is recorded like an applied one. Read as `sfguard audit
 show` reads it, and checked with `sfguard audit verify`."""
 from __future__ import annotations
@@ -46,7 +47,7 @@ def test_a_first_run_and_a_refused_policy_edit_are_audited_in_order(daemon, tmp_
     run = [(r["event"], r["fields"].get("profile"), r["fields"].get("run"))
            for r in audit(daemon) if r["fields"].get("run") == "r1"]
     assert run == [("profile_created", "fresh", "r1"), ("profile_leased", "fresh", "r1"),
-                   ("profile_released", "fresh", "r1")]
+                   ("profile_released", "fresh", "r1"), ("run_recorded", None, "r1")]   # its record sealed last
 
     # an invalid edit: refused, kept out of force, and audited once (the watchdog keeps
     # seeing the same bad file every second)
