@@ -64,7 +64,8 @@ def test_which_limits_a_host_gets(p, host, port, requests, page_loads, caps):
 
 def test_strictest_and_the_stage_answer(p):
     got = p.pace.strictest("api.shop.example", 443)
-    assert got["requests_per_minute"] == (30, "sites.yaml:8 pace api.shop.example, pay.example:8443 requests_per_minute 30")
+    assert got["requests_per_minute"] == (
+        30, "sites.yaml:8 pace api.shop.example, pay.example:8443 requests_per_minute 30")
     assert got["page_loads_per_minute"][0] == 20 and got["min_gap_s"][0] == 4
     # a stage's own rate only tightens; a looser one changes nothing
     eff = effective(p.pace, Budget(requests_per_minute=10, page_loads_per_minute=100), "api.shop.example", 443)
