@@ -220,6 +220,31 @@ class PaceRules:
         return out
 
 
+def describe(entry: PaceEntry) -> str:
+    """One entry's limits in words (`sfguard policy explain`)."""
+    parts = []
+    if entry.page_loads_per_minute is not None:
+        parts.append(f"{_num(entry.page_loads_per_minute)} page loads a minute")
+    if entry.min_gap_s is not None:
+        parts.append(f"at least {_num(entry.min_gap_s)} s between page loads")
+    if entry.requests_per_minute is not None:
+        parts.append(f"{_num(entry.requests_per_minute)} requests a minute")
+    if entry.connections is not None:
+        parts.append(f"{entry.connections} connections at once")
+    if entry.burst > 1:
+        parts.append(f"{entry.burst} at once before the pace applies")
+    over = ("429 at once" if entry.over == "refuse" else
+            f"wait up to {_num(entry.max_wait_s)} s, then 429")
+    return f"{', '.join(parts)}; over it: {over}"
+
+
+def explain(rules: PaceRules, host: str, port: int | None = None) -> list[dict[str, object]]:
+    """Every entry that paces `host`, as `policy explain --json` shows it (empty: none)."""
+    return [{"rule": e.rule(), "patterns": list(e.patterns), "reason": e.reason, "limits": e.limits(),
+             "burst": e.burst, "over": e.over, "max_wait_s": e.max_wait_s, "text": describe(e)}
+            for e in rules.matching(host, port)]
+
+
 # ------------------------------------------------------------------------------- budgets
 
 @dataclass(frozen=True)

@@ -84,56 +84,71 @@ class FilePaceStore:
     """Counters in a folder (0700) of the guard home: one file of 16 bytes per counter, named
     by a hash of its key (no profile name on disk), changed under `flock`, so the proxies of
     every run on this host share them, and they outlive a restart of the guard. Locks are
-    taken in key order (no deadlock between processes)."""
+    taken in key order (no deadlock between processes); the files of recent counters stay open
+    (a take is then flock, pread, pwrite, unlock)."""
+
+    MAX_OPEN = 256
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = os.fspath(folder)
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        self._fds: dict[str, int] = {}
 
-    def _path(self, key: str) -> str:
+    def path(self, key: str) -> str:
         return os.path.join(self.folder, hashlib.sha256(key.encode()).hexdigest()[:40])
 
+    def _fd(self, key: str) -> int:
+        fd = self._fds.pop(key, None)
+        if fd is None:
+            fd = os.open(self.path(key), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            while len(self._fds) >= self.MAX_OPEN:
+                os.close(self._fds.pop(next(iter(self._fds))))
+        self._fds[key] = fd          # most recently used last
+        return fd
+
     def take_sync(self, limits: Sequence[tuple[str, Limit]], now: float | None = None) -> Admission:
-        fds: dict[str, int] = {}
+        locked: list[tuple[str, int]] = []
         try:
             states: dict[str, State] = {}
             for key in sorted({k for k, _ in limits}):
-                fd = os.open(self._path(key), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                fds[key] = fd
+                fd = self._fd(key)
                 fcntl.flock(fd, fcntl.LOCK_EX)
+                locked.append((key, fd))
                 data = os.pread(fd, _F.size, 0)
                 if len(data) == _F.size:
                     states[key] = _F.unpack(data)
             result = admit(states, limits, time.time() if now is None else now)
-            for key, value in result.updates.items():
-                os.pwrite(fds[key], _F.pack(*value), 0)
+            for key, fd in locked:
+                if key in result.updates:
+                    os.pwrite(fd, _F.pack(*result.updates[key]), 0)
             return result
         except OSError as exc:
             raise PaceUnavailable(f"the pace counters cannot be used ({exc.strerror or exc})") from None
         finally:
-            for fd in fds.values():
-                os.close(fd)      # closing drops the lock
+            for _key, fd in locked:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError:    # a descriptor that broke: closed and opened again next time
+                    os.close(self._fds.pop(_key, fd))
 
     async def take(self, limits: Sequence[tuple[str, Limit]]) -> Admission:
         return self.take_sync(limits)
 
-    async def close(self) -> None:
-        return None
-
-    def sweep(self, older_than: float) -> int:
-        """Remove counters whose value says nothing any more (a rate due `older_than` seconds
-        ago is as good as none); totals of ended stages go with them. Returns how many."""
-        removed = 0
-        cutoff = time.time() - older_than
-        for name in os.listdir(self.folder):
-            path = os.path.join(self.folder, name)
+    def forget(self, keys: Sequence[str]) -> None:
+        """Remove counters (a stage's budget totals, when it ends)."""
+        for key in keys:
+            fd = self._fds.pop(key, None)
+            if fd is not None:
+                os.close(fd)
             try:
-                if os.stat(path).st_mtime < cutoff:
-                    os.unlink(path)
-                    removed += 1
-            except OSError:
-                continue
-        return removed
+                os.unlink(self.path(key))
+            except FileNotFoundError:
+                pass
+
+    async def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 @dataclass(frozen=True)
@@ -162,6 +177,12 @@ class Verdict:
 
 
 GO = Verdict()
+
+
+def budget_keys(label: str) -> list[str]:
+    """Every counter a stage's budget can have (FilePaceStore.forget them when it ends)."""
+    full = Budget(page_loads=1, requests=1, page_loads_per_minute=1, requests_per_minute=1)
+    return [lim.key(f"budget:{label}") for kind in ("requests", "page_loads") for lim in full.limits(kind)]
 
 
 def is_navigation(headers: object) -> bool:
@@ -296,4 +317,4 @@ def _longest(limits: Sequence[tuple[str, Limit]], result: Admission) -> Limit | 
 
 
 __all__ = ["GO", "NO_PACE", "ConnectionCaps", "FilePaceStore", "MemoryPaceStore", "PaceStore",
-           "PaceUnavailable", "Pacer", "Refusal", "StageBudget", "Verdict", "is_navigation"]
+           "PaceUnavailable", "Pacer", "Refusal", "StageBudget", "Verdict", "budget_keys", "is_navigation"]

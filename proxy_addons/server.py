@@ -125,10 +125,12 @@ class GuardProxy:
         #: the pace and budgets (proxy_addons/pacing.py); `use_shared_pace` puts the sites'
         #: rates on a store every guard host shares
         self.pacer = Pacer(local=local)
+        self.shared_pace: str | None = None     # what `use_shared_pace` was given (never shown)
 
-    def use_shared_pace(self, store: PaceStore) -> None:
-        """Count the sites' pace on `store` (the shared PostgreSQL store) from now on."""
-        self.pacer.shared = store
+    def use_shared_pace(self, store: PaceStore, ident: str) -> None:
+        """Count the sites' pace on `store` (the shared PostgreSQL store, `ident` its connection
+        string) from now on."""
+        self.pacer.shared, self.shared_pace = store, ident
 
     @property
     def url(self) -> str:

@@ -2,10 +2,17 @@
 arithmetic every store uses (`admit`), with time passed in."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from sfguard.policy import parse_policy
 from sfguard.policy.pace import Budget, Rate, Total, admit, effective
+
+ROOT = Path(__file__).resolve().parents[2]
 
 POLICY = """version: 1
 pace:
@@ -131,3 +138,70 @@ def test_budget_limits():
     rate = b.limits("requests")[0]
     assert rate.interval == 10.0 and rate.reason == "budget" and rate.rule == "browser.budget.requests_per_minute 6"
     assert not Budget() and b.as_dict() == {"page_loads": 5, "requests_per_minute": 6}
+
+
+def sfguard(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "sfguard.cli.main", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def test_explain_names_each_pace_and_its_rule(tmp_path):
+    (tmp_path / "sites.yaml").write_text(POLICY)
+    proc = sfguard("policy", "explain", "api.shop.example:443", "--allow", "*.shop.example",
+                   "--policy", str(tmp_path / "sites.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    lines = [x.strip() for x in proc.stdout.splitlines() if x.strip().startswith("pace")]
+    assert lines[:4] == [
+        "pace:       20 page loads a minute, 120 requests a minute, 3 at once before the pace applies; "
+        "over it: wait up to 5 s, then 429",
+        "pace rule:  sites.yaml:3 pace *.shop.example (the shop locks accounts that browse fast)",
+        "pace:       at least 4 s between page loads, 30 requests a minute, 2 connections at once; "
+        "over it: 429 at once",
+        "pace rule:  sites.yaml:8 pace api.shop.example, pay.example:8443 (the API counts every call)"]
+    assert lines[4].startswith("pace note:  counted per profile")
+    proc = sfguard("policy", "explain", "api.shop.example:443", "--allow", "*.shop.example", "--json",
+                   "--policy", str(tmp_path / "sites.yaml"))
+    paced = json.loads(proc.stdout)["pace"]
+    assert [(x["rule"], x["limits"]) for x in paced] == [
+        ("sites.yaml:3 pace *.shop.example", {"page_loads_per_minute": 20, "requests_per_minute": 120}),
+        ("sites.yaml:8 pace api.shop.example, pay.example:8443",
+         {"min_gap_s": 4, "requests_per_minute": 30, "connections": 2})]
+    # a denied host sees no request: no pace is named
+    proc = sfguard("policy", "explain", "api.shop.example:443", "--json", "--policy", str(tmp_path / "sites.yaml"))
+    assert json.loads(proc.stdout)["pace"] == []
+
+
+def test_policy_test_checks_expect_pace(tmp_path):
+    (tmp_path / "sites.yaml").write_text(POLICY)
+    (tmp_path / "cases.yaml").write_text("""\
+policy: sites.yaml
+cases:
+  - {host: www.shop.example, allow: "*.shop.example", expect: allow,
+     expect_pace: {page_loads_per_minute: 20, requests_per_minute: 120}}
+  - {host: api.shop.example:443, allow: "*.shop.example", expect: allow,
+     expect_pace: {page_loads_per_minute: 20, min_gap_s: 4, requests_per_minute: 30, connections: 2}}
+  - {host: other.example, allow: other.example, expect: allow, expect_pace: none}
+  - {host: www.shop.example, allow: "*.shop.example", expect: allow, expect_pace: none, name: unpaced}
+""")
+    proc = sfguard("policy", "test", str(tmp_path / "cases.yaml"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "3 passed, 1 failed" in proc.stdout
+    assert ("cases.yaml:8: www.shop.example [unpaced]: expected allow, pace none, got allow (allowed_by_run, "
+            "rule allow *.shop.example), pace page_loads_per_minute 20, requests_per_minute 120") in proc.stdout
+    (tmp_path / "bad.yaml").write_text("policy: sites.yaml\ncases:\n"
+                                       "  - {host: a.example, expect: deny, expect_pace: {rpm: 5}}\n")
+    proc = sfguard("policy", "test", str(tmp_path / "bad.yaml"))
+    assert proc.returncode == 2 and "expect_pace: none, or limits such as" in proc.stderr
+
+
+def test_the_shipped_templates_example_is_valid():
+    """The commented example in policy/sites.yaml, uncommented, is a valid pace entry."""
+    text = (ROOT / "policy" / "sites.yaml").read_text()
+    block = text.split("# PACE:", 1)[1].split("\npace: []", 1)[0]
+    example = block[block.index("#   - pattern"):].splitlines()
+    p = parse_policy("version: 1\npace:\n" + "\n".join("  " + line[4:] for line in example) + "\n")
+    (entry,) = p.pace.entries
+    assert entry.limits() == {"page_loads_per_minute": 20, "min_gap_s": 2, "requests_per_minute": 120,
+                              "connections": 6}
