@@ -306,30 +306,40 @@ State = tuple[float, float]
 class Admission:
     """What `admit` decided: go after `wait` seconds, or refused by `refused` (retry after
     `retry_after` seconds; None: not before the stage ends). `updates` are the counters' new
-    values (when refused: only counters rescaled to an edited interval)."""
+    values (when refused: only counters rescaled to an edited interval). `due`: how late the
+    event is against the pace, the largest over its rates (negative: that much room left)."""
     wait: float
     refused: Limit | None = None
     retry_after: float | None = None
     updates: Mapping[str, State] = field(default_factory=dict)
+    due: float = float("-inf")
 
     @property
     def ok(self) -> bool:
         return self.refused is None
 
 
-def admit(states: Mapping[str, State], limits: Sequence[tuple[str, Limit]], now: float) -> Admission:
+def admit(states: Mapping[str, State], limits: Sequence[tuple[str, Limit]], now: float, *,
+          force: bool = False) -> Admission:
     """One event on every limit at once, or on none. `states`: each counter's value (missing:
     never used), `limits`: (counter key, limit). A rate counted at another interval (the entry
     was edited) keeps its debt in events: the time it is ahead is scaled to the new interval,
-    so an edit applies to the next event, looser or stricter."""
+    so an edit applies to the next event, looser or stricter.
+
+    `force`: the event happened already (a page load the guard saw commit): every rate counts
+    it, however late; a total over its limit is `refused` and not counted."""
     updates: dict[str, State] = {}
     rescaled: dict[str, State] = {}     # kept even when refused: the counter's new scale
-    wait = 0.0
+    wait, worst = 0.0, float("-inf")
+    refused: Limit | None = None
     for key, limit in limits:
         if isinstance(limit, Total):
             count = states.get(key, (0.0, 0.0))[0]
             if count >= limit.limit:
-                return Admission(0.0, limit, None, rescaled)
+                if not force:
+                    return Admission(0.0, limit, None, rescaled, worst)
+                refused = limit
+                continue
             updates[key] = (count + 1, 0.0)
             continue
         tat, was = states.get(key, (now, limit.interval))
@@ -338,11 +348,12 @@ def admit(states: Mapping[str, State], limits: Sequence[tuple[str, Limit]], now:
             rescaled[key] = (tat, limit.interval)
         start = max(tat, now, updates.get(key, (0.0, 0.0))[0] - limit.interval)
         due = start - (limit.burst - 1) * limit.interval - now
-        if due > limit.wait_limit + 1e-9:
-            return Admission(0.0, limit, max(due, 0.0), rescaled)
+        worst = max(worst, due)
+        if not force and due > limit.wait_limit + 1e-9:
+            return Admission(0.0, limit, max(due, 0.0), rescaled, worst)
         updates[key] = (start + limit.interval, limit.interval)
         wait = max(wait, due, 0.0)
-    return Admission(wait, None, None, updates)
+    return Admission(wait, refused, None, updates, worst)
 
 
 def retry_text(seconds: float | None) -> str:

@@ -100,7 +100,7 @@ class WriteEntryModel(_Strict):
         return self
 
 
-PerMinute = Annotated[float, Field(gt=0, le=100_000)]
+PerMinute = Annotated[float, Field(gt=0, le=10_000_000)]
 
 
 class PaceEntryModel(_Strict):

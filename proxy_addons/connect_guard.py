@@ -131,7 +131,10 @@ class ConnectGuard:
             if refused is not None:
                 return self._pace_refused(flow, client, d, refused)
             conn.paced += held
-        verdict = await pacer.admit(who, client.budgets, pace, page_load=not connect and is_navigation(request.headers))
+        counts_loads = bool(pace.page_loads) or any(
+            b.budget.page_loads is not None or b.budget.page_loads_per_minute is not None for b in client.budgets)
+        page_load = counts_loads and not connect and is_navigation(request.headers.fields)
+        verdict = await pacer.admit(who, client.budgets, pace, page_load=page_load)
         if verdict.refusal is not None:
             return self._pace_refused(flow, client, d, verdict.refusal)
         if verdict.wait > 0:

@@ -56,8 +56,9 @@ class PaceUnavailable(SfguardError):
 
 
 class PaceStore(Protocol):
-    async def take(self, limits: Sequence[tuple[str, Limit]]) -> Admission:
-        """One event on every limit at once, or none (policy.pace.admit). Raises PaceUnavailable."""
+    async def take(self, limits: Sequence[tuple[str, Limit]], *, force: bool = False) -> Admission:
+        """One event on every limit at once, or none (policy.pace.admit, `force`: an event that
+        happened already). Raises PaceUnavailable."""
         ...
 
     async def close(self) -> None: ...
@@ -70,9 +71,9 @@ class MemoryPaceStore:
         self.states: dict[str, State] = {}
         self.clock = clock
 
-    async def take(self, limits: Sequence[tuple[str, Limit]]) -> Admission:
+    async def take(self, limits: Sequence[tuple[str, Limit]], *, force: bool = False) -> Admission:
         now = self.clock() if callable(self.clock) else time.time()
-        result = admit(self.states, limits, float(now))
+        result = admit(self.states, limits, float(now), force=force)
         self.states.update(result.updates)
         return result
 
@@ -98,26 +99,28 @@ class FilePaceStore:
         return os.path.join(self.folder, hashlib.sha256(key.encode()).hexdigest()[:40])
 
     def _fd(self, key: str) -> int:
-        fd = self._fds.pop(key, None)
+        fd = self._fds.get(key)
         if fd is None:
             fd = os.open(self.path(key), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            while len(self._fds) >= self.MAX_OPEN:
+            while len(self._fds) >= self.MAX_OPEN:     # the oldest opened goes
                 os.close(self._fds.pop(next(iter(self._fds))))
-        self._fds[key] = fd          # most recently used last
+            self._fds[key] = fd
         return fd
 
-    def take_sync(self, limits: Sequence[tuple[str, Limit]], now: float | None = None) -> Admission:
+    def take_sync(self, limits: Sequence[tuple[str, Limit]], now: float | None = None, *,
+                  force: bool = False) -> Admission:
         locked: list[tuple[str, int]] = []
         try:
             states: dict[str, State] = {}
-            for key in sorted({k for k, _ in limits}):
+            keys = [limits[0][0]] if len(limits) == 1 else sorted({k for k, _ in limits})
+            for key in keys:
                 fd = self._fd(key)
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 locked.append((key, fd))
                 data = os.pread(fd, _F.size, 0)
                 if len(data) == _F.size:
                     states[key] = _F.unpack(data)
-            result = admit(states, limits, time.time() if now is None else now)
+            result = admit(states, limits, time.time() if now is None else now, force=force)
             for key, fd in locked:
                 if key in result.updates:
                     os.pwrite(fd, _F.pack(*result.updates[key]), 0)
@@ -131,8 +134,8 @@ class FilePaceStore:
                 except OSError:    # a descriptor that broke: closed and opened again next time
                     os.close(self._fds.pop(_key, fd))
 
-    async def take(self, limits: Sequence[tuple[str, Limit]]) -> Admission:
-        return self.take_sync(limits)
+    async def take(self, limits: Sequence[tuple[str, Limit]], *, force: bool = False) -> Admission:
+        return self.take_sync(limits, force=force)
 
     def forget(self, keys: Sequence[str]) -> None:
         """Remove counters (a stage's budget totals, when it ends)."""
@@ -174,6 +177,7 @@ class Verdict:
     wait: float = 0.0
     limit: Limit | None = None   # the limit that made it wait longest
     refusal: Refusal | None = None
+    due: float = float("-inf")   # how late against the pace (policy.pace.Admission.due)
 
 
 GO = Verdict()
@@ -185,15 +189,17 @@ def budget_keys(label: str) -> list[str]:
     return [lim.key(f"budget:{label}") for kind in ("requests", "page_loads") for lim in full.limits(kind)]
 
 
-def is_navigation(headers: object) -> bool:
-    """A plain-HTTP request that loads a page or frame (what a browser sends with one)."""
-    get = getattr(headers, "get", None)
-    if get is None:
-        return False
-    dest = get("sec-fetch-dest")
-    if dest is not None:
-        return str(dest).strip().lower() in NAV_DESTS
-    return str(get("upgrade-insecure-requests", "")).strip() == "1"
+def is_navigation(fields: Sequence[tuple[bytes, bytes]]) -> bool:
+    """A plain-HTTP request that loads a page or frame (what a browser sends with one), from
+    its head's fields."""
+    upgrade = False
+    for name, value in fields:
+        lower = name.lower()
+        if lower == b"sec-fetch-dest":
+            return value.strip().lower().decode("latin-1") in NAV_DESTS
+        if lower == b"upgrade-insecure-requests":
+            upgrade = value.strip() == b"1"
+    return upgrade
 
 
 def _refusal(limit: Limit, retry_after: float | None) -> Refusal:
@@ -256,37 +262,41 @@ class Pacer:
     def now(self) -> float:
         return float(self.clock()) if callable(self.clock) else time.time()
 
-    async def admit(self, who: str, budgets: Sequence[StageBudget], pace: HostPace, page_load: bool) -> Verdict:
-        """One request (and a page load with `page_load`) of `who` to a host with `pace`."""
-        now = self.now()
+    async def admit(self, who: str, budgets: Sequence[StageBudget], pace: HostPace, page_load: bool,
+                    request: bool = True, force: bool = False) -> Verdict:
+        """One request of `who` to a host with `pace` (and a page load with `page_load`; only a
+        page load without `request`: the guard's browser side). `force`: it happened already
+        (counted however late; refused only by a budget total, which it does not count)."""
+        kinds = (("requests",) if request else ()) + (("page_loads",) if page_load else ())
         stage_limits: list[tuple[str, Limit]] = []
+        now = self.now() if budgets else 0.0
         for sb in budgets:
             if sb.until is not None and now >= sb.until:
                 minutes = sb.budget.active_minutes
                 rule = f"browser.budget.active_minutes {minutes:g}"
                 return Verdict(refusal=_refusal(Total("active_minutes", 0, rule,
                                                       f"this stage's budget allows {minutes:g} active minutes"), None))
-            kinds = ("requests", "page_loads") if page_load else ("requests",)
             for kind in kinds:
                 stage_limits += [(lim.key(f"budget:{sb.label}"), lim) for lim in sb.budget.limits(kind)]
-        site_limits: list[tuple[str, Limit]] = [(r.key(who), r) for r in pace.requests]
+        site_limits: list[tuple[str, Limit]] = [(r.key(who), r) for r in pace.requests] if request else []
         if page_load:
             site_limits += [(r.key(who), r) for r in pace.page_loads]
-        wait, longest = 0.0, None
+        wait, longest, due = 0.0, None, float("-inf")
         try:
             for store, limits in ((self.shared, site_limits), (self.local, stage_limits)):
                 if not limits:
                     continue
-                result = await store.take(limits)
+                result = await store.take(limits, force=force)
                 if result.refused is not None:
-                    return Verdict(refusal=_refusal(result.refused, result.retry_after))
+                    return Verdict(refusal=_refusal(result.refused, result.retry_after), due=result.due)
+                due = max(due, result.due)
                 if result.wait > wait:
                     wait, longest = result.wait, _longest(limits, result)
         except PaceUnavailable as exc:
             return Verdict(refusal=Refusal(503, "pace_unavailable", None,
                                            f"sfguard: the guard cannot count this site's pace now ({exc}), so "
                                            "it refused the request. Try again later.", None))
-        return Verdict(wait, longest) if wait > 0 else GO
+        return Verdict(wait, longest, None, due) if wait > 0 or force else GO
 
     async def open_connection(self, who: str, pace: HostPace) -> tuple[list[str], Refusal | None]:
         """Count one open connection on each cap of `pace`: the keys held (release each with

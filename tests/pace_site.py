@@ -1,25 +1,29 @@
 """A fixture site that counts what it receives, per second (issue 49's proof of pacing).
 
-`PaceSite()` serves plain HTTP/1.1 on 127.0.0.1 (a free port) from a thread: every request is
-recorded with its arrival time (time.monotonic(), the site's own clock), path and
-`Sec-Fetch-Dest`; pages are small HTML documents (`/page/N` links to `/page/N+1` and loads one
-image), `/img/N.png` a tiny image. Tests read `site.times()` and judge the pace by the site's own
-counter: `most_in(times, window)` is the most requests that arrived within any `window` seconds.
+`PaceSite()` serves HTTP/1.1 on 127.0.0.1 (a free port) from a thread, `PaceSite(tls=(crt, key))`
+HTTPS: every request is recorded with its arrival time (time.monotonic(), the site's own clock),
+path and `Sec-Fetch-Dest`. Pages are small HTML documents (`/page/N` links to `/page/N+1` and
+loads one image), `/img/N.png` a tiny image, `/loop/N` a page that reloads itself at once,
+forever. Tests read `site.times()` and judge the pace by the site's own counter:
+`most_in(times, window)` is the most requests that arrived within any `window` seconds.
 """
 from __future__ import annotations
 
 import bisect
+import ssl
 import threading
 import time
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                     "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
 
 
 class PaceSite:
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[Path, Path] | None = None) -> None:
+        """`tls`: (certificate chain, key) files to serve HTTPS instead (tests/tls_site.py issue)."""
         self.lock = threading.Lock()
         self.log: list[tuple[float, str, str | None]] = []   # (arrival, path, Sec-Fetch-Dest)
         site = self
@@ -35,6 +39,9 @@ class PaceSite:
                     site.log.append((time.monotonic(), self.path, self.headers.get("Sec-Fetch-Dest")))
                 if self.path.startswith("/img/"):
                     body, ctype = PNG, "image/png"
+                elif self.path.startswith("/loop/"):   # a page that reloads itself at once, forever
+                    body = b"<!doctype html><title>loop</title><script>location.reload()</script>"
+                    ctype = "text/html; charset=utf-8"
                 else:
                     n = self.path.rsplit("/", 1)[-1]
                     nxt = int(n) + 1 if n.isdigit() else 1
@@ -50,6 +57,10 @@ class PaceSite:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        if tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

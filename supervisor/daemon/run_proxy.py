@@ -41,6 +41,8 @@ class PaceSetting:
     the proxy's stdin (never argv or a file) so every guard host counts one pace."""
     folder: Path | None = None
     shared_url: str | None = field(default=None, repr=False)
+    #: where the guard's own pace lines go (the browser side, supervisor/daemon/pacing.py)
+    decision_log: Path | None = None
 
     def message(self) -> dict:
         return {"pace_store": self.shared_url} if self.shared_url else {}
@@ -309,6 +311,7 @@ class ProxyPool:
             spare_nice = SPARE_PROXY_NICE if can_renice(SPARE_PROXY_NICE) else 0
         self.spare_nice = spare_nice
         self.zygote: Zygote | None = None     # stopped with the pool (see `forked`)
+        self.pace = PaceSetting()             # where its proxies count pace (see `forked`)
 
     @classmethod
     def forked(cls, policy_path: Path, decision_log: Path, resolve: dict[str, str],
@@ -317,6 +320,7 @@ class ProxyPool:
         zygote = Zygote(policy_path, decision_log)
         pool = cls(lambda: RunProxy(None, policy_path, decision_log, resolve, zygote, pace))
         pool.zygote = zygote
+        pool.pace = pace or PaceSetting()
         return pool
 
     async def take(self, run_id: str) -> RunProxy:

@@ -167,6 +167,7 @@ class SharedPool:
                  pace: PaceSetting | None = None):
         self.zygote = Zygote(policy_path, decision_log)
         self.host = SharedProxy(policy_path, decision_log, resolve, self.zygote, pace)
+        self.pace = pace or PaceSetting()
 
     async def take(self, run_id: str) -> SharedRunProxy:
         proxy = SharedRunProxy(self.host, run_id)
@@ -190,7 +191,8 @@ def pace_setting(home: Path, stores: object) -> PaceSetting:
     """Where the runs' proxies count pace and budgets: the home's `pace` folder (0700), and the
     shared store's connection when the guard has one (supervisor/profiles/pg_pace.py)."""
     backend = getattr(stores, "backend", None)
-    return PaceSetting(private_dir(home / "pace"), getattr(backend, "url", None))
+    return PaceSetting(private_dir(home / "pace"), getattr(backend, "url", None),
+                       home / "logs" / "decisions.log")
 
 
 def proxy_pool(mode: str, policy_path: Path, decision_log: Path, resolve: dict[str, str],

@@ -14,7 +14,7 @@ from sfguard.supervisor import models
 from sfguard.supervisor.browsers import browser_user, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon.deferred import no_space
-from sfguard.supervisor.daemon.pacing import browser_budgets, pace_key, pace_view, stage_budget
+from sfguard.supervisor.daemon.pacing import PageLoads, browser_budgets, pace_key, pace_view, stage_budget
 from sfguard.supervisor.daemon.run_proxy import short_id
 from sfguard.supervisor.daemon.runs import WAITING_STATES, Browser, Run, RunState, Stage, StageOutcome, StageState
 from sfguard.supervisor.daemon.shared_proxy import AnyPool, AnyRunProxy
@@ -86,6 +86,9 @@ class Stages:
         self.socket_dir, self.config_path = socket_dir, config_path
         self.write_approver, self.write_gate_timeout, self.write_record = (
             write_approver, write_gate_timeout, write_record)
+        # HTTPS page loads, kept in the browser (the gate asks it; each pipe tells it)
+        self.page_loads = PageLoads(runs, lambda: self.site_policy, getattr(proxies, "pace", None), gate)
+        gate.pace = self.page_loads
 
     @property
     def site_policy(self) -> SitePolicy:
@@ -237,6 +240,7 @@ class Stages:
         guard_writes(run, browser, stage, self.write_approver, self.write_gate_timeout, self.write_record,
                      self.write_rules, self.write_owner(browser))
         await guard_websockets(browser.anchor)   # before the stage gets the browser
+        self.page_loads.watch(run, browser)      # its HTTPS page loads counted (daemon/pacing.py)
         await run.proxy.set_allow(browser.client, self.browser_allow(run, browser), browser_budgets(run, browser))
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
         anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", self.site_policy.tab_quota
@@ -344,6 +348,7 @@ class Stages:
             with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
                 await proxy.remove_client(name)
             raise
+        self.page_loads.watch(run, browser)      # the guard's own login checks count too
         log.info("run %s: anchor for profile %s ready (profile opened in %.0f ms, browser "
                  "launched in %.0f ms)", run.run_id, key.name, (t1 - t0) * 1000,
                  browser.anchor.launch_seconds * 1000, extra={"run": run.run_id, "profile": key.name})

@@ -30,7 +30,7 @@ CALL_TIMEOUT = 2.0
 #: counters not used for this long are deleted (one in SWEEP_EVERY calls does it)
 IDLE_DROP_S = 24 * 3600.0
 SWEEP_EVERY = 5000
-TAKE = "SELECT wait, refused, retry FROM sfguard_pace_take(%s, %s, %s, %s)"
+TAKE = "SELECT wait, refused, retry, worst FROM sfguard_pace_take(%s, %s, %s, %s, %s)"
 
 
 class PgPaceStore:
@@ -52,7 +52,7 @@ class PgPaceStore:
                 application_name="sfguard-pace")
         return self._conn
 
-    async def take(self, limits: Sequence[tuple[str, Limit]]) -> Admission:
+    async def take(self, limits: Sequence[tuple[str, Limit]], *, force: bool = False) -> Admission:
         rates = sorted(((k, lim) for k, lim in limits if isinstance(lim, Rate)), key=lambda x: x[0])
         if len(rates) != len(limits):
             raise PaceUnavailable("a budget total reached the shared store (it is counted on its host)")
@@ -60,12 +60,12 @@ class PgPaceStore:
             return Admission(0.0)
         import psycopg  # noqa: PLC0415
         args = ([k for k, _ in rates], [r.interval for _, r in rates], [r.burst for _, r in rates],
-                [r.wait_limit for _, r in rates])
+                [r.wait_limit for _, r in rates], force)
         async with self._lock:
             try:
                 conn = await asyncio.wait_for(self._connection(), CONNECT_TIMEOUT + 1)
                 cur = await asyncio.wait_for(conn.execute(TAKE, args), CALL_TIMEOUT)
-                wait, refused, retry = await cur.fetchone()
+                wait, refused, retry, worst = await cur.fetchone()
                 self._calls += 1
                 if self._calls % SWEEP_EVERY == 0:
                     await conn.execute("DELETE FROM sfguard_pace WHERE updated < %s AND tat < %s",
@@ -75,8 +75,8 @@ class PgPaceStore:
                 raise PaceUnavailable(f"the shared store {self.shown} did not answer "
                                       f"({type(exc).__name__})") from None
         if refused:
-            return Admission(0.0, rates[refused - 1][1], float(retry))
-        return Admission(max(0.0, float(wait)))
+            return Admission(0.0, rates[refused - 1][1], float(retry), due=float(worst))
+        return Admission(max(0.0, float(wait)), due=float(worst))
 
     async def _drop(self) -> None:
         conn, self._conn = self._conn, None

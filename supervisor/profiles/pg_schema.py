@@ -135,7 +135,8 @@ MIGRATIONS: list[str] = [
         updated double precision NOT NULL
     );
     CREATE FUNCTION sfguard_pace_take(keys text[], steps float8[], bursts int[], waits float8[],
-                                      OUT wait float8, OUT refused int, OUT retry float8)
+                                      force boolean, OUT wait float8, OUT refused int, OUT retry float8,
+                                      OUT worst float8)
     LANGUAGE plpgsql AS $$
     DECLARE
         now_s float8 := extract(epoch FROM clock_timestamp());
@@ -143,7 +144,7 @@ MIGRATIONS: list[str] = [
         tats float8[] := '{}';
         i int; t float8; was float8; start float8; due float8;
     BEGIN
-        wait := 0; refused := 0; retry := 0;
+        wait := 0; refused := 0; retry := 0; worst := '-Infinity';
         FOR i IN 1..n LOOP
             INSERT INTO sfguard_pace (key, tat, step, updated) VALUES (keys[i], now_s, steps[i], now_s)
                 ON CONFLICT (key) DO NOTHING;
@@ -154,7 +155,8 @@ MIGRATIONS: list[str] = [
             END IF;
             start := greatest(t, now_s);
             due := start - (bursts[i] - 1) * steps[i] - now_s;
-            IF due > waits[i] + 1e-9 THEN
+            worst := greatest(worst, due);
+            IF NOT force AND due > waits[i] + 1e-9 THEN
                 wait := 0; refused := i; retry := greatest(due, 0);
                 RETURN;
             END IF;

@@ -181,3 +181,64 @@ def test_two_runs_on_one_profile_keep_one_pace(tmp_path, shop):
         assert {x["reason"] for x in decisions(d) if x["decision"] == "deny" and x["host"] == "shop.test"} == {"pace"}
     finally:
         d.finish()
+
+
+@pytest.fixture
+def tls_shop(tmp_path):
+    from tests.tls_site import issue, make_ca
+    ca = make_ca("sfguard pace test authority")
+    crt, key = issue(ca, "shop.test", tmp_path)
+    site = PaceSite(tls=(crt, key))
+    yield site, ca.write(tmp_path / "ca.pem")
+    site.close()
+
+
+def test_https_page_loads_are_paced_in_the_browser(tmp_path, tls_shop):
+    """Inside TLS the proxy sees connections only: page loads of an HTTPS site are kept by the
+    guard in the browser. An `open` loop waits before each navigation; a click loop waits after
+    a page loaded over the pace; a page that reloads itself forever is closed once it is further
+    over the pace than a wait allows (without the guard it would reach the site dozens of times
+    a second)."""
+    shop, ca = tls_shop
+    home = (tmp_path / "home").absolute()
+    pol = tmp_path / "sites.yaml"
+    pol.write_text(POLICY.format(port=shop.port, limits="    page_loads_per_minute: 60\n    max_wait_s: 3\n"))
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
+    d = Daemon(home, env, tmp_path / "daemon.log")
+    d.start("--policy", str(pol), "--resolve", "shop.test=127.0.0.1", "--ca-file", str(ca))
+    try:
+        assert d.call("POST", "/v1/runs", {"run_id": "r1"})[0] == 201
+        env = ready(d, "r1", "s1", "acct")["env"]
+        page = f"https://shop.test:{shop.port}"
+        for i in range(5):                                   # the stage opens pages as fast as it can
+            assert as_stage(env, "open", f"{page}/page/{i}").returncode == 0
+        for _ in range(4):                                   # ... and clicks through them
+            assert as_stage(env, "click", "#next").returncode == 0
+        loads = shop.times("/page/")
+        # (a click agent-browser sends while the last page is still coming may land on it: 8 or 9)
+        assert len(loads) >= 8, " ".join(f"{t - shop.log[0][0]:.2f}{p}" for t, p, _ in shop.log)
+        # one a second: at most 1 + 3 (+2) in any 3 s, and the loads took at least one second each
+        assert most_in(loads, 3.0) <= 6 and loads[-1] - loads[0] >= len(loads) - 3, loads
+        lines = [x for x in decisions(d) if x.get("page_load")]
+        assert {x["decision"] for x in lines} == {"delay"} and {x["reason"] for x in lines} == {"pace"}
+        assert all("page_loads_per_minute 60" in x["rule"] and x["host"] == "shop.test" for x in lines)
+
+        # a page that reloads itself, forever: counted; over the pace by more than a wait (3 s)
+        # allows, the guard closes the tab
+        shop.clear()
+        as_stage(env, "open", f"{page}/loop/1", timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not [x for x in decisions(d) if x.get("closed_tab")]:
+            time.sleep(0.2)
+        closed = [x for x in decisions(d) if x.get("closed_tab")]
+        assert closed and closed[0]["decision"] == "deny" and closed[0]["reason"] == "pace", closed
+        time.sleep(2.0)
+        reloads = shop.times("/loop/")
+        # what the pace allows while it ran (1 + t/1 s), what a wait allows and one interval more
+        # (3 + 1) before the tab is closed, the reload already on its way then (1), +2
+        assert 3 <= len(reloads) <= 1 + (reloads[-1] - reloads[0]) + 3 + 1 + 1 + 2, len(reloads)
+        after = len(reloads)
+        time.sleep(2.0)
+        assert len(shop.times("/loop/")) == after           # closed: nothing more
+    finally:
+        d.finish()
