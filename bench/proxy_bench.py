@@ -13,6 +13,10 @@ Everything runs on 127.0.0.1 in this one command, and the baseline is measured i
   http:// URLs to a proxy): p50 latency of one request at a time, and the proxy's CPU time per
   request with 6 clients sending `--requests` requests in all (direct: origin-form GETs to the
   same site, for the latency only).
+`guard-paced` is guard-run with pacing on (issue 49): its policy paces the bench host with limits
+it never reaches (every request and tunnel still counted in the pace folder's files, the
+connection cap held), and its client counts on a profile's pace; `paced / run` per round is the
+cost of pacing what is under its limits (target <= 1.05x).
 Every proxy is measured once per round, in turn, for `--rounds` rounds (interleaved, so a
 noisy spell of the machine hits all of them); ratios against bare mitmdump are taken per round
 and printed as median [min-max]. Targets: CPU/tunnel <= 0.5x (issue 14), set-up p50 <= 0.7x,
@@ -247,8 +251,20 @@ async def measure_plain(t: Target, upstream_port: int, requests: int) -> tuple[f
     return p50, (proc_cpu(proc) - cpu0) / (each * 6) * 1e6
 
 
-def _bench_policy(tmp: Path, upstream_port: int) -> Path:
-    policy = tmp / "bench-sites.yaml"
+#: a pace the bench never reaches (pacing on, nothing waits): every request counted all the same
+PACE = """\
+pace:
+  - pattern: bench.test
+    reason: "the bench's host, paced above anything it sends"
+    requests_per_minute: 10000000
+    page_loads_per_minute: 10000000
+    connections: 1000
+    burst: 1000
+"""
+
+
+def _bench_policy(tmp: Path, upstream_port: int, paced: bool = False) -> Path:
+    policy = tmp / ("bench-sites-paced.yaml" if paced else "bench-sites.yaml")
     policy.write_text(textwrap.dedent(f"""\
         version: 1
         mode: enforce
@@ -257,19 +273,22 @@ def _bench_policy(tmp: Path, upstream_port: int) -> Path:
         block: []
         private_networks:
           allow: ["127.0.0.1/32"]
-        """))
+        """) + (PACE if paced else ""))
     return policy
 
 
-def start_guard_run(upstream_port: int, tmp: Path) -> Target:
+def start_guard_run(upstream_port: int, tmp: Path, paced: bool = False) -> Target:
     """The guard proxy exactly as the daemon starts it for a run: `python -m
     sfguard.supervisor.daemon.proxy_child` (the one proxy entry point; `sfguard proxy` runs the same
-    `serve()`), its client set over stdin, decisions appended to a log file."""
-    policy = _bench_policy(tmp, upstream_port)
+    `serve()`), its client set over stdin, decisions appended to a log file; `paced`: with the
+    pace above and its counters in a folder, as the daemon runs it (`--pace-dir`, `pace_key`)."""
+    policy = _bench_policy(tmp, upstream_port, paced)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
+    pace_dir = tmp / "pace" if paced else None
     proc = subprocess.Popen(
-        child_argv(port, policy, tmp / "run-decisions.log", {HOST: "127.0.0.1"}, run="bench-run"),
+        child_argv(port, policy, tmp / "run-decisions.log", {HOST: "127.0.0.1"}, run="bench-run",
+                   pace_dir=pace_dir),
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
@@ -277,15 +296,17 @@ def start_guard_run(upstream_port: int, tmp: Path) -> Target:
     if not line.startswith("ready "):
         proc.kill()
         raise RuntimeError(f"run proxy did not start: {line!r}")
-    proc.stdin.write(json.dumps({"id": 1, "clients": [
-        {"name": "bench", "token": TOKEN, "allow": [HOST], "run": "bench-run"}]}) + "\n")
+    client = {"name": "bench", "token": TOKEN, "allow": [HOST], "run": "bench-run"}
+    if paced:
+        client["pace_key"] = "p:local/bench"
+    proc.stdin.write(json.dumps({"id": 1, "clients": [client]}) + "\n")
     proc.stdin.flush()
     ack = proc.stdout.readline()
     if json.loads(ack).get("ack") != 1:
         proc.kill()
         raise RuntimeError(f"run proxy refused its clients: {ack!r}")
     auth = "Basic " + base64.b64encode(f"bench:{TOKEN}".encode()).decode()
-    return Target("guard-run", proc, port, auth, HOST)
+    return Target("guard-paced" if paced else "guard-run", proc, port, auth, HOST)
 
 
 def start_mitmdump(tmp: Path) -> Target | None:
@@ -372,7 +393,8 @@ def main() -> int:
     starters = [("direct", lambda: Target("direct", None, None, None, "")),
                 ("mitmdump", lambda: start_mitmdump(tmp)),
                 ("squid", lambda: start_squid(tmp)),
-                ("guard-run", lambda: start_guard_run(upstream_port, tmp))]
+                ("guard-run", lambda: start_guard_run(upstream_port, tmp)),
+                ("guard-paced", lambda: start_guard_run(upstream_port, tmp, paced=True))]
     try:
         for _ in range(max(1, args.rounds)):
             results: dict[str, dict] = {}
@@ -425,7 +447,7 @@ def main() -> int:
             vals = sorted(r[name][key] / r["mitmdump"][key] for r in rounds
                           if name in r and "mitmdump" in r)
             return f"{statistics.median(vals):.2f}x [{vals[0]:.2f}-{vals[-1]:.2f}]"
-        for name in ("squid", "guard-run"):
+        for name in ("squid", "guard-run", "guard-paced"):
             if name not in names:
                 continue
             print(f"  {name:9} CPU/tunnel {ratio(name, 'cpu')} (<= 0.5)   "
@@ -435,6 +457,14 @@ def main() -> int:
     for name in ("guard-run",):
         if name in names:
             print(f"  {name} RSS under load {med(name, 'peak'):.1f} MB (target < 120)")
+    if "guard-run" in names and "guard-paced" in names:
+        def paced(key: str) -> str:
+            vals = sorted(r["guard-paced"][key] / r["guard-run"][key] for r in rounds
+                          if "guard-paced" in r and "guard-run" in r)
+            return f"{statistics.median(vals):.2f}x [{vals[0]:.2f}-{vals[-1]:.2f}]"
+        print(f"\npacing on / off (guard-paced / guard-run, per round; issue 49, target <= 1.05): "
+              f"CPU/tunnel {paced('cpu')}   CPU/GET {paced('req_cpu')}   setup p50 {paced('p50')}   "
+              f"GET p50 {paced('req_p50')}")
     print("guard-run = `python -O -m sfguard.supervisor.daemon.proxy_child`, the proxy process the daemon starts per "
           "run (clients over stdin, decision log on disk); `sfguard proxy` runs the same serve()")
     for note in notes:

@@ -14,7 +14,8 @@
         denied), 2 for bad arguments or an invalid policy.
         With --method M [--path P] [--writes MODE]: also whether that request is a write on an
         allowed host and what the write gate does with it (sent, held for a person, refused),
-        with the writes rule and line that decided (policy/writes.py).
+        with the writes rule and line that decided (policy/writes.py). An allowed host's pace
+        (policy/pace.py): each entry that applies, its limits and its rule.
     sfguard policy test|replay|diff: see cli/policy_test_cmd.py.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from sfguard import policy
 from sfguard.cli.errors import CliError
 from sfguard.cli.options import POLICY_HOME_HELP, add_home
 from sfguard.cli.policy_source import policy_source
+from sfguard.policy import pace
 from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
 from sfguard.policy.writes import WRITE_MODES, WriteVerdict, effective
 
@@ -86,7 +88,7 @@ def _summary(p: policy.SitePolicy) -> str:
     ports = ", ".join(str(x) for x in sorted(p.ports))
     return (f"{p.source}: valid (version {p.version}, mode {p.mode}; ports {ports}; "
             f"{len(p.allow_always)} allow_always, {len(p.block)} block, {len(p.quiet)} quiet, "
-            f"{len(p.private_networks)} private_networks.allow, {len(p.writes)} writes; "
+            f"{len(p.private_networks)} private_networks.allow, {len(p.writes)} writes, {len(p.pace)} pace; "
             f"tab_quota {p.tab_quota})")
 
 
@@ -183,13 +185,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
         for decision in explain_ports(p, text, allow):
             denied = denied or not decision.allowed or decision.would_deny
             write = _write_verdict(p, decision, args) if args.method else None
+            paced = pace.explain(p.pace, decision.normalized_host, decision.port) \
+                if decision.allowed and decision.normalized_host else []
             if args.json:
                 extra = {"write": write.as_dict()} if write is not None else {}
-                print(json.dumps({**decision.as_dict(), "policy": p.source, **extra}, ensure_ascii=False))
+                print(json.dumps({**decision.as_dict(), "policy": p.source, "pace": paced, **extra},
+                                 ensure_ascii=False))
             else:
                 if not first:
                     print()
                 print(_human(p, decision, text))
+                for entry in paced:
+                    print(f"  pace:       {entry['text']}\n  pace rule:  {entry['rule']} ({entry['reason']})")
+                if paced:
+                    print("  pace note:  counted per profile (the account), across runs, stages and guard "
+                          "hosts; requests are plain-HTTP requests and HTTPS connections (docs/policy.md)")
                 if write is not None:
                     print(_human_write(write, args))
             first = False

@@ -21,6 +21,10 @@ Case files (YAML), either a top-level list of cases or ``{policy: PATH, cases: [
         path: /cart/checkout
         writes: allow                # optional: the stage's browser.writes (default allow)
         expect_write: gate           # read | allow | gate | deny
+      - host: www.shop.example       # the pace section: the strictest limits that apply
+        allow: "*.shop.example"
+        expect: allow
+        expect_pace: {page_loads_per_minute: 20, requests_per_minute: 120}   # or: none
 
 A decision is the one `sfguard policy explain` gives: the host rules, and for IP literals the
 address check. In report mode a would-be denial is decision `allow` with reason
@@ -40,11 +44,13 @@ from sfguard.policy.engine import Decision, SitePolicy, replace
 from sfguard.policy.errors import MalformedHost, PolicyError
 from sfguard.policy.hosts import parse_port, printable_host, split_host_port_raw
 from sfguard.policy.index import RuleSet, compile_patterns
+from sfguard.policy.pace import LIMITS
 from sfguard.policy.writes import WRITE_MODES, WriteVerdict, effective
 from sfguard.policy.yamlpos import node_line, node_value
 
 MAX_CASE_BYTES = 4 * 1024 * 1024
-CASE_KEYS = ("host", "allow", "expect", "reason", "name", "method", "path", "writes", "expect_write")
+CASE_KEYS = ("host", "allow", "expect", "reason", "name", "method", "path", "writes", "expect_write",
+             "expect_pace")
 EXPECT = ("allow", "deny")
 EXPECT_WRITE = ("read", *WRITE_MODES)
 class CaseFileError(SfguardError):
@@ -68,6 +74,7 @@ class Case:
     path: str = "/"
     writes: str = "allow"
     expect_write: str | None = None
+    expect_pace: dict[str, float] | None = None    # {} for `none`: no pace applies
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ class CaseResultRecord(TypedDict):
     rule: str | None
     expect_write: str | None
     write: dict[str, object] | None
+    expect_pace: dict[str, float] | None
+    pace: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,7 @@ class CaseResult:
     decision: Decision
     ok: bool
     write: WriteVerdict | None = None
+    pace: dict[str, float] | None = None     # the strictest limits for the host (expect_pace)
 
     def problem(self) -> str:
         c, d = self.case, self.decision
@@ -112,6 +122,9 @@ class CaseResult:
             got += f", {c.method} {c.path} " + (
                 "not sent (host denied)" if w is None else
                 f"{write_outcome(w)} ({w.reason}" + (f", rule {w.rule}" if w.rule else "") + ")")
+        if c.expect_pace is not None:
+            want += f", pace {_pace_text(c.expect_pace)}"
+            got += f", pace {_pace_text(self.pace or {})}"
         label = f" [{c.name}]" if c.name else ""
         return f"{c.file}:{c.line}: {printable_host(c.host)}{label}: expected {want}, got {got}"
 
@@ -121,7 +134,12 @@ class CaseResult:
                 "name": c.name, "expect": c.expect, "expect_reason": c.reason, "ok": self.ok,
                 "decision": self.decision.decision, "reason": self.decision.reason,
                 "rule": self.decision.rule, "expect_write": self.case.expect_write,
-                "write": self.write.as_dict() if self.write is not None else None}
+                "write": self.write.as_dict() if self.write is not None else None,
+                "expect_pace": c.expect_pace, "pace": self.pace or {}}
+
+
+def _pace_text(limits: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(limits.items())) or "none"
 
 
 def write_outcome(v: WriteVerdict) -> str:
@@ -281,11 +299,26 @@ def _case(node: yaml.Node, i: int, source: str, problems: list[str]) -> Case | N
     if expect_write is not None and expect_write not in EXPECT_WRITE:
         problems.append(f"{where}.expect_write: one of {', '.join(EXPECT_WRITE)} (got {expect_write!r})")
         bad = True
-    if bad or not isinstance(host, str) or not isinstance(expect, str):
+    pace_ok, expect_pace = _expect_pace(values.get("expect_pace", ...), where, problems)
+    if bad or not pace_ok or not isinstance(host, str) or not isinstance(expect, str):
         return None
     return Case(source, line, host.strip(), expect, tuple(allow), reason, name,
                 method.upper() if isinstance(method, str) else None, str(path).split("?", 1)[0],
-                str(writes), expect_write)
+                str(writes), expect_write, expect_pace)
+
+
+def _expect_pace(value: Any, where: str, problems: list[str]) -> tuple[bool, dict[str, float] | None]:
+    """A case's expect_pace: (usable, value): absent (None), `none` ({}), or {LIMIT: number, ...}."""
+    if value is ...:
+        return True, None
+    if value == "none":
+        return True, {}
+    if isinstance(value, dict) and value and all(
+            k in LIMITS and type(v) in (int, float) and v > 0 for k, v in value.items()):
+        return True, {str(k): float(v) for k, v in value.items()}
+    problems.append(f"{where}.expect_pace: none, or limits such as {{requests_per_minute: 60}} "
+                    f"({', '.join(LIMITS)}; got {value!r})"[:300])
+    return False, None
 
 
 def run_cases(p: SitePolicy, cases: Iterable[Case]) -> list[CaseResult]:
@@ -299,5 +332,10 @@ def run_cases(p: SitePolicy, cases: Iterable[Case]) -> list[CaseResult]:
             write = effective(c.writes, p.writes.judge(d.normalized_host, c.method, c.path, port=d.port))
         if c.expect_write is not None:
             ok = ok and write is not None and write_outcome(write) == c.expect_write
-        out.append(CaseResult(c, d, ok, write))
+        limits = None
+        if c.expect_pace is not None:
+            found = p.pace.strictest(d.normalized_host, d.port) if d.allowed and d.normalized_host else {}
+            limits = {k: float(v) for k, (v, _rule) in found.items()}
+            ok = ok and limits == c.expect_pace
+        out.append(CaseResult(c, d, ok, write, limits))
     return out

@@ -19,14 +19,14 @@ and applies the same rule (`private_address`). Link-local addresses, which hold 
 metadata services, and the other metadata addresses (`METADATA_ADDRESSES`) are covered only by
 an entry that is that very address, never by a wider range. `run_pattern_refusal` says the same
 about a run's IP and CIDR patterns before a run (`sfguard validate`, the stage API). The proxy
-refuses SNI or Host header mismatches itself through `refuse`. `mode: report` relaxes only the
-allow and block lists: a `not_allowed` or `blocked_by_policy` denial becomes decision "allow"
-with reason "would_deny:<code>" (in one place, `_finish`). Every other check (malformed host,
-port, private and special addresses, SNI and Host agreement, credentials, request limits) denies
-in every mode, and `check_address` judges the addresses of a would-deny host like those of an
-allowed one. An allowing IP or CIDR pattern never exempts an address: only
-`private_networks.allow` does. Writes on an allowed host: policy/writes.py; what a run's record
-keeps of a site: policy/recording.py.
+refuses SNI or Host header mismatches itself through `refuse`.
+
+`mode: report` relaxes only the allow and block lists: a `not_allowed` or `blocked_by_policy`
+denial becomes decision "allow" with reason "would_deny:<code>" (in one place, `_finish`). Every
+other check (malformed host, port, private and special addresses, SNI and Host agreement,
+credentials, request limits) denies in every mode; `check_address` judges a would-deny host's
+addresses too (only private_networks.allow exempts one). Writes: writes.py; pace: pace.py; what
+a run's record keeps of a site: recording.py.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from typing import Any, TypedDict
 from sfguard.policy.errors import MalformedHost
 from sfguard.policy.hosts import join_host_port, normalize_host_ex, printable_host
 from sfguard.policy.index import Match, RuleSet, suffixes
+from sfguard.policy.pace import PaceRules
 from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
 from sfguard.policy.recording import RecordingRules
 from sfguard.policy.writes import WriteRules
@@ -79,6 +80,7 @@ class PolicySummary(TypedDict):
     quiet: int
     private_networks: list[str]
     writes: int                 # entries of the `writes` section (policy/writes.py)
+    pace: int                   # entries of the `pace` section (policy/pace.py)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ _SPECIAL_RANGES: list[tuple[IPNetwork, str]] = [
         ("ff00::/8", "multicast"),
     ]
 ]
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 def _embedded_ipv4(addr: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -172,7 +175,6 @@ def _embedded_ipv4(addr: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
 
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-
 
 def special_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     """The kind of special-purpose range `addr` is in ("loopback", "private (RFC 1918)", ...),
@@ -236,7 +238,8 @@ class SitePolicy:
                  tab_quota: int = 8, block: RuleSet | None = None,
                  allow_always: RuleSet | None = None, quiet: RuleSet | None = None,
                  private_networks: Iterable[str] = (), version: int = 1,
-                 private_lines: Iterable[int] = (), writes: WriteRules | None = None):
+                 private_lines: Iterable[int] = (), writes: WriteRules | None = None,
+                 pace: PaceRules | None = None):
         if mode not in ("enforce", "report"):
             raise ValueError("mode is 'enforce' or 'report'")
         self.source = source
@@ -250,6 +253,7 @@ class SitePolicy:
         self.quiet = quiet if quiet is not None else RuleSet(label)
         self.private_networks = tuple(ipaddress.ip_network(n) for n in private_networks)
         self.writes = writes if writes is not None else WriteRules()   # policy/writes.py
+        self.pace = pace if pace is not None else PaceRules()          # policy/pace.py
         lines = list(private_lines)
         #: the source line of each private_networks.allow entry (0: unknown)
         self.private_lines = tuple(lines[i] if i < len(lines) else 0
@@ -263,7 +267,7 @@ class SitePolicy:
         return {"source": self.source, "mode": self.mode, "ports": sorted(self.ports),
                 "tab_quota": self.tab_quota, "allow_always": len(self.allow_always),
                 "block": len(self.block), "quiet": len(self.quiet), "writes": len(self.writes),
-                "private_networks": [str(n) for n in self.private_networks]}
+                "pace": len(self.pace), "private_networks": [str(n) for n in self.private_networks]}
 
     # -- the one place where mode is applied ------------------------------------------------
     def _finish(self, host: str, port: int | None, normalized: str | None, allow: bool,
@@ -478,8 +482,7 @@ class SitePolicy:
                             explanation, is_ip)
 
 
-_new = object.__new__
-_set = object.__setattr__
+_new, _set = object.__new__, object.__setattr__
 
 
 def _make(host: str, port: int | None, normalized_host: str | None, decision: str, reason: str,
@@ -487,8 +490,7 @@ def _make(host: str, port: int | None, normalized_host: str | None, decision: st
           mode: str) -> Decision:
     """A Decision without the frozen dataclass __init__ (one object.__setattr__ per field was
     the largest cost of a decision); the same object with the same fields."""
-    d = _new(Decision)
-    _set(d, "__dict__", {
+    _set(d := _new(Decision), "__dict__", {
         "host": host, "port": port, "normalized_host": normalized_host, "decision": decision,
         "reason": reason, "rule": rule, "allowed_by_ip": allowed_by_ip, "quiet": quiet,
         "explanation": explanation, "network": network, "mode": mode})

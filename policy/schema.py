@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from sfguard.policy.engine import DEFAULT_PORTS, SitePolicy
 from sfguard.policy.errors import PolicyError, PolicyIssue
 from sfguard.policy.index import RuleSet
+from sfguard.policy.pace import DEFAULT_MAX_WAIT, LIMITS, MAX_WAIT_CAP, PaceEntry, PaceRules
 from sfguard.policy.patterns import Pattern, PatternError, parse_pattern
 from sfguard.policy.recording import RecordingEntry, RecordingRules
 from sfguard.policy.writes import WriteEntry, WriteRules, parse_request_pattern
@@ -117,6 +118,34 @@ class RecordingEntryModel(_Strict):
         return self
 
 
+PerMinute = Annotated[float, Field(gt=0, le=10_000_000)]
+
+
+class PaceEntryModel(_Strict):
+    """One entry of `pace` (policy/pace.py): limits for some hosts, per profile."""
+
+    pattern: str | None = None
+    patterns: list[str] | None = None
+    reason: str
+    page_loads_per_minute: PerMinute | None = None
+    min_gap_s: Annotated[float, Field(gt=0, le=3600)] | None = None
+    requests_per_minute: PerMinute | None = None
+    connections: Annotated[int, Field(ge=1, le=1000)] | None = None
+    burst: Annotated[int, Field(ge=1, le=1000)] = 1
+    over: Literal["wait", "refuse"] = "wait"
+    max_wait_s: Annotated[float, Field(ge=0, le=MAX_WAIT_CAP)] = DEFAULT_MAX_WAIT
+
+    @model_validator(mode="after")
+    def _one_of(self) -> PaceEntryModel:
+        if (self.pattern is None) == (self.patterns is None):
+            raise ValueError("give either 'pattern' or 'patterns'")
+        if not self.reason.strip():
+            raise ValueError("the reason is empty")
+        if all(getattr(self, k) is None for k in LIMITS):
+            raise ValueError("a pace entry names no limit")
+        return self
+
+
 class PrivateNetworks(_Strict):
     allow: list[str] = []
 
@@ -137,6 +166,7 @@ class PolicyFile(_Strict):
     private_networks: PrivateNetworks = PrivateNetworks()
     writes: list[WriteEntryModel] = []
     recording: list[RecordingEntryModel] = []
+    pace: list[PaceEntryModel] = []
 
 
 _KEYS: dict[tuple[str, ...], list[str]] = {
@@ -146,11 +176,23 @@ _KEYS: dict[tuple[str, ...], list[str]] = {
     ("writes",): list(WriteEntryModel.model_fields),
     ("writes", "writes"): list(WriteRequestModel.model_fields),
     ("recording",): list(RecordingEntryModel.model_fields),
+    ("pace",): list(PaceEntryModel.model_fields),
 }
 
 
 def _field_text(loc: Loc) -> str:
     return loc_path(loc) or "(top level)"
+
+
+_PACE_HINTS = {
+    "page_loads_per_minute": "a number of page loads a minute above 0, e.g. page_loads_per_minute: 20",
+    "requests_per_minute": "a number of requests a minute above 0, e.g. requests_per_minute: 120",
+    "min_gap_s": "seconds between two page loads, above 0 and at most 3600, e.g. min_gap_s: 2",
+    "connections": "connections open at once, a whole number from 1 to 1000",
+    "burst": "how many may go at once before the pace applies, a whole number from 1 to 1000",
+    "max_wait_s": (f"0 to {MAX_WAIT_CAP:g} seconds: a request waits a few seconds (the browser slows "
+                   "down) and is then refused with 429; write over: refuse to refuse at once"),
+}
 
 
 def _schema_issue(err: dict[str, Any], at: tuple[Any, int], source: str) -> PolicyIssue:
@@ -175,6 +217,9 @@ def _schema_issue(err: dict[str, Any], at: tuple[Any, int], source: str) -> Poli
                            'e.g. reason: "payments need a person"' if "writes" in shape else
                            'every recording entry needs a reason a reviewer can read, '
                            'e.g. reason: "statements on screen"' if "recording" in shape else
+                           'every pace entry needs a reason a reviewer (and the agent that is '
+                           'slowed down) can read, e.g. reason: "the site locks fast accounts"'
+                           if "pace" in shape else
                            'every block entry needs a reason a reviewer can read, '
                            'e.g. reason: "terms forbid automation"'),
                 }.get(name)
@@ -183,13 +228,18 @@ def _schema_issue(err: dict[str, Any], at: tuple[Any, int], source: str) -> Poli
         hint = {"mode": ("write mode: allow, gate or deny" if "writes" in shape else
                          "write mode: enforce (deny) or mode: report (log would_deny, allow)"),
                 "level": "recording level: off, decisions or full",
-                "version": "this sfguard reads version: 1"}.get(name, None)
+                "version": "this sfguard reads version: 1",
+                "over": "over: wait (hold a request up to max_wait_s, then 429) or over: refuse (429 at once)",
+                }.get(name, None)
         msg = f"{msg}, got {err.get('input')!r}"
-    elif kind in ("greater_than_equal", "less_than_equal"):
+    elif kind in ("greater_than", "greater_than_equal", "less_than_equal"):
         msg = f"{msg}, got {err.get('input')!r}"
-        hint = "ports are 1-65535" if "ports" in shape else None
+        hint = "ports are 1-65535" if "ports" in shape else _PACE_HINTS.get(name) if "pace" in shape else None
         if name == "tab_quota":
             hint = "tab_quota is a whole number from 1 to 1000"
+    elif kind in ("float_type", "float_parsing"):
+        hint = "write a number without quotes" + (f": {_PACE_HINTS[name]}" if name in _PACE_HINTS else "")
+        msg = f"{msg}, got {err.get('input')!r}"[:200]
     elif kind == "string_type":
         hint = 'write text; quote values YAML reads otherwise, e.g. "*.example.com" or "[::1]:8080"'
         msg = f"{msg}, got {err.get('input')!r}"[:200]
@@ -208,6 +258,8 @@ def _schema_issue(err: dict[str, Any], at: tuple[Any, int], source: str) -> Poli
         msg = str(err.get("ctx", {}).get("error", msg))
         hint = ('write pattern: HOST for one rule, or patterns: [HOST, ...] for a group'
                 if "pattern" in msg else 'write a reason, e.g. reason: "terms forbid automation"')
+        if "no limit" in msg:
+            hint = f"give at least one of {', '.join(LIMITS)}, e.g. page_loads_per_minute: 20"
     return PolicyIssue(source, line, col, field, msg, hint)
 
 
@@ -226,6 +278,7 @@ class _Builder:
         self.private_lines: list[int] = []
         self.writes: list[WriteEntry] = []
         self.recording: list[RecordingEntry] = []
+        self.pace: list[PaceEntry] = []
 
     def issue(self, pos: int, field: str, message: str, hint: str | None) -> None:
         if len(self.issues) >= MAX_ISSUES:
@@ -255,19 +308,8 @@ class _Builder:
         reason = reason.strip() if isinstance(reason, str) else ""
         mode = entry.get("mode", "allow")
         hosts = RuleSet(label)
-        texts: list[str] = []
         before = len(self.issues)
-        # the canonical text of each host pattern (`PAY.Corp.test.` -> `pay.corp.test`): what
-        # the write gate's interception, the stage answer and the logs name
-        if "pattern" in entry:
-            found_pattern = self.one(entry["pattern"], entry.valpos.get("pattern", entry.pos),
-                                     f"writes[{i}].pattern", hosts, allow_list=False, reason=reason)
-            texts += [found_pattern.text] if found_pattern is not None else []
-        if isinstance(entry.get("patterns"), YSeq):
-            for j, text in enumerate(entry["patterns"]):
-                found_pattern = self.one(text, entry["patterns"].itempos[j], f"writes[{i}].patterns[{j}]",
-                                         hosts, allow_list=False, reason=reason)
-                texts += [found_pattern.text] if found_pattern is not None else []
+        texts = self.entry_hosts(entry, f"writes[{i}]", hosts, reason)
         found: dict[str, list[Any]] = {"reads": [], "writes": []}
         for kind in found:
             seq = entry.get(kind)
@@ -294,20 +336,42 @@ class _Builder:
         reason = reason.strip() if isinstance(reason, str) else ""
         level = entry.get("level")
         hosts = RuleSet(label)
-        texts: list[str] = []
         before = len(self.issues)
-        if "pattern" in entry:
-            found = self.one(entry["pattern"], entry.valpos.get("pattern", entry.pos),
-                             f"recording[{i}].pattern", hosts, allow_list=False, reason=reason)
-            texts += [found.text] if found is not None else []
-        if isinstance(entry.get("patterns"), YSeq):
-            for j, text in enumerate(entry["patterns"]):
-                found = self.one(text, entry["patterns"].itempos[j], f"recording[{i}].patterns[{j}]",
-                                 hosts, allow_list=False, reason=reason)
-                texts += [found.text] if found is not None else []
+        texts = self.entry_hosts(entry, f"recording[{i}]", hosts, reason)
         if len(self.issues) == before and texts and reason and level in ("off", "decisions", "full"):
             self.recording.append(RecordingEntry(tuple(texts), hosts, str(level), reason,
                                                  unpack(entry.pos)[0], label))
+
+    def entry_hosts(self, entry: YMap, where: str, hosts: RuleSet, reason: str) -> list[str]:
+        """The host patterns of a `writes`, `recording` or `pace` entry into `hosts`; their canonical texts
+        (`PAY.Corp.test.` -> `pay.corp.test`: what the gates, the stage answer and logs name)."""
+        texts: list[str] = []
+        if "pattern" in entry:
+            found = self.one(entry["pattern"], entry.valpos.get("pattern", entry.pos), f"{where}.pattern",
+                             hosts, allow_list=False, reason=reason)
+            texts += [found.text] if found is not None else []
+        if isinstance(entry.get("patterns"), YSeq):
+            for j, text in enumerate(entry["patterns"]):
+                found = self.one(text, entry["patterns"].itempos[j], f"{where}.patterns[{j}]",
+                                 hosts, allow_list=False, reason=reason)
+                texts += [found.text] if found is not None else []
+        return texts
+
+    def pace_entry(self, entry: YMap, model: PaceEntryModel | None, i: int, label: str) -> None:
+        """One entry of `pace`: its host patterns into a RuleSet of its own (the schema has
+        checked the limits; `model` is None when it found a problem anywhere in the file)."""
+        reason = entry.get("reason")
+        reason = reason.strip() if isinstance(reason, str) else ""
+        hosts = RuleSet(label)
+        before = len(self.issues)
+        texts = self.entry_hosts(entry, f"pace[{i}]", hosts, reason)
+        if model is None or len(self.issues) != before or not texts:
+            return
+        self.pace.append(PaceEntry(
+            tuple(texts), hosts, reason, unpack(entry.pos)[0], label,
+            page_loads_per_minute=model.page_loads_per_minute, min_gap_s=model.min_gap_s,
+            requests_per_minute=model.requests_per_minute, connections=model.connections,
+            burst=model.burst, over=model.over, max_wait_s=model.max_wait_s))
 
     def one(self, text: Any, pos: int, field: str, rules: RuleSet | None, *, allow_list: bool,
             reason: str | None = None, networks_only: bool = False) -> Pattern | None:
@@ -438,6 +502,12 @@ def _parse(text: str, source: str) -> SitePolicy:
             for i, entry in enumerate(recording):
                 if isinstance(entry, YMap):
                     build.recording_entry(entry, i, label)
+
+        pace = root.get("pace")
+        if isinstance(pace, YSeq):
+            for i, entry in enumerate(pace):
+                if isinstance(entry, YMap):
+                    build.pace_entry(entry, model.pace[i] if model is not None else None, i, label)
         networks = root.get("private_networks")
         if isinstance(networks, YMap):
             build.patterns(networks.get("allow"), "private_networks.allow", None, allow_list=True,
@@ -451,6 +521,7 @@ def _parse(text: str, source: str) -> SitePolicy:
     site_policy = SitePolicy(source=source, mode=model.mode, ports=model.ports, tab_quota=model.tab_quota,
                              block=build.block, allow_always=build.allow_always, quiet=build.quiet,
                              private_networks=build.private, version=model.version,
-                             private_lines=build.private_lines, writes=WriteRules(build.writes))
+                             private_lines=build.private_lines, writes=WriteRules(build.writes),
+                             pace=PaceRules(build.pace))
     site_policy.recording = RecordingRules(build.recording)
     return site_policy

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hmac
 import json
 import os
@@ -30,7 +31,9 @@ from types import MappingProxyType
 
 from sfguard import policy
 from sfguard.errors import SfguardError
+from sfguard.policy.pace import BUDGET_RATES, BUDGET_TOTALS, Budget
 from sfguard.policy.writes import WRITE_MODES
+from sfguard.proxy_addons.pacing import StageBudget
 
 #: A client name: what the decision log shows. No ':' (separator), no spaces or control chars.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -64,6 +67,15 @@ class Client:
     #: a browser the guard has not yet put under its rules (its write gate, its extension's
     #: rules): every request of it is refused, whatever the host (`browser_not_ready`)
     held: bool = False
+    #: whose pace this client's requests count on (proxy_addons/pacing.py): the profile of its
+    #: browser (a stage's shell: its browser's), or its throw-away browser; None: its own name
+    pace_key: str | None = None
+    #: the budgets of the stages this client serves (every one counts each request)
+    budgets: tuple[StageBudget, ...] = ()
+
+    @property
+    def who(self) -> str:
+        return self.pace_key or f"client:{self.name}"
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -176,8 +188,32 @@ def load_clients_file(path: str | os.PathLike[str]) -> str:
     return p.read_text(encoding="utf-8")
 
 
+def parse_budgets(items: object) -> tuple[StageBudget, ...]:
+    """Stage budgets as the daemon sends them: [{"label", "budget": {...}, "until"}]."""
+    if items is None:
+        return ()
+    if not isinstance(items, list) or len(items) > 64:
+        raise ClientSpecError("budgets must be a list")
+    out = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("label"), str) \
+                or not isinstance(item.get("budget"), dict):
+            raise ClientSpecError("a budget is {label, budget, until}")
+        values = item["budget"]
+        if set(values) - set(BUDGET_TOTALS + BUDGET_RATES) or not all(
+                type(v) in (int, float) and v > 0 for v in values.values()):
+            raise ClientSpecError("a budget names positive page_loads, requests, active_minutes, "
+                                  "page_loads_per_minute or requests_per_minute")
+        until = item.get("until")
+        if until is not None and type(until) not in (int, float):
+            raise ClientSpecError("a budget's until is a time in seconds")
+        out.append(StageBudget(item["label"][:200], Budget(**values), until))
+    return tuple(out)
+
+
 def make_client(name: str, token: str, allow: Iterable[str], run: str | None = None,
-                writes: str | None = None, port: int | None = None, held: bool = False) -> Client:
+                writes: str | None = None, port: int | None = None, held: bool = False,
+                pace_key: str | None = None, budgets: Iterable[StageBudget] = ()) -> Client:
     """Build a Client, compiling its allowlist (raises ClientSpecError or policy.PolicyError)."""
     patterns = tuple(allow)
     Client(name=name, token=token)  # validate before compiling
@@ -188,8 +224,10 @@ def make_client(name: str, token: str, allow: Iterable[str], run: str | None = N
         raise ClientSpecError(f"client {name!r}: port must be a TCP port number")
     if type(held) is not bool:
         raise ClientSpecError(f"client {name!r}: held is true or false")
+    if pace_key is not None and (not isinstance(pace_key, str) or not 0 < len(pace_key) <= 300):
+        raise ClientSpecError(f"client {name!r}: pace_key is a text of 1-300 characters")
     return Client(name=name, token=token, allow=ruleset, allow_patterns=patterns, run=run,
-                  writes=writes, port=port, held=held)
+                  writes=writes, port=port, held=held, pace_key=pace_key, budgets=tuple(budgets))
 
 
 class ClientRegistry:
@@ -226,9 +264,7 @@ class ClientRegistry:
             old = self._clients.get(name)
             if old is None:
                 raise KeyError(name)
-            new_client = Client(name=old.name, token=old.token, allow=ruleset,
-                                allow_patterns=patterns, run=old.run, writes=old.writes, port=old.port,
-                                held=old.held)
+            new_client = dataclasses.replace(old, allow=ruleset, allow_patterns=patterns)
             new = dict(self._clients)
             new[name] = new_client
             self._clients = MappingProxyType(new)

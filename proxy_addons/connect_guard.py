@@ -18,13 +18,16 @@ Hooks:
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from mitmproxy import http
 
 from sfguard import policy
+from sfguard.policy.pace import DELAY_LOGGED, NO_PACE, HostPace
 from sfguard.policy.writes import SHELL_REFUSAL, shell_verdict
 from sfguard.proxy_addons.clients import Client
+from sfguard.proxy_addons.pacing import Refusal, is_navigation
 from sfguard.proxy_addons.request_head import EXPLAIN, field_fault, host_fault
 from sfguard.proxy_addons.state import (
     DECISION_HEADER,
@@ -33,6 +36,7 @@ from sfguard.proxy_addons.state import (
     Target,
     auth_required_response,
     deny_response,
+    pace_response,
 )
 
 logger = logging.getLogger("sfguard.proxy.connect")
@@ -94,6 +98,8 @@ class ConnectGuard:
                 502, f"sfguard: {d.normalized_host} did not resolve.\n".encode(),
                 {"Content-Type": "text/plain; charset=utf-8", "Connection": "close"})
             return None
+        if not await self._pace(flow, client, d):
+            return None
         if not self.s.log_decision(d, client=client, method=method, addr=addr):
             flow.response = deny_response(self.s.unrecorded(d, client=client, method=method))
             return None
@@ -101,6 +107,60 @@ class ConnectGuard:
         if host_key is None or port_key is None:   # checked by check_addresses
             raise RuntimeError("an allowed decision without host or port")
         return d, addr, (host_key, port_key)
+
+    async def _pace(self, flow: http.HTTPFlow, client: Client, d: policy.Decision) -> bool:
+        """The site's pace and the client's stage budgets (proxy_addons/pacing.py) for one
+        allowed request: True to send it (after any wait), False when refused (answered 429,
+        logged). A CONNECT is a request and an open connection; a plain request is a request, a
+        page load when it is a navigation, and holds one connection per site while its client
+        connection lasts."""
+        site, host = self.s.policy, d.normalized_host
+        pace = site.pace.pace(host, d.port) if site.pace.entries and host is not None else NO_PACE
+        if not pace and not client.budgets:
+            return True
+        conn = self.s.conn(flow.client_conn.id)
+        request, who, pacer = flow.request, client.who, self.s.pacer
+        connect = request.method.upper() == "CONNECT"
+        caps = tuple(c for c in pace.connections if c.key(who) not in conn.paced)
+        if caps:
+            conn.waiting = True
+            try:
+                held, refused = await pacer.open_connection(who, HostPace(connections=caps, entries=pace.entries))
+            finally:
+                conn.waiting = False
+            if refused is not None:
+                return self._pace_refused(flow, client, d, refused)
+            conn.paced += held
+        counts_loads = bool(pace.page_loads) or any(
+            b.budget.page_loads is not None or b.budget.page_loads_per_minute is not None for b in client.budgets)
+        page_load = counts_loads and not connect and is_navigation(request.headers.fields)
+        verdict = await pacer.admit(who, client.budgets, pace, page_load=page_load)
+        if verdict.refusal is not None:
+            return self._pace_refused(flow, client, d, verdict.refusal)
+        if verdict.wait > 0:
+            if verdict.wait >= DELAY_LOGGED and verdict.limit is not None:
+                self.s.decision_log.write(
+                    run=client.run or self.s.run, client=client.name, method=request.method, host=host,
+                    port=d.port, decision="delay", reason=verdict.limit.reason, rule=verdict.limit.rule,
+                    addr=None, extra={"wait_ms": int(verdict.wait * 1000)})
+            conn.waiting = True
+            try:
+                await asyncio.sleep(verdict.wait)
+            finally:
+                conn.waiting = False
+        return True
+
+    def _pace_refused(self, flow: http.HTTPFlow, client: Client, d: policy.Decision,
+                      refused: Refusal) -> bool:
+        extra: dict[str, object] = {}
+        if refused.retry_after is not None:
+            extra["retry_after_s"] = round(refused.retry_after, 1)
+        self.s.decision_log.write(
+            run=client.run or self.s.run, client=client.name, method=flow.request.method,
+            host=d.normalized_host, port=d.port, decision="deny", reason=refused.reason, rule=refused.rule,
+            addr=None, extra=extra)
+        flow.response = pace_response(refused)
+        return False
 
     def _head_refused(self, flow: http.HTTPFlow, client: Client | None,
                       hosts: list[str], default_port: int) -> bool:
@@ -179,6 +239,9 @@ class ConnectGuard:
         if last is not None and last.client is client and last.policy is site \
                 and last.host == host and last.port == port and last.host_header == host_header:
             d, addr = last.decision, last.address
+            if not await self._pace(flow, client, d):
+                conn.last_allowed = None
+                return
             if not self.s.log_decision(d, client=client, method=request.method, addr=addr):
                 conn.last_allowed = None
                 flow.response = deny_response(self.s.unrecorded(d, client=client, method=request.method))

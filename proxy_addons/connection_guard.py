@@ -44,10 +44,16 @@ class ConnectionGuard:
         conn = self.s.conns.pop(client.id, None)
         if conn is not None and conn.timer is not None:
             conn.timer.cancel()
+        if conn is not None:
+            for key in conn.paced:   # the connections it counted against a site's pace
+                self.s.pacer.caps.release(key)
 
     def _expire(self, client_id: str) -> None:
         conn = self.s.conns.get(client_id)
         if conn is None or conn.head_done:
+            return
+        if conn.waiting:   # held by the pace (bounded): the head timeout starts again after it
+            conn.timer = asyncio.get_running_loop().call_later(self.s.head_timeout, self._expire, client_id)
             return
         handler = self._proxyserver.connections.get(client_id) if self._proxyserver else None
         if handler is None:

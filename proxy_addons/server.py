@@ -47,6 +47,7 @@ from sfguard.proxy_addons.connect_guard import ConnectGuard
 from sfguard.proxy_addons.connection_guard import ConnectionGuard
 from sfguard.proxy_addons.decision_log import DecisionLog
 from sfguard.proxy_addons.layer_guard import LayerGuard
+from sfguard.proxy_addons.pacing import FilePaceStore, MemoryPaceStore, Pacer, PaceStore
 from sfguard.proxy_addons.policy_watch import PolicyReloader, PolicySnapshot, PolicyStatus
 from sfguard.proxy_addons.state import GuardState, Resolver
 
@@ -73,6 +74,7 @@ class GuardConfig:
     max_header_count: int = 128            # most header lines in one request head
     policy_poll_interval: float = 0.25     # seconds between policy file checks
     quiet_flush_interval: float = 60.0     # seconds between quiet-denial aggregate lines
+    pace_dir: str | None = None            # the pace counters' folder (None: in this process)
 
     def check(self) -> None:
         """Validate; raise GuardStartError with a one-line message."""
@@ -119,6 +121,16 @@ class GuardProxy:
         self._base_modes: list[mode_specs.ProxyMode] = []
         #: listeners of runs beside the first one (a proxy shared by many runs): port -> mode
         self._extra: dict[int, mode_specs.ProxyMode] = {}
+        local: PaceStore = FilePaceStore(config.pace_dir) if config.pace_dir else MemoryPaceStore()
+        #: the pace and budgets (proxy_addons/pacing.py); `use_shared_pace` puts the sites'
+        #: rates on a store every guard host shares
+        self.pacer = Pacer(local=local)
+        self.shared_pace: str | None = None     # what `use_shared_pace` was given (never shown)
+
+    def use_shared_pace(self, store: PaceStore, ident: str) -> None:
+        """Count the sites' pace on `store` (the shared PostgreSQL store, `ident` its connection
+        string) from now on."""
+        self.pacer.shared, self.shared_pace = store, ident
 
     @property
     def url(self) -> str:
@@ -136,7 +148,8 @@ class GuardProxy:
         self.state = GuardState(
             self.registry, self.policy_status, Resolver(self.config.resolve), self.decision_log,
             run=self.config.run, head_timeout=self.config.head_timeout,
-            max_head_bytes=self.config.max_head_bytes, max_header_count=self.config.max_header_count)
+            max_head_bytes=self.config.max_head_bytes, max_header_count=self.config.max_header_count,
+            pacer=self.pacer)
 
         opts = options.Options()
         master = Master(opts, event_loop=asyncio.get_running_loop())
@@ -244,6 +257,11 @@ class GuardProxy:
                 io.handler.cancel("guard proxy stopped")
         await self._abort()
         self.address = None
+        for store in {id(self.pacer.shared): self.pacer.shared, id(self.pacer.local): self.pacer.local}.values():
+            try:
+                await store.close()
+            except Exception as exc:  # pragma: no cover - a store's own failure, logged
+                logger.warning("closing the pace counters failed: %s", type(exc).__name__)
 
     def status(self) -> GuardStatus:
         """What `sfguard status` shows: address, client names, policy state, counters."""

@@ -18,6 +18,7 @@ from mitmproxy import http
 from sfguard.policy import Decision, SitePolicy
 from sfguard.proxy_addons.clients import Client, ClientRegistry
 from sfguard.proxy_addons.decision_log import DecisionLog
+from sfguard.proxy_addons.pacing import Pacer, Refusal
 from sfguard.proxy_addons.policy_watch import PolicyStatus
 
 logger = logging.getLogger("sfguard.proxy")
@@ -63,6 +64,10 @@ class ConnState:
     # Plain HTTP: the last allowed request (ConnectGuard.requestheaders uses it again).
     last_allowed: LastAllowed | None = None
     timer: asyncio.TimerHandle | None = None
+    # Pacing: the connection counters this connection holds open (released when it closes),
+    # and True while a request of it waits for the pace (the head timeout waits with it).
+    paced: list[str] = field(default_factory=list)
+    waiting: bool = False
 
 
 class Resolver:
@@ -103,7 +108,7 @@ class GuardState:
     def __init__(self, registry: ClientRegistry, policy_status: PolicyStatus,
                  resolver: Resolver, decision_log: DecisionLog, run: str | None = None,
                  head_timeout: float = 10.0, max_head_bytes: int = 64 * 1024,
-                 max_header_count: int = 128) -> None:
+                 max_header_count: int = 128, pacer: Pacer | None = None) -> None:
         self.registry = registry
         self.policy_status = policy_status
         self.resolver = resolver
@@ -113,6 +118,7 @@ class GuardState:
         self.max_head_bytes = max_head_bytes
         self.max_header_count = max_header_count
         self.conns: dict[str, ConnState] = {}
+        self.pacer = pacer if pacer is not None else Pacer()   # proxy_addons/pacing.py
         self.running = asyncio.Event()  # set once mitmproxy's servers listen
 
     @property
@@ -181,6 +187,17 @@ def deny_response(d: Decision) -> http.Response:
         DECISION_HEADER: f"deny; reason={d.reason}",
         "Connection": "close",
     })
+
+
+def pace_response(refusal: Refusal) -> http.Response:
+    """The answer over the pace or a budget: 429 (503 when the counters cannot be used), the
+    decision header, `Retry-After` when a time is known, and a line for the page and the agent."""
+    headers = {"Content-Type": "text/plain; charset=utf-8",
+               DECISION_HEADER: f"deny; reason={refusal.reason}", "Connection": "close"}
+    if refusal.retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(refusal.retry_after + 0.999)))
+    body = (refusal.explanation.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8")
+    return http.Response.make(refusal.status, body, headers)
 
 
 def auth_required_response() -> http.Response:

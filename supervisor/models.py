@@ -91,15 +91,30 @@ def check_profile_name(v: str | None) -> str | None:
     return v
 
 
+#: a profile field of a request: a profile name or '@pipeline' (never a path)
+ProfileName = Annotated[str, AfterValidator(check_profile_name)]
+
+
 def _no_default(schema: dict) -> None:
     """The field's documented default is its description's: the model's own depends on the guard."""
     schema.pop("default", None)
 
 
+class BudgetField(StrictTypes):
+    """A stage's budget (policy/pace.py Budget): totals for the stage, then 429 until it ends,
+    and a pace of its own that only adds to the site's (both are counted)."""
+    page_loads: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(None, description="page loads in all")
+    requests: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(None, description=(
+        "requests the guard counts (plain-HTTP requests, HTTPS connections) in all"))
+    active_minutes: Annotated[float, Field(gt=0, le=1440)] | None = Field(None, description="minutes from its start")
+    page_loads_per_minute: Annotated[float, Field(gt=0, le=100_000)] | None = None
+    requests_per_minute: Annotated[float, Field(gt=0, le=100_000)] | None = None
+
+
 class BrowserField(StrictTypes):
     """A stage's `browser` field, as in the spec: profile, headed, allow_domains, login_check."""
 
-    profile: str | None = Field(default=None, description=(
+    profile: ProfileName | None = Field(default=None, description=(
         "profile name (^[a-z0-9][a-z0-9_-]{0,63}$) or '@pipeline' for the run's "
         "pipeline-derived identity; omitted: a throw-away browser"))
     headed: bool = Field(default=True, description=(
@@ -111,11 +126,9 @@ class BrowserField(StrictTypes):
     writes: Literal["allow", "gate", "deny"] = Field(default="allow", description=(
         "what the stage may change on its allowed hosts: allow (as today), gate (each write held "
         "for a person), deny (every write refused); a site policy floor can only make it stricter"))
-
-    @field_validator("profile")
-    @classmethod
-    def _profile_name(cls, v: str | None) -> str | None:
-        return check_profile_name(v)
+    budget: BudgetField | None = Field(None, description=(
+        "the stage's budget: totals (then 429 until the stage ends) and a pace of its own; it only "
+        "adds to the site policy's pace, never loosens it"))
 
 
 class CreateRun(Strict):
@@ -200,6 +213,11 @@ class StageReady(Answer):
     writes: dict[str, Literal["allow", "gate", "deny"]] = Field(default_factory=dict, description=(
         "the effective write mode per allowed host pattern (the stricter of browser.writes and "
         "the site policy), for the runner to tell the agent"))
+    pace: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
+        "the effective pace per allowed host pattern (the site policy's, tightened by the "
+        "budget's rates), with the rule that set each limit; empty where nothing is paced"))
+    budget: dict[str, Any] = Field(default_factory=dict, description=(
+        "the stage's budget as asked, and `active_until` (UTC) when it names active_minutes"))
     approvals: list[dict[str, Any]] = Field(default_factory=list, description=(
         "this stage's writes held for a person now: id, method, host, path, created, expires "
         "(long-poll GET /v1/approvals?run=RUN&state=pending&wait=S for changes)"))
@@ -440,13 +458,8 @@ class ConsoleLink(Answer):
 
 
 class LoginCheckRequest(Strict):
-    profile: str
+    profile: ProfileName
     login_check: LoginCheck
-
-    @field_validator("profile")
-    @classmethod
-    def _profile_name(cls, v: str) -> str | None:
-        return check_profile_name(v)
 
 
 class LoginReported(Strict):
@@ -455,13 +468,8 @@ class LoginReported(Strict):
 
 
 class LoginVerifyRequest(Strict):
-    profile: str
+    profile: ProfileName
     reported: LoginReported
-
-    @field_validator("profile")
-    @classmethod
-    def _profile_name(cls, v: str) -> str | None:
-        return check_profile_name(v)
 
 
 class LoginResultAnswer(Answer):
@@ -471,7 +479,7 @@ class LoginResultAnswer(Answer):
 
 
 class HandoffRequest(Strict):
-    profile: str
+    profile: ProfileName
     site: Annotated[str, StringConstraints(min_length=1, max_length=300)]
     reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
     url: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
@@ -488,11 +496,4 @@ class HandoffRequest(Strict):
         None, description="the handoff ends after this many seconds (default 900): a live view's "
         "link stops working; a local window closes (the anchor goes back to headless)")
 
-    @field_validator("profile")
-    @classmethod
-    def _profile_name(cls, v: str) -> str | None:
-        return check_profile_name(v)
-
-
-# one wording for a field error (supervisor/field_errors.py), kept importable from here
-from sfguard.supervisor.field_errors import error_message, field_path  # noqa: E402,F401
+from sfguard.supervisor.field_errors import error_message, field_path  # noqa: E402,F401 (one wording, kept here)

@@ -2,7 +2,7 @@
 
   runs.py        Run, Stage and Browser records; the stage states and their transitions
   stages.py      the stage state machine and the browsers behind it (lease, anchor, session)
-  run_proxy.py   each run's guard proxy child and its pool; shared_proxy.py: one for all runs
+  run_proxy.py   each run's guard proxy child and its pool (and pace); shared_proxy.py: one for all
   teardown.py    end_stage / close_browser / end_run: one path per level, a named outcome
   watchdog.py    waiting stages, dead proxies and browsers (restart and reattach)
   crash.py       crash records (`runs/<id>.json`, no secrets) and the sweep after a crash
@@ -10,7 +10,6 @@
   inventory.py   profiles, the lease table, store calls as the API answers them
   keys_service.py  start-up checks of keys and seals, key rotation (POST /v1/keys/rotate)
   status_view.py `GET /v1/status`: a read-only view of the whole guard
-
 The Guard's service methods (one per control API route, named as api.py's ROUTES name them)
 take validated models and return plain answers; they raise domain errors
 (supervisor/errors.py), never HTTP: api.py alone decides statuses.
@@ -63,7 +62,7 @@ from sfguard.supervisor.daemon.runs import (
     StageState,
 )
 from sfguard.supervisor.daemon.settings import GuardSettings
-from sfguard.supervisor.daemon.shared_proxy import proxy_pool
+from sfguard.supervisor.daemon.shared_proxy import pace_setting, proxy_pool
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages, effective_headed
 from sfguard.supervisor.daemon.status_view import guard_status
@@ -152,7 +151,8 @@ class Guard:
         self.sessions = StageSessions(self.gate, self.host, self.socket_dir, self.config_path,
                                       STAGE_ENV_KEYS)
         self.records = RunRecords(self.runs_dir, self.scope, self.sessions)
-        self.proxies = proxy_pool(settings.proxies, self.policy_path, self.logs_dir / "decisions.log", self.resolve)
+        self.proxies = proxy_pool(settings.proxies, self.policy_path, self.logs_dir / "decisions.log",
+                                  self.resolve, pace_setting(self.home, self.stores))
         # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
         self.metrics = GuardMetrics(self.logs_dir / "decisions.log", sfguard_version())
         # webhooks (<home>/notify.yaml), the audit chain's checks, the probes (GET /v1/health/*)

@@ -14,7 +14,8 @@ exactly as the daemon does) measures the process the daemon runs.
 Control protocol (with `control=True`, the daemon's way):
 
   daemon -> child   one JSON object per line: {"id": N, "clients": [{"name", "token", "allow", "run",
-                    "writes"?, "port"?, "held"?}], "listeners"?: [PORT, ...]}
+                    "writes"?, "port"?, "held"?, "pace_key"?, "budgets"?}], "listeners"?: [PORT, ...],
+                    "pace_store"?: URL}
                     (the complete client set; it replaces the previous one atomically). A proxy
                     shared by many runs (run_proxy.SharedProxy) also gets the complete set of
                     its runs' listener ports; each client is bound to its run's port.
@@ -33,10 +34,11 @@ import logging
 import signal
 import sys
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 from sfguard import policy
 from sfguard.errors import SfguardError
-from sfguard.proxy_addons.clients import Client, ClientRegistry, ClientSpecError, make_client
+from sfguard.proxy_addons.clients import Client, ClientRegistry, ClientSpecError, make_client, parse_budgets
 from sfguard.proxy_addons.server import GuardConfig, GuardProxy, GuardStartError
 from sfguard.supervisor import redaction
 
@@ -55,6 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decision-log", required=True)
     p.add_argument("--run", default=None, help="run id for log lines of clients without one")
     p.add_argument("--resolve", action="append", default=[], metavar="HOST=IP")
+    p.add_argument("--pace-dir", default=None, help="the pace counters of this host (proxy_addons/pacing.py)")
     return p.parse_args(argv)
 
 
@@ -91,8 +94,10 @@ async def _control(registry: ClientRegistry, stop: asyncio.Event, proxy: GuardPr
         try:
             msg = json.loads(line)
             clients = [make_client(c["name"], c["token"], c.get("allow", []), run=c.get("run"),
-                                   writes=c.get("writes"), port=c.get("port"), held=c.get("held", False))
+                                   writes=c.get("writes"), port=c.get("port"), held=c.get("held", False),
+                                   pace_key=c.get("pace_key"), budgets=parse_budgets(c.get("budgets")))
                        for c in msg["clients"]]
+            _shared_pace(proxy, msg.get("pace_store"))
             listeners = msg.get("listeners")
             if listeners is not None and not all(type(p) is int and 0 < p <= 65535 for p in listeners):
                 raise ValueError("listeners")
@@ -107,6 +112,22 @@ async def _control(registry: ClientRegistry, stop: asyncio.Event, proxy: GuardPr
             log.error("bad control message from the daemon: %s", type(exc).__name__)
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
+
+
+def _shared_pace(proxy: GuardProxy, url: object) -> None:
+    """The shared store's connection string, once (the daemon sends it with every client set):
+    the sites' pace is counted there from now on, for every guard host alike."""
+    if url is None or proxy.shared_pace == url:
+        return
+    if not isinstance(url, str) or not url.startswith(("postgresql://", "postgres://")):
+        raise ValueError("pace_store")
+    from sfguard.supervisor.profiles.pg_backend import redact_url  # noqa: PLC0415
+    from sfguard.supervisor.profiles.pg_pace import PgPaceStore  # noqa: PLC0415 (only with a shared store)
+    password = urlsplit(url).password
+    if password:
+        redaction.register_secret(password)
+    proxy.use_shared_pace(PgPaceStore(url), url)
+    log.info("the sites' pace is counted on the shared store %s", redact_url(url))
 
 
 async def _serve(config: GuardConfig, clients: Iterable[Client], control: bool,
@@ -167,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise ProxyProcessError(f"--resolve {exc}") from None
         config = GuardConfig(listen_port=args.listen_port, policy_path=args.policy,
-                             resolve=resolve, decision_log=args.decision_log, run=args.run)
+                             resolve=resolve, decision_log=args.decision_log, run=args.run,
+                             pace_dir=args.pace_dir)
         return serve(config, control=True)
     except (ProxyProcessError, GuardStartError, policy.PolicyError) as exc:
         print(redaction.log_line(f"sfguard-run-proxy: error: {exc}", logger="sfguard.proxy",

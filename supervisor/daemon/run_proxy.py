@@ -18,6 +18,7 @@ import resource
 import secrets
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sfguard.supervisor import redaction
@@ -31,6 +32,20 @@ log = logging.getLogger("sfguard.guard")
 PROXY_START_TIMEOUT = 20.0
 #: the niceness a spare proxy starts at (when the guard can raise it back, see `can_renice`)
 SPARE_PROXY_NICE = 19
+
+
+@dataclass(frozen=True)
+class PaceSetting:
+    """Where a run's proxy keeps the pace counters: `folder` on this host (budgets, and the
+    sites' pace without a shared store), and the shared store's connection string, sent over
+    the proxy's stdin (never argv or a file) so every guard host counts one pace."""
+    folder: Path | None = None
+    shared_url: str | None = field(default=None, repr=False)
+    #: where the guard's own pace lines go (the browser side, supervisor/daemon/pacing.py)
+    decision_log: Path | None = None
+
+    def message(self) -> dict:
+        return {"pace_store": self.shared_url} if self.shared_url else {}
 
 
 def can_renice(niceness: int) -> bool:
@@ -49,36 +64,42 @@ def short_id() -> str:
 
 
 def child_argv(port: int, policy_path: Path, decision_log: Path, resolve: dict[str, str],
-               run: str | None = None) -> list[str]:
+               run: str | None = None, pace_dir: Path | None = None) -> list[str]:
     """How a run's proxy process is started (by the daemon, and by bench/proxy_bench.py, which
     measures exactly this). Optimised (`-O`): mitmproxy's debug-only checks (a type check of
     every field of every HTTP message it builds, an event-type assertion around every layer
     handler) do not run per connection; measured with proxy_bench, CPU per tunnel 0.69x -> 0.49x
     of bare mitmdump. Nothing of ours checks anything with `assert`."""
     return [sys.executable, "-O", "-m", "sfguard.supervisor.daemon.proxy_child",
-            *proxy_args(port, policy_path, decision_log, resolve, run)]
+            *proxy_args(port, policy_path, decision_log, resolve, run, pace_dir)]
 
 
 def proxy_args(port: int, policy_path: Path, decision_log: Path, resolve: dict[str, str],
-               run: str | None = None) -> list[str]:
+               run: str | None = None, pace_dir: Path | None = None) -> list[str]:
     """The arguments of `proxy_child.main`, whether it is started as its own process or forked
-    from the zygote."""
+    from the zygote (`pace_dir`: the pace counters of this host, proxy_addons/pacing.py)."""
     argv = ["--listen-port", str(port), "--policy", str(policy_path), "--decision-log", str(decision_log)]
     if run is not None:
         argv += ["--run", run]
+    if pace_dir is not None:
+        argv += ["--pace-dir", str(pace_dir)]
     for host, ip in resolve.items():
         argv += ["--resolve", f"{host}={ip}"]
     return argv
 
 
 def client_specs(run_id: str | None, clients: dict[str, tuple[str, list[str]]],
-                 writes: dict[str, str], port: int | None = None, held: set[str] | None = None) -> list[dict]:
+                 writes: dict[str, str], port: int | None = None, held: set[str] | None = None,
+                 pace: dict[str, tuple[str, list[dict]]] | None = None) -> list[dict]:
     """A run's clients as the proxy child takes them (each bound to `port` when given; the
-    `held` ones refused everything until the guard lets them go)."""
+    `held` ones refused everything until the guard lets them go; `pace`: whose pace each
+    counts on and the budgets of its stages)."""
+    pace = pace or {}
     return [{"name": n, "token": t, "allow": a, "run": run_id}
             | ({"writes": writes[n]} if n in writes else {})
             | ({"port": port} if port is not None else {})
             | ({"held": True} if held and n in held else {})
+            | ({"pace_key": pace[n][0], "budgets": pace[n][1]} if n in pace else {})
             for n, (t, a) in sorted(clients.items())]
 
 
@@ -93,14 +114,18 @@ class RunClients:
     client_writes: dict[str, str]              # a stage shell's client -> the stage's browser.writes
     #: browsers the guard has not yet put under its rules: every request refused
     client_held: set[str]
+    #: whose pace each client counts on (its profile), and its stages' budgets (pacing.py)
+    client_pace: dict[str, tuple[str, list[dict]]]
 
     async def _sync(self) -> None:
         raise NotImplementedError
 
-    async def add_client(self, allow: list[str], writes: str | None = None, held: bool = False) -> str:
+    async def add_client(self, allow: list[str], writes: str | None = None, held: bool = False,
+                         pace_key: str | None = None, budgets: list[dict] | None = None) -> str:
         """A client with its own credential; `writes` (a stage's shell): hosts whose writes are
         gated or refused for the stage are refused to it (proxy_addons/clients.py); `held` (a
-        browser about to start): every request refused until `set_allow` lets it go."""
+        browser about to start): every request refused until `set_allow` lets it go;
+        `pace_key`: the profile (or throw-away browser) whose pace its requests count on."""
         name = f"b-{short_id()}"
         token = secrets.token_urlsafe(24)
         redaction.register_secret(token)
@@ -109,15 +134,23 @@ class RunClients:
             self.client_writes[name] = writes
         if held:
             self.client_held.add(name)
+        if pace_key is not None:
+            self.client_pace[name] = (pace_key, list(budgets or []))
         await self._sync()
         return name
 
-    async def set_allow(self, name: str, allow: list[str]) -> None:
-        """The client's allow list, in force when this returns; a held client is let go (the
-        guard calls it once the browser's rules are in force)."""
+
+    async def set_allow(self, name: str, allow: list[str], budgets: list[dict] | None = None) -> None:
+        """The client's allow list (and with `budgets`, its stages' budgets), in force when this
+        returns; a held client is let go (the guard calls it once the browser's rules are in
+        force)."""
         token, old = self.clients[name]
         new = sorted(set(allow))
-        if new != old or name in self.client_held:
+        pace = self.client_pace.get(name)
+        budgets_changed = budgets is not None and pace is not None and pace[1] != budgets
+        if budgets_changed and pace is not None and budgets is not None:
+            self.client_pace[name] = (pace[0], list(budgets))
+        if new != old or name in self.client_held or budgets_changed:
             self.clients[name] = (token, new)
             self.client_held.discard(name)
             await self._sync()
@@ -125,6 +158,7 @@ class RunClients:
     async def remove_client(self, name: str) -> None:
         self.client_writes.pop(name, None)
         self.client_held.discard(name)
+        self.client_pace.pop(name, None)
         if self.clients.pop(name, None) is not None:
             await self._sync()
 
@@ -143,11 +177,14 @@ class RunProxy(RunClients):
     ACK_TIMEOUT = 10.0
 
     def __init__(self, run_id: str | None, policy_path: Path, decision_log: Path,
-                 resolve: dict[str, str] | None = None, zygote: Zygote | None = None):
+                 resolve: dict[str, str] | None = None, zygote: Zygote | None = None,
+                 pace: PaceSetting | None = None):
         self.run_id = run_id
         self.zygote = zygote   # forks the process when given (supervisor/daemon/proxy_zygote.py)
         self.policy_path = policy_path
         self.decision_log = decision_log
+        self.pace = pace or PaceSetting()
+        self.client_pace: dict[str, tuple[str, list[dict]]] = {}
         self.resolve = dict(resolve or {})
         self.port = 0
         self.proc: asyncio.subprocess.Process | ForkedProxy | None = None
@@ -163,7 +200,8 @@ class RunProxy(RunClients):
         self._urgent = False   # a run waits for this proxy: no lower priority from then on
 
     def _message(self) -> dict:
-        return {"clients": client_specs(self.run_id, self.clients, self.client_writes, held=self.client_held)}
+        return {"clients": client_specs(self.run_id, self.clients, self.client_writes, held=self.client_held,
+                                        pace=self.client_pace)} | self.pace.message()
 
     async def _push(self) -> dict:
         """Send the whole client set and wait until the proxy has it live; the proxy's answer."""
@@ -196,11 +234,13 @@ class RunProxy(RunClients):
         if self.zygote is not None and zygote_enabled():
             try:
                 self.proc = await self.zygote.spawn(
-                    proxy_args(self.port, self.policy_path, self.decision_log, self.resolve), nice)
+                    proxy_args(self.port, self.policy_path, self.decision_log, self.resolve,
+                               pace_dir=self.pace.folder), nice)
             except ZygoteError as exc:
                 log.warning("%s; starting the run's proxy as a process of its own", exc)
         if self.proc is None:
-            argv = niced(child_argv(self.port, self.policy_path, self.decision_log, self.resolve), nice)
+            argv = niced(child_argv(self.port, self.policy_path, self.decision_log, self.resolve,
+                                    pace_dir=self.pace.folder), nice)
             env = {k: v for k, v in os.environ.items()
                    if k in ("PATH", "HOME", "LANG", "TMPDIR", "SFGUARD_HOME", "PYTHONPATH",
                             redaction.LOG_FORMAT_ENV)}
@@ -271,13 +311,16 @@ class ProxyPool:
             spare_nice = SPARE_PROXY_NICE if can_renice(SPARE_PROXY_NICE) else 0
         self.spare_nice = spare_nice
         self.zygote: Zygote | None = None     # stopped with the pool (see `forked`)
+        self.pace = PaceSetting()             # where its proxies count pace (see `forked`)
 
     @classmethod
-    def forked(cls, policy_path: Path, decision_log: Path, resolve: dict[str, str]) -> ProxyPool:
+    def forked(cls, policy_path: Path, decision_log: Path, resolve: dict[str, str],
+               pace: PaceSetting | None = None) -> ProxyPool:
         """The guard's pool: every run's proxy forked from one zygote, which ends with the pool."""
         zygote = Zygote(policy_path, decision_log)
-        pool = cls(lambda: RunProxy(None, policy_path, decision_log, resolve, zygote))
+        pool = cls(lambda: RunProxy(None, policy_path, decision_log, resolve, zygote, pace))
         pool.zygote = zygote
+        pool.pace = pace or PaceSetting()
         return pool
 
     async def take(self, run_id: str) -> RunProxy:

@@ -93,6 +93,9 @@ class Stage:
     processes: list[ProcRecord] = field(default_factory=list)  # the stage session's daemon
     events: list[dict[str, Any]] = field(default_factory=list)  # what happened to it (browser restarts)
     write_modes: dict[str, str] = field(default_factory=dict)   # effective write mode per allowed pattern
+    started: float | None = None               # when it got its browser (its budget's active minutes)
+    pace: dict[str, dict[str, Any]] = field(default_factory=dict)   # effective pace per allowed pattern
+    budget: dict[str, Any] = field(default_factory=dict)            # its budget as asked, active_until
     replay_safe: bool = True                   # false: a retry's writes wait for a person once one was sent
 
     def move(self, to: StageState) -> None:
@@ -104,7 +107,8 @@ class Stage:
         """The stage as the runner sees it: ready (env), waiting (holder, place) or ended; a
         failed stage raises its error."""
         if self.state == StageState.READY:
-            return {"state": "ready", "env": self.env, "writes": self.write_modes}
+            return {"state": "ready", "env": self.env, "writes": self.write_modes, "pace": self.pace,
+                    "budget": self.budget}
         if self.state == StageState.WAITING and self.waiting is not None:
             w = self.waiting
             since = w.holder_since if w.holder_since is not None else w.queued_since

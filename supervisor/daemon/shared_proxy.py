@@ -26,8 +26,16 @@ import socket
 from pathlib import Path
 
 from sfguard.supervisor.daemon.proxy_zygote import ForkedProxy, Zygote
-from sfguard.supervisor.daemon.run_proxy import ProxyPool, RunClients, RunProxy, client_specs, short_id
+from sfguard.supervisor.daemon.run_proxy import (
+    PaceSetting,
+    ProxyPool,
+    RunClients,
+    RunProxy,
+    client_specs,
+    short_id,
+)
 from sfguard.supervisor.errors import BrowserStartError, swallowed
+from sfguard.supervisor.home import private_dir
 from sfguard.supervisor.procs import ProcRecord
 
 log = logging.getLogger("sfguard.guard")
@@ -48,8 +56,8 @@ class SharedProxy(RunProxy):
     own: each message carries every member run's clients and listener ports."""
 
     def __init__(self, policy_path: Path, decision_log: Path, resolve: dict[str, str] | None = None,
-                 zygote: Zygote | None = None):
-        super().__init__(None, policy_path, decision_log, resolve, zygote)
+                 zygote: Zygote | None = None, pace: PaceSetting | None = None):
+        super().__init__(None, policy_path, decision_log, resolve, zygote, pace)
         self.members: dict[str, SharedRunProxy] = {}   # key -> the run's part
         self.failed_ports: set[int] = set()            # listeners the process could not open
         self._start_lock = asyncio.Lock()
@@ -57,8 +65,9 @@ class SharedProxy(RunProxy):
     def _message(self) -> dict:
         members = [m for m in self.members.values() if m.port]
         return {"clients": [c for m in members
-                            for c in client_specs(m.run_id, m.clients, m.client_writes, m.port, m.client_held)],
-                "listeners": sorted(m.port for m in members)}
+                            for c in client_specs(m.run_id, m.clients, m.client_writes, m.port, m.client_held,
+                                                  m.client_pace)],
+                "listeners": sorted(m.port for m in members)} | self.pace.message()
 
     async def push(self) -> None:
         answer = await self._push()
@@ -92,6 +101,7 @@ class SharedRunProxy(RunClients):
         self.clients: dict[str, tuple[str, list[str]]] = {}
         self.client_writes: dict[str, str] = {}
         self.client_held: set[str] = set()
+        self.client_pace: dict[str, tuple[str, list[dict]]] = {}
 
     # -- what the daemon reads ---------------------------------------------------------------
     @property
@@ -101,6 +111,10 @@ class SharedRunProxy(RunClients):
     @property
     def record(self) -> ProcRecord | None:
         return self.host.record
+
+    @property
+    def pace(self) -> PaceSetting:
+        return self.host.pace
 
     @property
     def restarts(self) -> int:
@@ -149,9 +163,11 @@ class SharedRunProxy(RunClients):
 class SharedPool:
     """ProxyPool's interface for the shared process: `take` opens a run's listener in it."""
 
-    def __init__(self, policy_path: Path, decision_log: Path, resolve: dict[str, str]):
+    def __init__(self, policy_path: Path, decision_log: Path, resolve: dict[str, str],
+                 pace: PaceSetting | None = None):
         self.zygote = Zygote(policy_path, decision_log)
-        self.host = SharedProxy(policy_path, decision_log, resolve, self.zygote)
+        self.host = SharedProxy(policy_path, decision_log, resolve, self.zygote, pace)
+        self.pace = pace or PaceSetting()
 
     async def take(self, run_id: str) -> SharedRunProxy:
         proxy = SharedRunProxy(self.host, run_id)
@@ -171,10 +187,19 @@ AnyRunProxy = RunProxy | SharedRunProxy
 AnyPool = ProxyPool | SharedPool
 
 
-def proxy_pool(mode: str, policy_path: Path, decision_log: Path, resolve: dict[str, str]) -> AnyPool:
+def pace_setting(home: Path, stores: object) -> PaceSetting:
+    """Where the runs' proxies count pace and budgets: the home's `pace` folder (0700), and the
+    shared store's connection when the guard has one (supervisor/profiles/pg_pace.py)."""
+    backend = getattr(stores, "backend", None)
+    return PaceSetting(private_dir(home / "pace"), getattr(backend, "url", None),
+                       home / "logs" / "decisions.log")
+
+
+def proxy_pool(mode: str, policy_path: Path, decision_log: Path, resolve: dict[str, str],
+               pace: PaceSetting | None = None) -> AnyPool:
     """The guard's runs' proxies for `sfguard start --proxies MODE`, every one forked from one
     pre-loaded parent (supervisor/daemon/proxy_zygote.py): "per-run" (a process per run, one
-    started ahead) or "shared" (one process, a listener per run)."""
+    started ahead) or "shared" (one process, a listener per run); `pace`: where they count."""
     if mode == "shared":
-        return SharedPool(policy_path, decision_log, resolve)
-    return ProxyPool.forked(policy_path, decision_log, resolve)
+        return SharedPool(policy_path, decision_log, resolve, pace)
+    return ProxyPool.forked(policy_path, decision_log, resolve, pace)

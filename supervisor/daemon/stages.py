@@ -14,6 +14,7 @@ from sfguard.supervisor import models
 from sfguard.supervisor.browsers import browser_user, tools, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon.deferred import no_space
+from sfguard.supervisor.daemon.pacing import PageLoads, browser_budgets, pace_key, pace_view, stage_budget
 from sfguard.supervisor.daemon.run_proxy import short_id
 from sfguard.supervisor.daemon.runs import WAITING_STATES, Browser, Run, RunState, Stage, StageOutcome, StageState
 from sfguard.supervisor.daemon.shared_proxy import AnyPool, AnyRunProxy
@@ -104,6 +105,9 @@ class Stages:
         self.socket_dir, self.config_path = socket_dir, config_path
         self.write_approver, self.write_gate_timeout, self.write_record = (
             write_approver, write_gate_timeout, write_record)
+        # HTTPS page loads, kept in the browser (the gate asks it; each pipe tells it)
+        self.page_loads = PageLoads(runs, lambda: self.site_policy, getattr(proxies, "pace", None), gate)
+        gate.pace = self.page_loads
 
     @property
     def site_policy(self) -> SitePolicy:
@@ -255,6 +259,8 @@ class Stages:
         stage.browser_key = browser.key
         stage.write_modes = stage_write_modes(self.site_policy, stage.browser_req.writes,
                                               list(stage.browser_req.allow_domains))
+        stage.started = time.time()        # its budget's active minutes count from here
+        stage.pace, stage.budget = pace_view(self.site_policy, stage)
         # the browser's rules first (its write gate, its extension's rules), then its proxy lets
         # it reach the stage's hosts: nothing leaves a browser before the guard's rules are in
         # force (a new browser's proxy client is held until this set_allow)
@@ -263,7 +269,8 @@ class Stages:
         # the record's own view of the browser's stage tabs, before the stage's session opens one
         await self.recorder.browser(run.run_id, browser.anchor.pipe, browser.profile.name if browser.profile else None)
         await guard_websockets(browser.anchor)   # before the stage gets the browser
-        await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
+        self.page_loads.watch(run, browser)      # its HTTPS page loads counted (daemon/pacing.py)
+        await run.proxy.set_allow(browser.client, self.browser_allow(run, browser), browser_budgets(run, browser))
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
         anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", self.site_policy.tab_quota
         # The stage's session (a gate token, an agent-browser session through it with the
@@ -294,7 +301,7 @@ class Stages:
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
         try:
             await self.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains,
-                                 stage.browser_req.writes)
+                                    stage.browser_req.writes, pace=(pace_key(run, browser), stage_budget(stage)))
         except BaseException:
             await self.sessions.end(started)
             raise
@@ -304,7 +311,8 @@ class Stages:
             await self.bridges.close(gate_key, run.proxy)
             await self.sessions.end(started)
             if browser.profile is not None and browser.client in run.proxy.clients:
-                await run.proxy.set_allow(browser.client, self.browser_allow(run, browser))
+                await run.proxy.set_allow(browser.client, self.browser_allow(run, browser),
+                                          browser_budgets(run, browser))
             log.info("stage %s/%s ended before it was ready", run.run_id, stage.stage_id,
                      extra={"run": run.run_id, "stage": stage.stage_id})
             return
@@ -352,7 +360,7 @@ class Stages:
         if not await self.calls.run(self.store.exists, key):   # the grant made it; deleted since?
             await self.calls.run(store_ops.create_profile, self.stores, key, self.identity(run, key),
                               run=run.run_id)
-        name = await proxy.add_client([], held=True)     # refused everything until attach
+        name = await proxy.add_client([], held=True, pace_key=f"p:{key.scope}/{key.name}")   # held until attach
         browser = Browser(key.name, key, headed, name)
         run.browsers[key.name] = browser
         profile_dir = await self.calls.run(self.store.open, key)
@@ -369,6 +377,7 @@ class Stages:
             with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
                 await proxy.remove_client(name)
             raise
+        self.page_loads.watch(run, browser)      # the guard's own login checks count too
         log.info("run %s: anchor for profile %s ready (profile opened in %.0f ms, browser "
                  "launched in %.0f ms)", run.run_id, key.name, (t1 - t0) * 1000,
                  browser.anchor.launch_seconds * 1000, extra={"run": run.run_id, "profile": key.name})
@@ -384,8 +393,9 @@ class Stages:
 
     async def throwaway(self, run: Run, stage: Stage) -> Browser:
         proxy = await self.ensure_proxy(run)
-        name = await proxy.add_client([], held=True)     # refused everything until attach
-        browser = Browser(f"tmp-{stage.stage_id}", None, stage.headed, name)
+        bkey = f"tmp-{stage.stage_id}"
+        name = await proxy.add_client([], held=True, pace_key=f"b:{run.run_id}/{bkey}")   # held until attach
+        browser = Browser(bkey, None, stage.headed, name)
         run.browsers[browser.key] = browser
         browser.anchor = await self.launch(run, browser, None)
         return browser

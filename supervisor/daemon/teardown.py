@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sfguard.supervisor.daemon.deferred import waits_for
+from sfguard.supervisor.daemon.pacing import browser_budgets, forget_budget
 from sfguard.supervisor.daemon.runs import (
     Browser,
     Run,
@@ -97,9 +98,11 @@ class Teardown:
                 problems += await self.close_browser(run, browser)
             elif run.proxy is not None and browser.client in run.proxy.clients:
                 try:
-                    await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser))
+                    await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser),
+                                              browser_budgets(run, browser))   # the stage's budget goes
                 except BrowserStartError as exc:
                     problems.append(str(exc))
+        forget_budget(run.proxy, stage)
         with swallowed(log, f"run {run.run_id}: saving its record", (OSError,)):
             self.records.save(run)
         return problems

@@ -106,6 +106,9 @@ class CdpGate:
         self.observer: Observer | None = None
         self._stages: dict[str, _Stage] = {}
         self._runner: web.AppRunner | None = None
+        #: the page-load pace of HTTPS sites (supervisor/daemon/pacing.py PageLoads): asked before
+        #: a stage's navigation commands and its commands to a tab over the pace (relay.py)
+        self.pace: Any = None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:

@@ -106,7 +106,12 @@ class Relay:
                         data.get("id"), method or "<malformed>", reason, data.get("sessionId"))))
                 continue
             waiting = self._held(data)
-            self._observe(data, None if waiting is None else "write_held")
+            if waiting is None and self.gate.pace is not None:
+                paced = await self._paced(data, method)
+                self._observe(data, None if paced is None else "pace")
+                waiting = paced
+            else:
+                self._observe(data, None if waiting is None else "write_held")
             if waiting is not None:   # at once, not after Chromium's hold ends (or 30 s of nothing)
                 await self._out(json.dumps({"id": data["id"], **({"sessionId": data["sessionId"]}
                                                                   if data.get("sessionId") else {}),
@@ -169,6 +174,19 @@ class Relay:
         else:
             return None
         answer = writes.held_navigation(target)
+        return answer if isinstance(answer, str) else None
+
+    async def _paced(self, data: dict, method: Any) -> str | None:
+        """The page-load pace (supervisor/daemon/pacing.py PageLoads): a navigation command, or
+        any command to a tab over the pace, may wait (bounded) or be answered with the 429 text."""
+        pace = self.gate.pace
+        sid = data.get("sessionId")
+        tab = self.ctx.own_sessions.get(sid) if sid is not None else None
+        if method not in pace.NAVIGATIONS and (tab is None or tab not in pace.marked):
+            return None
+        info = self.upstream.pipe.targets.get(tab) if tab else None
+        answer = await pace.command(self.stage.key, method, data.get("params") or {}, tab,
+                                    str((info or {}).get("url") or ""), self.upstream.pipe)
         return answer if isinstance(answer, str) else None
 
     # Chrome -> client

@@ -104,6 +104,9 @@ class PgBackend:
         if not ttl > 0:
             raise ValueError("the lease TTL must be a positive number of seconds")
         self.url_shown = redact_url(url)
+        #: the connection string as given (a password too): only for this guard's run proxies,
+        #: over their stdin (supervisor/daemon/run_proxy.py PaceSetting); never logged or shown
+        self.url = url
         #: read-only commands (`profiles list|show`, `audit verify|show`, `doctor`): no
         #: migration, no guard row, and every session is read-only on the server itself
         self.read_only = read_only

@@ -156,6 +156,50 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (host, record, name)
     );
     """,
+    # 4: the sites' pace per profile (supervisor/profiles/pg_pace.py, policy/pace.py admit):
+    # a counter's due time and the interval it was counted at; one call takes every counter of
+    # a request at once or none, on the database's clock
+    """
+    CREATE TABLE sfguard_pace (
+        key text PRIMARY KEY,
+        tat double precision NOT NULL,
+        step double precision NOT NULL,
+        updated double precision NOT NULL
+    );
+    CREATE FUNCTION sfguard_pace_take(keys text[], steps float8[], bursts int[], waits float8[],
+                                      force boolean, OUT wait float8, OUT refused int, OUT retry float8,
+                                      OUT worst float8)
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        now_s float8 := extract(epoch FROM clock_timestamp());
+        n int := coalesce(array_length(keys, 1), 0);
+        tats float8[] := '{}';
+        i int; t float8; was float8; start float8; due float8;
+    BEGIN
+        wait := 0; refused := 0; retry := 0; worst := '-Infinity';
+        FOR i IN 1..n LOOP
+            INSERT INTO sfguard_pace (key, tat, step, updated) VALUES (keys[i], now_s, steps[i], now_s)
+                ON CONFLICT (key) DO NOTHING;
+            SELECT p.tat, p.step INTO t, was FROM sfguard_pace p WHERE p.key = keys[i] FOR UPDATE;
+            IF t > now_s AND was > 0 AND was <> steps[i] THEN
+                t := now_s + (t - now_s) * steps[i] / was;
+                UPDATE sfguard_pace SET tat = t, step = steps[i], updated = now_s WHERE key = keys[i];
+            END IF;
+            start := greatest(t, now_s);
+            due := start - (bursts[i] - 1) * steps[i] - now_s;
+            worst := greatest(worst, due);
+            IF NOT force AND due > waits[i] + 1e-9 THEN
+                wait := 0; refused := i; retry := greatest(due, 0);
+                RETURN;
+            END IF;
+            tats := tats || (start + steps[i]);
+            wait := greatest(wait, due);
+        END LOOP;
+        FOR i IN 1..n LOOP
+            UPDATE sfguard_pace SET tat = tats[i], step = steps[i], updated = now_s WHERE key = keys[i];
+        END LOOP;
+    END $$;
+    """,
 ]
 
 _MIGRATION_LOCK = 0x5F6775617264    # advisory lock id for schema changes ("_guard")

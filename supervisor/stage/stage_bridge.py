@@ -157,9 +157,10 @@ class BridgeHost:
         return self._stages.get(key)
 
     async def open(self, key: str, cdp_url: str, proxy, allow: list[str],
-                   writes: str = "allow") -> StageBridges:
+                   writes: str = "allow", pace: tuple[str, list[dict]] | None = None) -> StageBridges:
         """Serve the stage's two sockets and give it a proxy client (idempotent: a stage whose
-        browser was replaced keeps its bridges, the gate target is refreshed)."""
+        browser was replaced keeps its bridges, the gate target is refreshed); `pace`: whose
+        pace its requests count on (its browser's) and the stage's budget."""
         parts = urlsplit(cdp_url)
         gate_target = (parts.hostname or "127.0.0.1", int(parts.port or 0))
         have = self._stages.get(key)
@@ -170,7 +171,8 @@ class BridgeHost:
         _private_folder(self.root, 0o711, None)
         folder = _private_folder(self.root / secrets.token_hex(8),
                                  0o710 if gid is not None else 0o700, gid, self.stage_uid)
-        client = await proxy.add_client(allow, writes=writes)
+        client = await proxy.add_client(allow, writes=writes, pace_key=pace[0] if pace else None,
+                                        budgets=pace[1] if pace else None)
         try:
             gate = _Bridge(folder / "gate.sock", gate_target)
             prox = _Bridge(folder / "proxy.sock", ("127.0.0.1", proxy.port))
