@@ -264,7 +264,8 @@ class BrowserPool:
     # -- take and give back ------------------------------------------------------------------
     def take(self, what: str) -> BrowserUser | None:
         """A free user for a new browser, marked as this guard's (`what`: the run, for a person
-        reading the lock file); None when every user is in use."""
+        reading the lock file); None when every user is in use. No process scan for a user
+        given back clean (`give_back` checked then): a first stage does not pay for one."""
         with self._mutex:
             n = len(self.users)
             for i in range(n):
@@ -274,11 +275,13 @@ class BrowserPool:
                 fd = self._lock(user)
                 if fd is None:
                     continue
+                # A user given back clean had no process left then, and only root can start one
+                # as it since; one a holder left marked (it died) is cleaned now, if it may be.
                 marker = self._marker(fd)
-                if not self._may_clean(marker) or not self._end_processes(user):
+                if marker and (not self._may_clean(marker) or not self._end_processes(user)):
                     os.close(fd)     # a dead guard's files may be there, or a process will not end
                     continue
-                if marker:           # a holder that died: what it may have left in the shared folders
+                if marker:
                     _remove_strays(user.uid)
                 self._write(fd, {"runtime": self.runtime, "pid": os.getpid(), "what": what[:80]})
                 self._held[user.uid] = fd
