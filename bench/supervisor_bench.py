@@ -7,9 +7,11 @@ measures the baseline, then the first and second stage, so that load weighs on b
   baseline   bare `agent-browser open about:blank` in a new session (browser launch), then close.
              As root there are two: agent-browser's own way as root (`--no-sandbox`: Chromium
              refuses to start its sandbox as root) and, the baseline of the targets, the same
-             command as the guard's browser user with Chromium's sandbox on: the guard runs every
-             browser that way (issue 13, layer 2), and the sandbox's start-up cost (~0.2 s here:
-             zygote and namespaces per process) is the browser's, not the guard's. Run as an
+             command as one of the guard's browser users with Chromium's sandbox on (taken from
+             its pool and locked for the bench, so no guard runs a browser as it meanwhile): the
+             guard runs every browser that way, each as a user of its own (issues 13 and 50),
+             and the sandbox's start-up cost (~0.2 s here: zygote and namespaces per process)
+             is the browser's, not the guard's. Run as an
              ordinary user, both are the same launch and only one is measured.
   first      POST /v1/runs/{id}/stages -> 200 ready for the first stage of a run
              (per-run proxy start + lease + unseal + anchor launch through the proxy + gate token
@@ -47,11 +49,10 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sfguard.supervisor.browsers import tools  # noqa: E402
-from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER  # noqa: E402
+from sfguard.supervisor.browsers import browser_pool, tools  # noqa: E402
 from sfguard.supervisor.client.guard_client import GuardClient  # noqa: E402
 from sfguard.supervisor.home import runtime_path  # noqa: E402
-from sfguard.supervisor.stage.sandbox import StageUser, lookup_user  # noqa: E402
+from sfguard.supervisor.stage.sandbox import StageUser  # noqa: E402
 
 
 def bare_launch(ab: str, browser: str, work: Path, i: int, user: StageUser | None = None) -> float:
@@ -145,8 +146,13 @@ def main() -> int:
             if line.strip() == b"sfguard: ready":
                 break
         client = GuardClient(home, timeout=180)
-        # as root, the guard has made its browser user by now (it starts every browser as it)
-        user = lookup_user(DEFAULT_BROWSER_USER) if os.geteuid() == 0 else None
+        # as root, the guard has made its browser users by now: the baseline runs as one of
+        # them, locked for the bench
+        pool = browser_pool.BrowserPool(browser_pool.ensure_users(browser_pool.PoolConfig(), create=False),
+                                        work) if os.geteuid() == 0 else None
+        user = pool.take("supervisor_bench baseline") if pool is not None else None
+        if pool is not None and user is None:
+            raise SystemExit("every browser user is in use: the baseline has none to run as")
         if user is not None:
             os.chmod(work, 0o711)   # the browser user crosses into its own folder, no further
         bare, bare_root, first, second = [], [], [], []
@@ -189,6 +195,8 @@ def main() -> int:
                 continue
         for i in range(args.runs):
             client.call("POST", f"/v1/runs/open-{i}/end", {"outcome": "succeeded"})
+        if pool is not None and user is not None:
+            pool.give_back(user)
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:

@@ -92,23 +92,31 @@ def _sandbox_check() -> tuple[str, str, str]:
 
 
 def _browser_user_check() -> tuple[str, str, str]:
-    """Who the guard's browsers run as (layer 2 of stage containment)."""
+    """Who the guard's browsers run as (layer 2 of stage containment): under root, a user of
+    its own for each running browser (the default pool's users, checked)."""
     import os
 
-    from sfguard.supervisor.browsers import browser_user
-    from sfguard.supervisor.stage import sandbox
+    from sfguard.supervisor.browsers import browser_pool
     if os.geteuid() != 0:
-        return ("info", "browser user", "browsers run as this user, Chromium's sandbox on; a "
-                "root guard would run them as a separate unprivileged user (sfguard-browser), "
-                "so that a process of this user (a stage outside stage-exec) could not read "
-                "the unsealed profile, the browser's memory or its environment")
-    user = sandbox.lookup_user(browser_user.DEFAULT_BROWSER_USER)
-    if user is None:
-        return ("ok", "browser user:", f"{browser_user.DEFAULT_BROWSER_USER} missing: sfguard "
-                "start creates it (or --browser-user NAME); browsers run as it, Chromium's sandbox on")
-    if user.uid == 0 or user.gid == 0:
-        return ("missing", "browser user", f"{user.name} has uid or gid 0: sfguard start refuses it")
-    return ("ok", "browser user:", "browsers run " + browser_user.describe(user))
+        return ("info", "browser users", "this guard is not root: every browser runs as this one "
+                "user, Chromium's sandbox on. A page that escapes one browser's sandbox holds this "
+                "user, so the other runs' unsealed logins and browsers too, and a process of this "
+                "user (a stage outside stage-exec) reads them. A root guard runs each browser as a "
+                "user of its own (docs/threat-model.md, layer 2 and what it does not stop)")
+    config = browser_pool.PoolConfig()
+    try:
+        users = browser_pool.ensure_users(config, create=False)
+    except browser_pool.PoolError as exc:
+        if "does not exist" in str(exc):
+            return ("ok", "browser users:", f"{config.prefix}1..{config.size} (some missing): sfguard start "
+                    "or `sfguard service ensure-users` creates them; each browser runs as one of its own, "
+                    "Chromium's sandbox on")
+        return ("missing", "browser users", f"{exc}: sfguard start refuses them")
+    problem = browser_pool.acl_problem()
+    if problem:
+        return ("missing", "browser users", problem)
+    pool = browser_pool.describe_users(users)
+    return ("ok", "browser users:", f"browsers run {pool}; {browser_pool.held_count(users)} in use now")
 
 
 def _proxy_versions_check() -> tuple[str, str, str]:

@@ -13,7 +13,8 @@ def register(sub) -> None:
     p = sub.add_parser("service", help="run the guard as a systemd service",
                        description=("The guard as a system service: `print` writes a hardened "
                                     "systemd unit for this installation to stdout, `ensure-users` "
-                                    "creates the unprivileged browser and stage users (the unit "
+                                    "creates the unprivileged browser users (one per running "
+                                    "browser) and the stage user (the unit "
                                     "runs it before the guard starts, as /etc is read-only for "
                                     "the guard itself)."))
     ss = p.add_subparsers(dest="service_command", metavar="SUBCOMMAND")
@@ -31,7 +32,9 @@ def register(sub) -> None:
                     help="the sfguard executable (default: the one running this command)")
     pr.add_argument("--policy", metavar="FILE", help="a site policy file for `start --policy`")
     pr.add_argument("--api-group", metavar="GROUP", help="for `start --api-group`")
-    pr.add_argument("--browser-user", metavar="USER", help="for `start --browser-user`")
+    pr.add_argument("--browser-users", "--browser-user", dest="browser_users", metavar="PREFIX",
+                    help="for `start --browser-users`")
+    pr.add_argument("--browser-pool-size", metavar="N", type=int, help="for `start --browser-pool-size`")
     pr.add_argument("--stage-user", metavar="USER", help="for `start --stage-user`")
     pr.add_argument("--ca-file", action="append", default=[], metavar="PEM",
                     help="for `start --ca-file` (repeatable)")
@@ -52,11 +55,15 @@ def register(sub) -> None:
                     help="MemoryMax= of the unit (e.g. 8G, 50%%); unset by default: about 250 MB "
                          "per open run")
     pr.set_defaults(func=run_print)
-    eu = ss.add_parser("ensure-users", help="create the browser and stage users when missing",
+    eu = ss.add_parser("ensure-users", help="create the browser users and the stage user when missing",
                        description=("Create the unprivileged system users a root guard runs its "
-                                    "browsers and stages as (own group, no home, no shell), when "
-                                    "missing. Needs root. Exit 0 when both exist afterwards."))
-    eu.add_argument("--browser-user", metavar="USER", help="default sfguard-browser")
+                                    "browsers (PREFIX1..PREFIXN, one per running browser) and "
+                                    "stages as (each its own group, no other group, no home, no "
+                                    "shell), when missing, and check them. Needs root. Exit 0 when "
+                                    "all exist afterwards and may be used."))
+    eu.add_argument("--browser-users", "--browser-user", dest="browser_users", metavar="PREFIX",
+                    help="default sfguard-browser (users sfguard-browser1, ...)")
+    eu.add_argument("--browser-pool-size", metavar="N", type=int, help="default 16")
     eu.add_argument("--stage-user", metavar="USER", help="default sfguard-stage")
     eu.set_defaults(func=run_ensure_users)
 
@@ -98,7 +105,8 @@ def run_print(args) -> int:
         text = unit_text(
             exe, Path(args.home) if args.home else DEFAULT_HOME, installed,
             memory_max=args.memory_max, policy=path(args.policy), api_group=args.api_group,
-            browser_user=args.browser_user, stage_user=args.stage_user,
+            browser_users=args.browser_users, browser_pool_size=args.browser_pool_size,
+            stage_user=args.stage_user,
             ca_files=tuple(Path(c).absolute() for c in args.ca_file), tcp=args.tcp,
             token_file=path(args.token_file), console=args.console,
             console_public=args.console_public, console_url=args.console_url,
@@ -115,23 +123,22 @@ def run_print(args) -> int:
 def run_ensure_users(args) -> int:
     import os
 
-    from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
+    from sfguard.supervisor.browsers import browser_pool
     from sfguard.supervisor.stage import sandbox
     if os.geteuid() != 0:
         raise CliError("needs root: a guard that is not root runs its browsers and stages as itself", 2)
-    made = []
-    for role, name in (("browser", args.browser_user or DEFAULT_BROWSER_USER),
-                       ("stage", args.stage_user or sandbox.DEFAULT_STAGE_USER)):
-        existed = sandbox.lookup_user(name) is not None
-        try:
-            user = sandbox.ensure_system_user(name, role)
-        except sandbox.SandboxError as exc:
-            raise CliError(str(exc), 1) from None
-        made.append(f"{role} user {user.name} (uid {user.uid}){'' if existed else ': created'}")
-    browser, stage = (sandbox.lookup_user(n) for n in (args.browser_user or DEFAULT_BROWSER_USER,
-                                                        args.stage_user or sandbox.DEFAULT_STAGE_USER))
-    if browser and stage and (browser.uid == stage.uid or browser.gid == stage.gid):
-        raise CliError("the browser and stage users share a uid or group: a stage could reach "
-                       "the browser's profile", 1)
-    print("\n".join(made))
+    config = browser_pool.PoolConfig(args.browser_users or browser_pool.DEFAULT_PREFIX,
+                                     args.browser_pool_size or browser_pool.DEFAULT_SIZE)
+    stage_name = args.stage_user or sandbox.DEFAULT_STAGE_USER
+    try:
+        config.check()
+        existed = sandbox.lookup_user(stage_name) is not None
+        stage = sandbox.ensure_system_user(stage_name, "stage")
+        before = sum(1 for n in config.names() if sandbox.lookup_user(n) is not None)
+        users = browser_pool.ensure_users(config, stage)
+    except (sandbox.SandboxError, browser_pool.PoolError) as exc:
+        raise CliError(str(exc), 1) from None
+    print(f"stage user {stage.name} (uid {stage.uid}){'' if existed else ': created'}")
+    print(f"browser users {users[0].name}..{users[-1].name} (uids {users[0].uid}..{users[-1].uid}, "
+          f"each its own group){f': {len(users) - before} created' if before < len(users) else ''}")
     return 0

@@ -58,16 +58,7 @@ def register(sub) -> None:
     p.add_argument("--ca-file", action="append", default=[], metavar="PEM",
                    help="certificate authorities (PEM) the guard's browsers, and only they, trust "
                         "besides the system's (intranet sites, a TLS-inspecting network); repeatable")
-    p.add_argument("--api-group", metavar="GROUP",
-                   help="make the control socket 0660 with this group (and the home 0710), for "
-                        "a pipeline runner under another user in GROUP; default: 0600, owner only")
-    p.add_argument("--stage-user", metavar="USER", default=None,
-                   help="when the guard runs as root: the unprivileged user `sfguard stage-exec` "
-                        "runs stages as (default sfguard-stage, created when missing)")
-    p.add_argument("--browser-user", metavar="USER", default=None,
-                   help="when the guard runs as root: the unprivileged user every browser runs "
-                        "as, with Chromium's sandbox on (default sfguard-browser, created when "
-                        "missing); it must differ from the stage user")
+    _user_options(p)
     p.add_argument("--proxies", choices=("per-run", "shared"), default=None,
                    help="per-run (default): a guard proxy process per run; shared: one proxy "
                         "process for every run, each run with its own listener and credentials "
@@ -193,7 +184,7 @@ def run(args) -> int:
         keep_ended_runs=keep_runs, keep_ended_seconds=keep_hours * 3600,
         write_gate_timeout=args.write_gate_timeout, log_retention=retention, api_gid=api_gid,
         stage_user_name=args.stage_user or defaults.stage_user_name,
-        browser_user_name=args.browser_user or defaults.browser_user_name,
+        browser_pool=_pool_config(args, defaults),
         proxies=_proxies(args.proxies), audit_check_seconds=args.audit_check, record=record_options.settings(args))
     try:
         guard = Guard(resolve_home(args.home), args.policy, resolve=_parse_resolve(args.resolve),
@@ -215,9 +206,39 @@ def run(args) -> int:
     except GuardAlreadyRunning as exc:
         raise CliError(str(exc), 3) from None
     except BrowserUserError as exc:
-        raise CliError(f"--browser-user: {exc}", 2) from None
+        raise CliError(f"--browser-users: {exc}", 2) from None
     except ProfileError as exc:  # e.g. a damaged lease file: named, left untouched
         raise CliError(str(exc), 2) from None
+
+
+def _user_options(p) -> None:
+    """Who may call the API (--api-group), and who stages and browsers run as under root."""
+    p.add_argument("--api-group", metavar="GROUP",
+                   help="make the control socket 0660 with this group (and the home 0710), for "
+                        "a pipeline runner under another user in GROUP; default: 0600, owner only")
+    p.add_argument("--stage-user", metavar="USER", default=None,
+                   help="when the guard runs as root: the unprivileged user `sfguard stage-exec` "
+                        "runs stages as (default sfguard-stage, created when missing)")
+    p.add_argument("--browser-users", "--browser-user", dest="browser_users", metavar="PREFIX", default=None,
+                   help="when the guard runs as root: each browser runs as an unprivileged user "
+                        "of its own, PREFIX1..PREFIXN, with Chromium's sandbox on (default "
+                        "sfguard-browser: sfguard-browser1, ...; created when missing); never the "
+                        "stage user")
+    p.add_argument("--browser-pool-size", metavar="N", type=int, default=None,
+                   help="how many browser users (default 16): at most that many browsers run at "
+                        "once; a stage that needs another waits (reason browser_pool_full)")
+
+
+def _pool_config(args, defaults):
+    """--browser-users and --browser-pool-size, checked before the guard starts."""
+    from sfguard.supervisor.browsers.browser_pool import PoolConfig, PoolError
+    pool = PoolConfig(args.browser_users or defaults.browser_pool.prefix,
+                      defaults.browser_pool.size if args.browser_pool_size is None else args.browser_pool_size)
+    try:
+        pool.check()
+    except PoolError as exc:
+        raise CliError(str(exc), 2) from None
+    return pool
 
 
 def _token_path(path: str) -> Path:
@@ -388,7 +409,7 @@ def _banner(guard, report: dict) -> list[str]:
     ab, br = guard.host_tool_report()
     lines = [f"sfguard: home {guard.home} (runtime {guard.runtime})",
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
-              f"sfguard: browsers run {describe_browser_user(guard.browser_user)}",
+              f"sfguard: browsers run {describe_browser_user(guard.pool)}",
               "sfguard: browsers trust the system's certificate authorities"
               + (f" and --ca-file {guard.host.ca.describe()}" if getattr(guard.host, "ca", None) else ""),
               f"sfguard: version {guard.metrics.version}",
@@ -400,7 +421,9 @@ def _banner(guard, report: dict) -> list[str]:
               f"{guard.sandbox_detail}",
               f"sfguard: start-up sweep: {len(report['runs'])} dead run(s), {report['processes'] + report['orphans']} "
               f"process(es) ended, {len(report['resealed'])} profile(s) resealed, "
-              f"{len(report['leases'])} lease(s) released",
+              f"{len(report['leases'])} lease(s) released"
+              + (f", {len(report['browser_users'])} browser user(s) returned to the pool"
+                 if report.get("browser_users") else ""),
               "sfguard: ready"]
     if report.get("audit"):
         lines.insert(-1, f"sfguard: WARNING the audit log does not verify: {report['audit']}")

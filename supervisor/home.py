@@ -4,11 +4,12 @@ Home: `--home` flag, else `$SFGUARD_HOME`, else `~/.stageflow/guard`. Folders 07
 Runtime: a short private folder for sockets and unsealed profiles (unix sockets have a
 103-byte path limit), preferably on a non-persistent file system.
 
-Under a root guard the browsers run as a separate user (supervisor/browsers/browser_user.py), who must
-reach its profile inside the runtime folder: `grant_traverse` names the runtime folder whose
-folders `open_for_traverse` may make 0710 with that user's group (cross, never list or read).
-`private_dir` keeps a 0710 folder as it is (only its owner can have set it, on purpose) and
-makes anything else 0700.
+Under a root guard every browser runs as a user of its own (supervisor/browsers/browser_pool.py),
+who must reach its profile inside the runtime folder: `grant_traverse` names the runtime folder
+whose folders `open_for_traverse` may make 0710 with a POSIX ACL that lets exactly the browser
+users' uids cross (never list or read): `user:UID:--x` for each, the mask `--x`, the group and
+others nothing. `private_dir` keeps a 0710 folder as it is (only its owner can have set it, on
+purpose) and makes anything else 0700 (which also masks every ACL entry off).
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import hashlib
 import json
 import os
 import stat
+import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -32,53 +34,88 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
-#: runtime roots whose folders may be 0710 with the browser user's group: {root: gid}
-_TRAVERSE: dict[str, int] = {}
+#: runtime roots whose folders may be 0710 with an ACL letting these uids cross: {root: uids}
+_TRAVERSE: dict[str, tuple[int, ...]] = {}
 TRAVERSE_MODE = 0o710
+#: The POSIX ACL extended attribute (Linux: the kernel's binary form, version 2, entries of
+#: tag, permissions, id; sorted by tag, then id).
+ACL_XATTR = "system.posix_acl_access"
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_UNDEFINED = 0xFFFFFFFF
 
 
 class HomeError(SfguardError):
     """The guard home or runtime folder cannot be used safely."""
 
 
-def grant_traverse(root: Path, gid: int) -> None:
-    """Folders at or under `root` may be TRAVERSE_MODE with group `gid` (the browser user's
-    own group): `private_dir` keeps that mode there. Set by the guard at start."""
-    _TRAVERSE[os.path.normpath(os.fspath(root))] = gid
+def grant_traverse(root: Path, uids: Iterable[int]) -> None:
+    """Folders at or under `root` may be TRAVERSE_MODE, crossable by exactly `uids` (the
+    browser users'): `private_dir` keeps that mode there. Set by the guard at start."""
+    _TRAVERSE[os.path.normpath(os.fspath(root))] = tuple(sorted(set(uids)))
 
 
 def revoke_traverse(root: Path) -> None:
     _TRAVERSE.pop(os.path.normpath(os.fspath(root)), None)
 
 
-def traverse_root(path: Path) -> tuple[Path, int] | None:
-    """(granted root, group) covering `path` (a folder at or under that root), else None."""
+def traverse_root(path: Path) -> tuple[Path, tuple[int, ...]] | None:
+    """(granted root, uids) covering `path` (a folder at or under that root), else None."""
     p = os.path.normpath(os.fspath(path))
-    for root, gid in _TRAVERSE.items():
+    for root, uids in _TRAVERSE.items():
         if p == root or p.startswith(root.rstrip("/") + "/"):
-            return Path(root), gid
+            return Path(root), uids
     return None
 
 
-def traverse_gid(path: Path) -> int | None:
-    """The group that may cross `path` (a folder at or under a granted root), else None."""
-    found = traverse_root(path)
-    return found[1] if found else None
+def traverse_acl(uids: Iterable[int]) -> bytes:
+    """The ACL of a cross-only folder: the owner rwx, each of `uids` --x, nothing for the
+    group and others, the mask --x (so `ls -l` shows 0710)."""
+    entries = [(_ACL_USER_OBJ, 7, _ACL_UNDEFINED)]
+    entries += [(_ACL_USER, 1, uid) for uid in sorted(set(uids))]
+    entries += [(_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED), (_ACL_MASK, 1, _ACL_UNDEFINED),
+                (_ACL_OTHER, 0, _ACL_UNDEFINED)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+def acl_uids(path: Path) -> tuple[int, ...]:
+    """The uids a folder's ACL names (`user:UID:...` entries); () without an ACL."""
+    try:
+        raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
+    except OSError:
+        return ()
+    return tuple(uid for tag, _perm, uid in struct.iter_unpack("<HHI", raw[4:]) if tag == _ACL_USER)
 
 
 def open_for_traverse(path: Path) -> Path:
     """Make the folder `path` (ours, at or under a granted root) crossable by the granted
-    group: group set, mode 0710. HomeError when no grant covers it."""
-    gid = traverse_gid(path)
-    if gid is None:
+    uids: our group, mode 0710 through the ACL. HomeError when no grant covers it, or when
+    its file system takes no POSIX ACL (the guard then refuses: fail closed)."""
+    found = traverse_root(path)
+    if found is None:
         raise HomeError(f"{path} is outside the runtime folder")
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise HomeError(f"{path} is not a plain folder of this user")
-    if st.st_gid != gid:
-        os.chown(path, -1, gid, follow_symlinks=False)
-    if stat.S_IMODE(st.st_mode) != TRAVERSE_MODE:
-        os.chmod(path, TRAVERSE_MODE)
+    want = traverse_acl(found[1])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        raise HomeError(f"{path} is not a plain folder of this user") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise HomeError(f"{path} is not a plain folder of this user")
+        if st.st_gid != os.getgid():
+            os.fchown(fd, -1, os.getgid())
+        try:
+            have = os.getxattr(fd, ACL_XATTR)
+        except OSError:
+            have = b""
+        if have != want or stat.S_IMODE(st.st_mode) != TRAVERSE_MODE:
+            try:
+                os.setxattr(fd, ACL_XATTR, want)
+            except OSError as exc:
+                raise HomeError(f"{path}: its file system does not take the POSIX ACL that lets "
+                                f"each browser user cross it ({exc.strerror})") from None
+    finally:
+        os.close(fd)
     return path
 
 
@@ -106,8 +143,8 @@ def private_dir(path: Path) -> Path:
         raise HomeError(f"{path} belongs to another user (uid {st.st_uid})")
     mode = stat.S_IMODE(st.st_mode)
     if mode == TRAVERSE_MODE:
-        # Cross-only for one group, set on purpose by this user (the browser user's group on
-        # the runtime folder, the API group on the home). Kept, also by another process of
+        # Cross-only, set on purpose by this user (for the browser users through an ACL on
+        # the runtime folder, for the API group on the home). Kept, also by another process of
         # this user (e.g. `sfguard profiles create` beside a running guard): resetting it
         # would cut a running browser off from its profile.
         return path

@@ -265,9 +265,11 @@ class StageWaiting(Answer):
         "shared store only: the host of the guard whose run holds the profile"))
     holder_guard: str | None = Field(default=None, description=(
         "shared store only: the id of the guard (process) whose run holds the profile"))
-    reason: Literal["store_unreachable"] | None = Field(default=None, description=(
-        "shared store only: why no holder is named: the database is unreachable; the guard "
-        "asks again and grants the profile when it answers"))
+    reason: Literal["store_unreachable", "browser_pool_full"] | None = Field(default=None, description=(
+        "why no holder is named: store_unreachable (shared store only): the database is "
+        "unreachable, the guard asks again and grants the profile when it answers; "
+        "browser_pool_full (a root guard): every browser user is in use by a running browser, "
+        "the stage starts when one ends"))
     message: str | None = Field(default=None, description="the reason in words")
 
 

@@ -5,7 +5,8 @@ kernel reused for somebody else's process is never signalled. Records are JSON-s
 the daemon can persist them and the start-up sweep can end what a dead guard left behind.
 
 `scan_orphans` finds browser / agent-browser / mitmproxy processes that mention one of the
-guard's runtime paths (in their command line or environment) even when no record survived.
+guard's runtime paths (in their command line or environment) even when no record survived;
+`uid_processes` finds every process of given uids (the browser users: nothing else runs as them).
 
 This module holds the one terminate-wait-kill of the project: `terminate_recorded` for recorded
 processes (by pid and start time), `end_child` for an asyncio child the caller started and still
@@ -191,6 +192,42 @@ def scan_orphans(marker_paths: Iterable[str | os.PathLike],
             if hit:
                 found.append(ProcRecord(info["pid"], info["create_time"], _kind_of(cmdline)))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def uid_processes(uids: Iterable[int]) -> list[ProcRecord]:
+    """Every live process whose real, effective or saved uid is one of `uids`, read from
+    /proc/PID/status (a browser's sandboxed processes are not dumpable, so the owner of
+    /proc/PID is no guide). Zombies and the calling process are skipped."""
+    want = {int(u) for u in uids}
+    if not want:
+        return []
+    me, found = os.getpid(), []
+    try:
+        names = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        names = [str(p.pid) for p in psutil.process_iter()]
+    for name in names:
+        try:
+            with open(f"/proc/{name}/status", "rb") as fh:
+                status = fh.read(4096)
+        except OSError:
+            continue
+        ids: set[int] = set()
+        zombie = False
+        for line in status.splitlines():
+            if line.startswith(b"State:"):
+                zombie = b"(zombie)" in line
+            elif line.startswith(b"Uid:"):
+                ids = {int(x) for x in line.split()[1:4]}
+                break
+        if zombie or int(name) == me or not ids & want:
+            continue
+        try:
+            proc = psutil.Process(int(name))
+            found.append(ProcRecord(proc.pid, proc.create_time(), _kind_of(proc.cmdline())))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
 

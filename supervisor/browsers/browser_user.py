@@ -1,25 +1,28 @@
-"""Layer 2 of stage containment: the browsers run as their own unprivileged OS user.
+"""Layer 2 of stage containment: the folders of a browser that runs as a user of its own.
 
-When the guard runs as root it starts every browser (anchors, throw-away browsers) as a
-dedicated user (default `sfguard-browser`, created when missing, `sfguard start --browser-user`)
-with Chromium's own sandbox on: no `--no-sandbox`. What that user may touch:
+A root guard starts every browser as one of its browser users (supervisor/browsers/
+browser_pool.py: one user per running browser) with Chromium's own sandbox on: no
+`--no-sandbox`. What such a user may touch:
 
-    <runtime>/                         root:<browser group> 0710   cross only, no listing
-    <runtime>/profiles/, .../<scope>/  root:<browser group> 0710   cross only
-    <runtime>/profiles/<scope>/<name>/ <browser user> 0700         the unsealed profile, handed over
-    <runtime>/r-<id>/                  root:<browser group> 0710   the run's folder, cross only
-    <runtime>/r-<id>/tp-...            <browser user> 0700         a throw-away profile
-    <runtime>/r-<id>/bh-...            <browser user> 0700         the browser's HOME (caches)
-    <runtime>/r-<id>/artifacts/        <browser user> 0700         the stages' downloads
+    <runtime>/                         root 0710 + ACL    cross only, for each browser user's uid
+    <runtime>/profiles/, .../<scope>/  root 0710 + ACL    cross only
+    <runtime>/profiles/<scope>/<name>/ <its user> 0700    the unsealed profile, handed over
+    <runtime>/r-<id>/                  root 0710 + ACL    the run's folder, cross only
+    <runtime>/r-<id>/tp-...            <its user> 0700    a throw-away profile
+    <runtime>/r-<id>/bh-...            <its user> 0700    its HOME: caches, NSS store, X authority,
+                                                          downloads (bh-.../downloads)
+    <runtime>/r-<id>/wsx-...           root:<its group> 0750   its copy of the guard's extension
 
 Everything else of the guard stays root's, 0700/0600: the home (keys, leases, audit, run
 records, the control socket), the agent-browser socket folder, the pinned config, the bridges.
 Root unseals a profile, then hands it over (`hand_over`: ownership changed bottom-up, through
 folder descriptors, never following a link); at run end root reseals it, reading through
-folder descriptors without following links (supervisor/profiles/sealing.py), and removes it.
+folder descriptors without following links (supervisor/profiles/sealing.py), and removes it;
+a folder that must outlive its browser's user is taken back by root (`take_back`).
 
 When the guard runs as an ordinary user there is no separate user: the browsers run as that
-user (`resolve` answers None), as before.
+user, as before. `resolve` (one user) is for a browser that is not the guard's (the console's
+scripted viewer, supervisor/console/viewer.py).
 """
 from __future__ import annotations
 
@@ -27,18 +30,17 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sfguard.errors import SfguardError
 from sfguard.supervisor.home import HomeError, grant_traverse, open_for_traverse, private_dir, traverse_root
 from sfguard.supervisor.stage import sandbox
 
-if TYPE_CHECKING:
-    from sfguard.supervisor.browsers.host import BrowserHost
-
+#: the user of a browser that is not the guard's (the console's scripted viewer)
 DEFAULT_BROWSER_USER = "sfguard-browser"
 #: Per-launch folders under the run folder (the prefixes name them for the sweep and for tests).
 HOME_PREFIX = "bh-"
+#: a browser's downloads, in its HOME (the stages' artifacts folder of that browser)
+DOWNLOADS = "downloads"
 BrowserUser = sandbox.StageUser   # (name, uid, gid): the same small record as the stage user
 
 
@@ -49,9 +51,8 @@ class BrowserUserError(SfguardError):
 
 def resolve(name: str | None = None, *, stage_user: BrowserUser | None = None,
             create: bool = True) -> BrowserUser | None:
-    """The browser user for a guard of this process's uid: None when the guard is not root
-    (browsers run as the guard's own user). Created when missing (`create`). Never root, never
-    the stage user (a stage must not reach the profile)."""
+    """One unprivileged user for a browser that is not the guard's: None when this process is
+    not root. Created when missing (`create`). Never root, never the stage user."""
     if os.geteuid() != 0:
         return None
     name = name or DEFAULT_BROWSER_USER
@@ -86,17 +87,18 @@ def check_reachable(runtime: Path, user: BrowserUser) -> None:
                                    f"the runtime folder {runtime}")
 
 
-def prepare(runtime: Path, user: BrowserUser) -> None:
-    """At guard start: the runtime folder may be crossed (not listed) by the browser user's
-    group, and is."""
-    check_reachable(runtime, user)
-    grant_traverse(runtime, user.gid)
+def prepare(runtime: Path, users: list[BrowserUser]) -> None:
+    """At guard start: the runtime folder may be crossed (not listed) by exactly the browser
+    users' uids (an ACL), and is. Every folder above it must let each of them cross."""
+    for user in users:
+        check_reachable(runtime, user)
+    grant_traverse(runtime, [u.uid for u in users])
     open_for_traverse(private_dir(runtime))
 
 
 def open_path(folder: Path) -> None:
     """Make every folder from the granted runtime folder down to `folder` (inclusive, all
-    root's) crossable by the browser user's group. HomeError when no grant covers `folder`."""
+    root's) crossable by the browser users. HomeError when no grant covers `folder`."""
     folder = Path(folder)
     found = traverse_root(folder)
     if found is None:
@@ -113,21 +115,38 @@ def hand_over(folder: Path, user: BrowserUser) -> None:
 
     Bottom-up: the folder stays root's until everything in it is handed over, so nothing can
     be swapped under the walk; on a folder the user already owns (a relaunch) no link is
-    followed either."""
+    followed either. A folder of another user (another browser's) is refused."""
     folder = Path(folder)
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise HomeError(f"{folder} is not a plain folder")
     if st.st_uid not in (os.getuid(), user.uid):
         raise HomeError(f"{folder} belongs to another user (uid {st.st_uid})")
+    _chown_tree(folder, user.uid, user.gid)
+    os.chmod(folder, 0o700)   # its parent is root's: the name cannot be swapped meanwhile
+
+
+def take_back(folder: Path) -> None:
+    """Give `folder` and everything in it back to this process's user (root), bottom-up and
+    without following links, and make `folder` 0700: what a browser user owned (a working
+    copy whose reseal was put off) outlives its browser, never its user's hold on it."""
+    folder = Path(folder)
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        os.unlink(folder)     # a link or file a browser left where a folder was: not kept
+        return
+    _chown_tree(folder, os.getuid(), os.getgid())
+    os.chmod(folder, 0o700)
+
+
+def _chown_tree(folder: Path, uid: int, gid: int) -> None:
     for _root, dirs, files, dfd in os.fwalk(folder, topdown=False, follow_symlinks=False):
         for name in dirs + files:
             try:
-                os.chown(name, user.uid, user.gid, dir_fd=dfd, follow_symlinks=False)
+                os.chown(name, uid, gid, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-    os.chown(folder, user.uid, user.gid, follow_symlinks=False)
-    os.chmod(folder, 0o700)   # its parent is root's: the name cannot be swapped meanwhile
+    os.chown(folder, uid, gid, follow_symlinks=False)
 
 
 def owned_dir(parent: Path, prefix: str, user: BrowserUser | None) -> Path:
@@ -149,29 +168,16 @@ def owned_subdir(path: Path, user: BrowserUser | None) -> Path:
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
             raise HomeError(f"{path} is not a plain folder") from None
+        if st.st_uid not in (os.getuid(), user.uid if user is not None else os.getuid()):
+            raise HomeError(f"{path} belongs to another user (uid {st.st_uid})") from None
     if user is not None:
         os.chown(path, user.uid, user.gid, follow_symlinks=False)
     return path
 
 
-def setup(runtime: Path, host: BrowserHost, name: str, stage_user_name: str) -> BrowserUser | None:
-    """At guard start (before the sweep): under root, the browser user `name` (created when
-    missing) and the `runtime` folder opened for it to cross; `host` then runs the browsers as
-    it with their sandbox on. BrowserUserError when it cannot be used: the guard does not start."""
-    stage = sandbox.lookup_user(stage_user_name) if os.geteuid() == 0 else None
-    user = resolve(name, stage_user=stage)
-    if user is not None:
-        try:
-            prepare(runtime, user)
-        except (HomeError, OSError) as exc:
-            raise BrowserUserError(f"the runtime folder cannot be opened to the browser user: {exc}") from None
-        host.use_user(user)
-    return user
-
-
-def describe(user: BrowserUser | None) -> str:
-    """One line for `sfguard start` and `doctor`."""
-    if user is None:
-        return ("as this user (the guard is not root; a root guard runs them as an "
-                "unprivileged browser user with Chromium's sandbox on)")
-    return f"as {user.name} (uid {user.uid}), Chromium's sandbox on"
+def describe(pool: object | None) -> str:
+    """One line for `sfguard start` and `doctor`: who the browsers run as."""
+    if pool is None:
+        return ("as this user (the guard is not root; a root guard runs each browser as an "
+                "unprivileged user of its own with Chromium's sandbox on)")
+    return str(pool.describe())    # type: ignore[attr-defined]

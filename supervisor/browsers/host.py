@@ -15,9 +15,10 @@ close:   Browser.close over the pipe (graceful: cookies flushed) -> wait for the
          exit -> terminate_recorded() for anything still alive -> delete a throw-away profile.
 alive:   the process runs AND its pipe is open; the pipe closing means the browser is dead.
 
-With a browser user (a root guard, browsers/browser_user.py) the browser runs as that user with
-Chromium's sandbox on: its profile is handed to it, a HOME of its own in the run's folder, and
-the folders above are opened for it to cross (never to list).
+With a browser user (a root guard: `AnchorSpec.user`, one of its pool, browsers/browser_pool.py)
+the browser runs as that user with Chromium's sandbox on: its profile is handed to it, a HOME of
+its own in the run's folder (browsers/launch_dirs.py), and the folders above are opened for the
+browser users to cross (never to list).
 
 Errors are AnchorError with messages free of secrets (no proxy credential).
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,7 @@ from sfguard.supervisor.browsers import agent_browser as ab
 from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers import chromium, trust, xdisplay
 from sfguard.supervisor.browsers.chromium import find_browser_process
+from sfguard.supervisor.browsers.launch_dirs import LaunchDirs
 from sfguard.supervisor.errors import BrowserStartError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, PipeClosed
 from sfguard.supervisor.home import HomeError, private_dir
@@ -74,6 +75,8 @@ class AnchorSpec:
     #: False: no extension at all, the guard's own neither (only with `allow_direct`: the
     #: benchmark's plain-browser baseline). A guarded browser always carries the guard's.
     guard_extension: bool = True
+    #: the user it runs as (a root guard's: one of its browser users, its own while it runs)
+    user: bu.BrowserUser | None = None
 
 
 @dataclass
@@ -97,6 +100,12 @@ class Anchor:
     #: what the profile carried that would have run before the guard (chromium.set_guard_prefs):
     #: removed or kept from loading, said in the log and the audit chain
     carried: tuple[str, ...] = ()
+    user: bu.BrowserUser | None = None   # the user it runs as (a root guard's browser user)
+    downloads: Path | None = None        # its user's downloads folder (the stages' artifacts)
+
+    @property
+    def uids(self) -> tuple[int, ...]:
+        return (self.user.uid,) if self.user is not None else ()
 
     def take_blank_tab(self) -> str | None:
         """The browser's start-up tab, once (the first stage session attaches to it: a new tab is
@@ -145,7 +154,7 @@ class BrowserHost(Protocol):
                                  nice: int = 0, target_id: str | None = None) -> StageSession: ...
     async def close_stage_session(self, env: dict[str, str], timeout: float = COMMAND_TIMEOUT, *,
                                   graceful: bool = True) -> CloseReport: ...
-    def use_user(self, user: bu.BrowserUser) -> None: ...
+    def use_pool(self, pool: object) -> None: ...
 
 
 # --------------------------------------------------------------------------- helpers
@@ -225,9 +234,12 @@ agent-browser sessions attached to the CDP gate."""
         self.ca = ca or trust.CaBundle()    # authorities the browsers trust besides the system's
         self.launch_timeout = launch_timeout
         self.command_timeout = command_timeout
-        # `user`: the browser user (root only), the sandbox on. Without one, as root Chromium
-        # refuses to start with its sandbox unless told otherwise.
+        # `user`: the user every browser runs as unless its spec names one (root only), the
+        # sandbox on. Without one, as root Chromium refuses to start with its sandbox unless
+        # told otherwise. `pool_uids` (use_pool): a root guard's browser users, the only ones
+        # its browsers may run as.
         self.user = user
+        self.pool_uids: frozenset[int] = frozenset()
         if user is not None:
             if no_sandbox:
                 raise ValueError("a browser user runs its browsers with the sandbox on")
@@ -235,13 +247,18 @@ agent-browser sessions attached to the CDP gate."""
         else:
             self.no_sandbox = (os.geteuid() == 0) if no_sandbox is None else no_sandbox
 
-    def use_user(self, user: bu.BrowserUser) -> None:
-        """From now on, browsers run as `user` with their sandbox on (a root guard's start)."""
-        self.user, self.no_sandbox = user, False
+    def use_pool(self, pool: object) -> None:
+        """From now on every browser runs as one of `pool`'s users (`AnchorSpec.user`) with its
+        sandbox on; a launch as anything else is refused (a root guard's start)."""
+        self.pool_uids = frozenset(getattr(pool, "uids", ()))
+        self.no_sandbox = False
 
-    @property
-    def _uids(self) -> tuple[int | None, ...]:
-        return (self.user.uid,) if self.user is not None else ()
+    def _user_of(self, spec: AnchorSpec) -> bu.BrowserUser | None:
+        user = spec.user if spec.user is not None else self.user
+        if self.pool_uids and (user is None or user.uid not in self.pool_uids):
+            raise AnchorError("refusing to launch a browser of a root guard as anything but one "
+                              "of its browser users")
+        return user
 
     def _bin(self) -> str:
         if self.binary is None:
@@ -253,86 +270,69 @@ agent-browser sessions attached to the CDP gate."""
 
     # ---- anchors
 
-    async def launch_anchor(self, spec: AnchorSpec) -> Anchor:
+    def _checked(self, spec: AnchorSpec) -> tuple[bu.BrowserUser | None, int | None, tuple[str, str] | None]:
+        """(the user it runs as, the proxy's port, its credential) of a spec that may launch."""
         if (spec.proxy_url is None or not spec.guard_extension) and not spec.allow_direct:
             raise AnchorError("refusing to launch a browser without the run's proxy or the guard's extension")
         if spec.headed and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
             raise AnchorError("a headed browser needs a display, but neither DISPLAY nor "
                               "WAYLAND_DISPLAY is set (run headless, or start the guard in a desktop session)")
-        try:
-            ab.check_session_name(spec.session)
-            proxy_port, proxy_auth = _proxy_parts(spec.proxy_url)
-        except ValueError as exc:
-            raise AnchorError(str(exc)) from None
-        started = time.monotonic()
-        socket_dir = private_dir(Path(spec.socket_dir))
-        temp_profile = spec.profile_dir is None
-        user = self.user
         if spec.profile_dir is not None and not Path(spec.profile_dir).is_absolute():
             raise AnchorError("the profile dir must be an absolute path")
-        profile_dir: Path | None = None
-        home_dir: Path | None = None
-        ext_dir: Path | None = None
-        carried: list[str] = []
-        try:
-            # where a temp profile and a HOME go (made only when one is needed)
-            work = Path(spec.temp_root or socket_dir.parent)
-            if temp_profile or user is not None or self.ca:
-                work = private_dir(work)
-            if user is not None:
-                bu.open_path(work)   # the browser user crosses to its HOME and temp profile
-            if spec.profile_dir is None:
-                profile_dir = bu.owned_dir(work, f"tp-{spec.session[:20]}-", user)
-                carried = chromium.set_guard_prefs(profile_dir, (user.uid, user.gid) if user else None)
-            else:
-                profile_dir = Path(spec.profile_dir)
-                if user is not None:
-                    bu.open_path(profile_dir.parent)
-                    carried = chromium.set_guard_prefs(profile_dir)       # before it is handed over
-                    bu.hand_over(profile_dir, user)
-                else:
-                    private_dir(profile_dir)
-                    carried = chromium.set_guard_prefs(profile_dir)
-            # a HOME of its own: the browser user's, or one holding the --ca-file authorities
-            home_dir = bu.owned_dir(work, bu.HOME_PREFIX, user) if user is not None or self.ca else None
-            if self.ca and home_dir is not None:
-                await asyncio.to_thread(trust.install, self.ca, home_dir, *((user.uid, user.gid) if user else ()))
-            # the write gate's WebSocket extension (loaded only once a host's writes are guarded):
-            # the guard's files, readable by the browser user, beside the HOME or in the socket dir
-            private = temp_profile or user is not None or bool(self.ca)
-            ext_dir = websockets.extension_dir(work if private else socket_dir, user.gid if user else None) \
-                if spec.guard_extension else None
-        except (HomeError, OSError, trust.TrustError) as exc:
-            if profile_dir is not None:
-                self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
-            raise AnchorError(f"could not prepare the folders of anchor {spec.session}: {exc}") from None
         if not Path(spec.browser_path).is_absolute():
-            self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
             raise AnchorError("the browser path must be an absolute path")
-        env = chromium.browser_env(profile_dir=profile_dir, home=home_dir if user is not None else None)
-        if home_dir is not None:
-            env["HOME"] = str(home_dir)     # where Chromium reads its NSS store (.pki/nssdb)
+        try:
+            ab.check_session_name(spec.session)
+            return (self._user_of(spec), *_proxy_parts(spec.proxy_url))
+        except ValueError as exc:
+            raise AnchorError(str(exc)) from None
+
+    async def launch_anchor(self, spec: AnchorSpec) -> Anchor:
+        user, proxy_port, proxy_auth = self._checked(spec)
+        started = time.monotonic()
+        socket_dir = private_dir(Path(spec.socket_dir))
+        try:    # where a temp profile and a HOME go: the run's folder
+            dirs = await LaunchDirs.prepare(spec.profile_dir, spec.session, Path(spec.temp_root or socket_dir.parent),
+                                            socket_dir, user, self.ca, spec.guard_extension)
+        except (HomeError, OSError, trust.TrustError) as exc:
+            raise AnchorError(f"could not prepare the folders of anchor {spec.session}: {exc}") from None
+        env = chromium.browser_env(profile_dir=dirs.profile_dir, home=dirs.home_dir if user is not None else None)
+        if dirs.home_dir is not None:
+            env["HOME"] = str(dirs.home_dir)     # where Chromium reads its NSS store (.pki/nssdb)
         try:   # a headed browser: the display granted to its user and checked as that user
-            xauth_file = await xdisplay.prepare(env, spec.headed, user, home_dir)
+            xauth_file = await xdisplay.prepare(env, spec.headed, user, dirs.home_dir)
         except (xdisplay.DisplayError, OSError) as exc:
-            self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
+            dirs.drop()
             raise AnchorError(f"could not show the window of anchor {spec.session}: {exc}") from None
-        if find_browser_process(profile_dir, self._uids) is not None:
+        if find_browser_process(dirs.profile_dir, (user.uid,) if user else ()) is not None:
             # The lease should prevent this; this is the safety net (a second Chromium on a
             # profile in use would hand its work to the first one and exit).
             xdisplay.revoke(xauth_file)
-            self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
+            dirs.drop()
             raise AnchorError(f"the profile of session {spec.session} is already open in another browser")
-        argv = chromium.chromium_args(browser_path=spec.browser_path, profile_dir=profile_dir,
+        argv = chromium.chromium_args(browser_path=spec.browser_path, profile_dir=dirs.profile_dir,
                                       proxy_port=proxy_port, headed=spec.headed,
-                                      no_sandbox=self.no_sandbox, window_title=spec.window_title,
-                                      extension=ext_dir)
+                                      no_sandbox=self.no_sandbox and user is None,
+                                      window_title=spec.window_title, extension=dirs.ext_dir)
+        proc, pipe, records, blank_tab = await self._spawn(spec.session, argv, env, dirs, user, proxy_auth,
+                                                           xauth_file)
+        return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=dirs.profile_dir,
+                      temp_profile=dirs.temp_profile, socket_dir=socket_dir, processes=records,
+                      launch_seconds=time.monotonic() - started, headed=spec.headed,
+                      home_dir=dirs.home_dir, blank_tab=blank_tab, xauth_file=xauth_file, ext_dir=dirs.ext_dir,
+                      carried=dirs.carried, user=user, downloads=dirs.downloads)
+
+    async def _spawn(self, session: str, argv: list[str], env: dict[str, str], dirs: LaunchDirs,
+                     user: bu.BrowserUser | None, proxy_auth: tuple[str, str] | None, xauth_file: Path | None,
+                     ) -> tuple[asyncio.subprocess.Process, CdpPipe, list[ProcRecord], str | None]:
+        """Start the browser as `user` and bring it up over its pipe: proxy authentication, the
+        one start-up tab, the guard's extension and its rules before any page loads (no service
+        worker can be registered in it, writes/websockets.py). On failure nothing is left."""
         proc = pipe = None
         records: list[ProcRecord] = []
         try:
             proc, reader, writer = await chromium.spawn(
-                argv, env=env,
-                cwd=str(profile_dir), user=user.uid if user else None,
+                argv, env=env, cwd=str(dirs.profile_dir), user=user.uid if user else None,
                 group=user.gid if user else None)
             rec = ProcRecord.of(proc.pid, "browser")
             records = [rec] if rec else []
@@ -341,8 +341,8 @@ agent-browser sessions attached to the CDP gate."""
             blank_tab = await _start_up_tab(pipe)
             # the guard's extension and its rules, before any page loads: no service worker can
             # be registered in this browser (writes/websockets.py)
-            if ext_dir is not None:
-                pipe.websockets = websockets.WebSocketGate(pipe, ext_dir)
+            if dirs.ext_dir is not None:
+                pipe.websockets = websockets.WebSocketGate(pipe, dirs.ext_dir)
                 await pipe.websockets.apply(websockets.dnr_rules(None))
         except (OSError, CdpCallError, PipeClosed, TimeoutError, BrowserStartError) as exc:
             what = "did not answer in time" if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) \
@@ -353,23 +353,11 @@ agent-browser sessions attached to the CDP gate."""
             if proc is not None:
                 with contextlib.suppress(TimeoutError):   # its helpers are ended next
                     await asyncio.wait_for(proc.wait(), 3)
-            await asyncio.to_thread(chromium.end_helpers, profile_dir, 3.0, self._uids)
+            await asyncio.to_thread(chromium.end_helpers, dirs.profile_dir, 3.0, (user.uid,) if user else ())
             xdisplay.revoke(xauth_file)
-            self._drop_temp(profile_dir, temp_profile, home_dir, ext_dir)
-            raise AnchorError(f"could not launch anchor {spec.session}: the browser {what}") from None
-        return Anchor(session=spec.session, pipe=pipe, proc=proc, profile_dir=profile_dir,
-                      temp_profile=temp_profile, socket_dir=socket_dir, processes=records,
-                      launch_seconds=time.monotonic() - started, headed=spec.headed,
-                      home_dir=home_dir, blank_tab=blank_tab, xauth_file=xauth_file, ext_dir=ext_dir,
-                      carried=tuple(carried))
-
-    @staticmethod
-    def _drop_temp(profile_dir: Path, temp_profile: bool, *dirs: Path | None) -> None:
-        if temp_profile:
-            shutil.rmtree(profile_dir, ignore_errors=True)
-        for folder in dirs:    # its HOME, its WebSocket gate extension
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+            dirs.drop()
+            raise AnchorError(f"could not launch anchor {session}: the browser {what}") from None
+        return proc, pipe, records, blank_tab
 
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport:
         started = time.monotonic()
@@ -393,9 +381,9 @@ agent-browser sessions attached to the CDP gate."""
         with contextlib.suppress(TimeoutError):   # the helpers are ended next
             await asyncio.wait_for(anchor.proc.wait(), 3)
         # the crash handler lives outside the group and may outlive the browser by a moment
-        helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir, 3.0, self._uids)
+        helpers = await asyncio.to_thread(chromium.end_helpers, anchor.profile_dir, 3.0, anchor.uids)
         xdisplay.revoke(anchor.xauth_file)   # the browser user loses the display with its browser
-        self._drop_temp(anchor.profile_dir, anchor.temp_profile, anchor.home_dir, anchor.ext_dir)
+        LaunchDirs(anchor.profile_dir, anchor.temp_profile, anchor.home_dir, anchor.ext_dir).drop()
         return CloseReport(graceful=graceful and exited and not terminated,
                            terminated=terminated + helpers, removed_files=[],
                            seconds=time.monotonic() - started)

@@ -3,7 +3,10 @@
 While a run lives, `RunRecords.save` keeps `runs/<id>.json` (no secrets): the processes, session
 names and runtime paths the run started, and the daemon that owns it. After a crash of the
 daemon, `sweep()` (at `sfguard start`, or `sfguard sweep`) ends those processes (by pid AND start
-time), removes the files, reseals unsealed profiles and releases the leases.
+time), removes the files, reseals unsealed profiles and releases the leases. Under a root guard
+the record also names each browser's user (one per browser, supervisor/browsers/browser_pool.py):
+the sweep ends every process of those users and gives them back to the pool once their files
+are resealed or gone.
 
 When a run ends, its crash record goes and `RunRecords.save_ended` keeps what the API showed
 of it in `runs/ended/<id>.json` (no secrets): GET /v1/runs/{id} answers it once the run has
@@ -20,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sfguard.supervisor.browsers import agent_browser
+from sfguard.supervisor.browsers import agent_browser, browser_pool
+from sfguard.supervisor.browsers.browser_user import BrowserUser, take_back
 from sfguard.supervisor.daemon.runs import Run, StageState
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.errors import swallowed
@@ -31,7 +35,7 @@ from sfguard.supervisor.profiles.key_versions import KeyStateError
 from sfguard.supervisor.profiles.keys import KeyMissing
 from sfguard.supervisor.profiles.lease import current_process, process_alive
 from sfguard.supervisor.protocols import ProcessIdentity
-from sfguard.supervisor.stage import sandbox
+from sfguard.supervisor.stage.sandbox import lookup_user
 
 if TYPE_CHECKING:
     from sfguard.supervisor.daemon.guard import Guard
@@ -51,6 +55,8 @@ class RunRecords:
         procs: list[dict[str, Any]] = []
         paths: list[str] = [str(run.workdir)] if run.workdir else []
         unsealed: list[str] = []
+        users = [{"user": b.user.name, "uid": b.user.uid, "browser": b.key} for b in run.browsers.values()
+                 if b.user is not None]
         for b in run.browsers.values():
             if b.anchor is not None:
                 procs += [p.to_json() for p in b.anchor.processes]
@@ -71,6 +77,7 @@ class RunRecords:
             procs.append(run.proxy.record.to_json())
         rec = {"run_id": run.run_id, "daemon": {"pid": os.getpid(), "start_time": current_process().start_time},
                "scope": self.scope, "processes": procs, "paths": paths, "profiles": sorted(set(unsealed)),
+               "browser_users": users,
                "sessions": [s.env["AGENT_BROWSER_SESSION"] for s in run.stages.values()
                             if s.env and s.state == StageState.READY] + spare_sessions}
         atomic_write(self.runs_dir / f"{run.run_id}.json", json.dumps(rec).encode())
@@ -120,10 +127,49 @@ def release_runtime(guard: Guard) -> bool:
     return not guard.runtime.exists()
 
 
+def _recorded_uids(runs_dir: Path) -> set[int]:
+    """The browser users' uids the run records name."""
+    uids: set[int] = set()
+    for path in runs_dir.glob("*.json"):
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            uids |= {int(u["uid"]) for u in json.loads(path.read_text()).get("browser_users", [])}
+    return uids
+
+
+def _sweep_pool(guard: Guard) -> browser_pool.BrowserPool | None:
+    """The guard's pool; for `sfguard sweep` (a guard not started), its existing users."""
+    if guard.pool is not None or os.geteuid() != 0:
+        return guard.pool
+    try:
+        users = browser_pool.ensure_users(guard.settings.browser_pool, create=False)
+    except browser_pool.PoolError:     # not all there: those that are (nothing else runs as them)
+        users = [u for u in (lookup_user(n) for n in guard.settings.browser_pool.names()) if u]
+    return browser_pool.BrowserPool(users, guard.runtime) if users else None
+
+
+def _return_users(guard: Guard, pool: browser_pool.BrowserPool, claimed: list[BrowserUser]) -> list[str]:
+    """Give back the users a dead guard left: what they still own in the runtime's profiles (a
+    working copy kept unsealed) is taken back by root first."""
+    uids = {u.uid for u in claimed}
+    owned = []
+    for folder in (guard.runtime / "profiles").glob("*/*"):
+        with contextlib.suppress(OSError):
+            if folder.lstat().st_uid in uids:
+                owned.append(folder)
+    for folder in owned:
+        with swallowed(log, f"sweep: taking back {folder.name}", (OSError,)):
+            take_back(folder)
+    return [u.name for u in claimed if pool.give_back(u)]
+
+
 def sweep(guard: Guard) -> dict:
     """Clean what dead runs left: processes (by pid AND start time), session files, temp dirs,
     unsealed profiles (resealed), stale leases. Returns a report of what was done."""
-    report: dict[str, Any] = {"runs": [], "processes": 0, "resealed": [], "leases": [], "orphans": 0}
+    report: dict[str, Any] = {"runs": [], "processes": 0, "resealed": [], "leases": [], "orphans": 0,
+                              "browser_users": []}
+    pool = _sweep_pool(guard)
+    # the users a dead guard of this runtime left: locked, every process of them ended first
+    claimed = pool.claim_left(_recorded_uids(guard.runs_dir)) if pool is not None else []
     for path in sorted(guard.runs_dir.glob("*.json")):
         try:
             rec = json.loads(path.read_text())
@@ -155,10 +201,8 @@ def sweep(guard: Guard) -> dict:
         report["leases"] += [key.name for key in released]
         path.unlink()
     # processes that carry this guard's runtime paths but no record (e.g. killed mid-launch)
-    # ... of the guard's user and of its browser user (`sfguard sweep` looks that one up)
-    user = guard.browser_user or (sandbox.lookup_user(guard.settings.browser_user_name)
-                                  if os.geteuid() == 0 else None)
-    orphans = scan_orphans([str(guard.runtime)], (user.uid,) if user is not None else ())
+    # ... of the guard's user and of its browser users
+    orphans = scan_orphans([str(guard.runtime)], pool.uids if pool is not None else ())
     report["orphans"] = len(terminate_recorded(orphans, timeout=5))
     for key in guard.store.unsealed():
         try:
@@ -173,6 +217,10 @@ def sweep(guard: Guard) -> dict:
                       "copy is kept", key.name, exc)
             with swallowed(log, f"sweep: closing the unsealed copy of {key.name}"):
                 guard.store.close(key, save=False)
+    if pool is not None:
+        report["browser_users"] = _return_users(guard, pool, claimed)
+        if pool is not guard.pool:
+            pool.close()
     for key, run_id in guard.lease.sweep_stale():
         if not store_ops.audited(guard.lease):    # the shared store audits it as it drops it
             guard.audit.record("profile_released", scope=key.scope, profile=key.name,

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from sfguard import policy
 from sfguard.errors import SfguardError
 from sfguard.supervisor import models
-from sfguard.supervisor.browsers import agent_browser, browser_user, tools
+from sfguard.supervisor.browsers import agent_browser, browser_pool, tools
 from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
 from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
 from sfguard.supervisor.console import handoff as live
@@ -181,7 +181,7 @@ class Guard:
         self.stages = Stages(runs=self.runs, scope=self.scope, stores=self.stores, calls=self.calls,
                              store_call=self.store_call, records=self.records, metrics=self.metrics,
                              policy_watch=self.policy_watch, host=self.host, browser_tool=self.browser_tool,
-                             browser_user=lambda: self.browser_user, gate=self.gate, sessions=self.sessions,
+                             pool=lambda: self.pool, gate=self.gate, sessions=self.sessions,
                              bridges=self.bridges, proxies=self.proxies, runtime=self.runtime,
                              socket_dir=self.socket_dir, config_path=self.config_path,
                              write_approver=self.write_approver, write_gate_timeout=self.write_gate_timeout,
@@ -207,8 +207,7 @@ class Guard:
         self.agent_browser_path: str | None = None
         self.api_gid = settings.api_gid
         self.sandbox_ok, self.sandbox_detail = False, "not checked yet"
-        # layer 2: under root, browsers run as this unprivileged user (supervisor/browsers/browser_user.py)
-        self.browser_user: browser_user.BrowserUser | None = None
+        self.pool: browser_pool.BrowserPool | None = None   # layer 2: under root, a user per browser
         # the loopback TCP port of the control API (`sfguard start --tcp`), once it listens
         self.api_tcp_port: int | None = None
         # the operator console (supervisor/console), attached by `sfguard start` unless --no-console
@@ -249,9 +248,9 @@ class Guard:
         await self.notifier.start()
         runtime_dir(self.home)
         private_dir(self.socket_dir)
-        # before the sweep: it ends that user's orphans too
-        self.browser_user = browser_user.setup(self.runtime, self.host, self.settings.browser_user_name,
-                                               self.settings.stage_user_name)
+        # before the sweep: it ends the browser users' orphans and returns them to the pool
+        self.pool = browser_pool.setup(self.runtime, self.host, self.settings.browser_pool,
+                                       self.settings.stage_user_name)
         self.keys_service.check_keys()      # before the sweep reseals anything
         report = sweep(self)
         # damaged state is reported, never silently reset; an interrupted rotation is finished
@@ -295,6 +294,7 @@ class Guard:
         self.calls.close()
         release_runtime(self)
         revoke_traverse(self.runtime)
+        browser_pool.close(self.pool)    # a user not given back keeps its mark for the next sweep
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

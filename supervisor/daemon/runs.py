@@ -35,6 +35,7 @@ from sfguard.supervisor.states import (
 
 if TYPE_CHECKING:
     from sfguard.supervisor.daemon.shared_proxy import AnyRunProxy
+    from sfguard.supervisor.stage.sandbox import StageUser
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -59,6 +60,9 @@ class Browser:
     restarts: int = 0
     closing: bool = False          # being closed: the watchdog must not restart it
     site: str | None = None        # the site a login handoff shows it for (in its window's title)
+    #: a root guard's browser user it runs as, from its first launch until it is closed (its
+    #: restarts and relaunches keep it: its profile folder is that user's)
+    user: StageUser | None = None
 
     def public(self) -> dict[str, Any]:
         """The browser as run answers show it: no address but a closed tab's scheme and host."""
@@ -88,6 +92,7 @@ class Stage:
     env: dict[str, str] | None = None         # what the stage gets
     waiting: Waiting | None = None
     store_wait: str | None = None             # why it waits when no holder is known (store away)
+    pool_wait: str | None = None              # why it waits for a browser user (all in use)
     outcome: StageOutcome | None = None
     error: GuardError | None = None
     processes: list[ProcRecord] = field(default_factory=list)  # the stage session's daemon
@@ -117,6 +122,9 @@ class Stage:
         if self.state == StageState.WAITING and self.store_wait is not None:
             return {"state": "waiting", "holder_run": "", "since": now_iso(), "position": None,
                     "reason": "store_unreachable", "message": self.store_wait}
+        if self.state == StageState.WAITING and self.pool_wait is not None:
+            return {"state": "waiting", "holder_run": "", "since": now_iso(), "position": None,
+                    "reason": "browser_pool_full", "message": self.pool_wait}
         if self.state in WAITING_STATES:
             return {"state": "waiting", "holder_run": "", "since": now_iso(), "position": None}
         if self.state == StageState.FAILED and self.error is not None:

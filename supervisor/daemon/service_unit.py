@@ -1,19 +1,21 @@
 """The guard as a systemd service: the unit `sfguard service print` writes (docs/sfguard.service).
 
-The guard runs as root so that its browsers and stages run as their own unprivileged users
-(supervisor/browsers/browser_user.py, supervisor/stage/sandbox.py). The unit takes from root
+The guard runs as root so that its browsers (each as a user of its own) and stages run as
+unprivileged users (supervisor/browsers/browser_pool.py, supervisor/stage/sandbox.py). The unit takes from root
 everything the guard does not use. Each setting below was checked against a real run of
 `sfguard demo --auto-login` under the same restrictions (tests/service/test_service_unit.py
 emulates them with bubblewrap, setpriv and a seccomp filter, because this machine has no
 systemd as PID 1):
 
 - capabilities: CAP_SETUID and CAP_SETGID start a browser as its user; CAP_CHOWN hands it the
-  unsealed profile; CAP_FOWNER and CAP_DAC_OVERRIDE let root reseal and remove what that user
-  wrote; CAP_KILL ends a browser user's processes on teardown and after a crash. Without any
+  unsealed profile (and takes it back); CAP_FOWNER and CAP_DAC_OVERRIDE let root reseal and
+  remove what that user wrote, and set the ACL that lets the browser users cross the runtime
+  folder; CAP_KILL ends a browser user's processes on teardown and after a crash. Without any
   one of the first five the demo fails (measured); CAP_KILL is needed only on those paths.
 - the file system is read-only but for the home (StateDirectory), a private /tmp and /dev/shm
-  (where unsealed profiles live, memory-backed; PrivateDevices= keeps the host's /dev/shm in
-  its minimal /dev); /home, /root and /run/user are hidden. PrivateTmp= hides /tmp and
+  (where unsealed profiles and the browser users' lock files live, memory-backed;
+  PrivateDevices= keeps the host's /dev/shm in its minimal /dev); /home, /root and /run/user
+  are hidden. PrivateTmp= hides /tmp and
   /var/tmp: an installation there is refused (`service print` exits 2), as is any file the
   guard reads (policy, certificates) under a hidden folder.
 - system calls: a deny list of groups nothing of the guard uses (clock, CPU emulation, debug,
@@ -147,7 +149,8 @@ class StartOptions:
     except files' contents: those are read when the service starts)."""
     policy: Path | None = None
     api_group: str | None = None
-    browser_user: str | None = None
+    browser_users: str | None = None
+    browser_pool_size: int | None = None
     stage_user: str | None = None
     ca_files: tuple[Path, ...] = ()
     tcp: int | None = None
@@ -167,7 +170,7 @@ def _users(o: StartOptions) -> tuple[list[str], list[str]]:
     """(start's user and group arguments, ensure-users' arguments)."""
     start: list[str] = []
     users: list[str] = []
-    for flag, name in (("--api-group", o.api_group), ("--browser-user", o.browser_user),
+    for flag, name in (("--api-group", o.api_group), ("--browser-users", o.browser_users),
                        ("--stage-user", o.stage_user)):
         if name is None:
             continue
@@ -176,6 +179,12 @@ def _users(o: StartOptions) -> tuple[list[str], list[str]]:
         start += [flag, name]
         if flag != "--api-group":
             users += [flag, name]
+    if o.browser_pool_size is not None:
+        from sfguard.supervisor.browsers.browser_pool import MAX_SIZE  # noqa: PLC0415
+        if not 1 <= o.browser_pool_size <= MAX_SIZE:
+            raise ServiceUnitError(f"--browser-pool-size: from 1 to {MAX_SIZE}, got {o.browser_pool_size}")
+        start += ["--browser-pool-size", str(o.browser_pool_size)]
+        users += ["--browser-pool-size", str(o.browser_pool_size)]
     return start, users
 
 
@@ -301,7 +310,8 @@ def _head(exe_s: str, home_s: str, args: list[str], users: list[str]) -> list[st
         "NotifyAccess=main",
         f"Environment=SFGUARD_HOME={home_s}",
         "Environment=PYTHONUNBUFFERED=1",
-        "# the browser and stage users: made outside the restrictions below (/etc is read-only)",
+        "# the browser users (one per running browser) and the stage user: made outside the",
+        "# restrictions below (/etc is read-only for the guard)",
         " ".join([f"ExecStartPre=+{exe_s}", "service", "ensure-users", *users]),
         "ExecStart=" + " ".join([exe_s, "start", "--home", home_s, *args]),
         "# SIGTERM to the guard only: it tears every run down itself (browsers closed so that",

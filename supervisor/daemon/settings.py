@@ -1,11 +1,11 @@
 """What `sfguard start` decides once, from its flags: one typed, frozen object the Guard is built
-with. Nothing changes it afterwards; what the guard learns while it runs (the browser user it
-resolved, the sandbox check, the API's TCP port, the console) is its own state, set in daemon/."""
+with. Nothing changes it afterwards; what the guard learns while it runs (its pool of browser
+users, the sandbox check, the API's TCP port, the console) is its own state, set in daemon/."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
+from sfguard.supervisor.browsers.browser_pool import PoolConfig
 from sfguard.supervisor.daemon.log_rotation import Retention
 from sfguard.supervisor.record.recorder import RecordSettings
 from sfguard.supervisor.stage.sandbox import DEFAULT_STAGE_USER
@@ -34,9 +34,10 @@ class GuardSettings:
     log_retention: Retention = field(default_factory=Retention)
     #: the group given the control socket and the home (--api-group), as a gid
     api_gid: int | None = None
-    #: under root: the user stages run as (--stage-user) and browsers run as (--browser-user)
+    #: under root: the user stages run as (--stage-user), and the pool of users browsers run as,
+    #: one per running browser (--browser-users PREFIX, --browser-pool-size N)
     stage_user_name: str = DEFAULT_STAGE_USER
-    browser_user_name: str = DEFAULT_BROWSER_USER
+    browser_pool: PoolConfig = field(default_factory=PoolConfig)
     #: "per-run": a proxy process per run; "shared": one proxy process serves every run, each
     #: with its own listener and credentials (--proxies; docs/design.md 4.2)
     proxies: str = PROXIES_DEFAULT

@@ -2,6 +2,7 @@
 their browsers (a leased profile's anchor, or a throw-away one) behind the run's proxy."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from sfguard.policy.writes import WriteRules
 from sfguard.supervisor import models
-from sfguard.supervisor.browsers import browser_user, tools, xdisplay
+from sfguard.supervisor.browsers import tools, xdisplay
 from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
 from sfguard.supervisor.daemon.deferred import no_space
 from sfguard.supervisor.daemon.pacing import PageLoads, browser_budgets, pace_key, pace_view, stage_budget
@@ -31,6 +32,8 @@ from sfguard.supervisor.writes.websockets import guard_websockets
 if TYPE_CHECKING:
     from sfguard.policy.engine import SitePolicy
     from sfguard.policy.watch import PolicyWatcher
+    from sfguard.supervisor.browsers.browser_pool import BrowserPool
+    from sfguard.supervisor.browsers.browser_user import BrowserUser
     from sfguard.supervisor.browsers.host import BrowserHost
     from sfguard.supervisor.browsers.tools import Tool
     from sfguard.supervisor.daemon.crash import RunRecords
@@ -88,7 +91,7 @@ class Stages:
     def __init__(self, *, runs: dict[str, Run], scope: str, stores: Stores, calls: StoreCalls,
                  store_call: Callable[..., Awaitable[Any]], records: RunRecords, metrics: GuardMetrics,
                  policy_watch: PolicyWatcher, host: BrowserHost, browser_tool: Tool,
-                 browser_user: Callable[[], browser_user.BrowserUser | None], gate: CdpGate,
+                 pool: Callable[[], BrowserPool | None], gate: CdpGate,
                  sessions: StageSessions, bridges: BridgeHost, proxies: AnyPool, runtime: Path,
                  socket_dir: Path, config_path: Path, write_approver: WriteApprover,
                  write_gate_timeout: float, write_record: WriteRecorder, recorder: Recorder):
@@ -96,11 +99,12 @@ class Stages:
         calls off the event loop), run records and metrics, the policy in force, the browser host
         and tool, the browser user (set when the guard starts), the gate, stage sessions and
         bridges, the proxy pool, the runtime folders, the write gates' approver and log, and
-        the run record (supervisor/record: what each stage did)."""
+        the run record (supervisor/record: what each stage did). `pool`: a root guard's browser
+        users (set when the guard starts), one per browser."""
         self.recorder = recorder
         self.runs, self.scope, self.stores, self.store, self.calls = runs, scope, stores, stores.store, calls
         self.store_call, self.records, self.metrics, self.policy_watch = store_call, records, metrics, policy_watch
-        self.host, self.browser_tool, self.browser_user, self.gate = host, browser_tool, browser_user, gate
+        self.host, self.browser_tool, self.pool, self.gate = host, browser_tool, pool, gate
         self.sessions, self.bridges, self.proxies, self.runtime = sessions, bridges, proxies, runtime
         self.socket_dir, self.config_path = socket_dir, config_path
         self.write_approver, self.write_gate_timeout, self.write_record = (
@@ -108,6 +112,7 @@ class Stages:
         # HTTPS page loads, kept in the browser (the gate asks it; each pipe tells it)
         self.page_loads = PageLoads(runs, lambda: self.site_policy, getattr(proxies, "pace", None), gate)
         gate.pace = self.page_loads
+        self._wakes: set[asyncio.Task[None]] = set()
 
     @property
     def site_policy(self) -> SitePolicy:
@@ -140,18 +145,32 @@ class Stages:
 
     # -- the stage state machine ---------------------------------------------------------------
     async def advance(self, run: Run, stage: Stage) -> None:
-        """Move a pending/waiting stage forward: lease, browser, gate token, env."""
+        """Move a pending/waiting stage forward: a browser user (a new browser needs one), the
+        lease, the browser, gate token, env."""
         t0 = time.monotonic()
         req = stage.browser_req
         self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "requested", profile=req.profile,
                             allow=list(req.allow_domains), writes=req.writes, headed=stage.headed)
+        user: BrowserUser | None = None
         try:
             async with run.lock:
                 if stage.state in (StageState.READY, StageState.ENDED, StageState.FAILED) \
                         or run.state != RunState.ACTIVE:
                     return
-                if req.profile is not None:
-                    key = self.profile_key(run, req.profile)
+                key = self.profile_key(run, req.profile) if req.profile is not None else None
+                # a new browser needs a user of its own, asked for before the lease: a run that
+                # waits for one holds no profile meanwhile
+                if self.needs_browser(run, key):
+                    pool = self.pool()
+                    user = await asyncio.to_thread(pool.take, f"run {run.run_id}") if pool else None
+                    if pool is not None and user is None:
+                        stage.move(StageState.WAITING)
+                        stage.waiting, stage.pool_wait = None, pool.full_reason()
+                        self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "waiting",
+                                            reason="browser_pool_full")
+                        return
+                stage.pool_wait = None
+                if key is not None:
                     try:
                         result = await self.calls.run(store_ops.grant, self.stores, key, run.run_id,
                                                    self.identity(run, key))
@@ -171,10 +190,12 @@ class Stages:
                                             holder_run=result.holder_run or None)
                         return
                     t1 = time.monotonic()
-                    browser = await self.ensure_anchor(run, key, stage.headed)
+                    handed, user = user, None      # the browser owns it now (or gives it back)
+                    browser = await self.ensure_anchor(run, key, stage.headed, handed)
                 else:
                     t1 = time.monotonic()
-                    browser = await self.throwaway(run, stage)
+                    handed, user = user, None
+                    browser = await self.throwaway(run, stage, handed)
                 t2 = time.monotonic()
                 await self.attach(run, browser, stage)
                 if stage.state == StageState.READY:
@@ -196,8 +217,51 @@ class Stages:
         finally:
             if stage.state == StageState.FAILED and stage.error is not None:
                 self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "failed", error=stage.error.code)
+            if user is not None:      # taken for a browser that was not started (a lease wait)
+                await self.release_user(user)
             with swallowed(log, f"run {run.run_id}: saving its record", (OSError,)):
                 self.records.save(run)
+
+    def needs_browser(self, run: Run, key: ProfileKey | None) -> bool:
+        """A stage of `key` (None: profile-less) needs a new browser in `run`."""
+        browser = run.browsers.get(key.name) if key is not None else None
+        return browser is None or browser.anchor is None
+
+    async def take_user(self, run: Run) -> BrowserUser | None:
+        """A browser user for a new browser of `run` (None without a pool). Unavailable when
+        every user is in use (a login check or handoff: asked again by the runner)."""
+        pool = self.pool()
+        if pool is None:
+            return None
+        user = await asyncio.to_thread(pool.take, f"run {run.run_id}")
+        if user is None:
+            raise Unavailable("browser_failed", pool.full_reason(), "profile")
+        return user
+
+    async def retry_users(self) -> None:
+        """Users kept out of the pool by a process that would not end: tried again."""
+        pool = self.pool()
+        if pool is None or not pool.stuck():
+            return
+        if await asyncio.to_thread(pool.retry_stuck):
+            self.wake()
+
+    def wake(self) -> None:
+        """The stages waiting for a browser user are moved on (one came back)."""
+        if any(st.pool_wait for r in self.runs.values() if r.state == RunState.ACTIVE
+               for st in r.waiting_stages()):
+            task = asyncio.get_running_loop().create_task(self.advance_waiting())
+            self._wakes.add(task)
+            task.add_done_callback(self._wakes.discard)
+
+    async def release_user(self, user: BrowserUser | None, leftovers: tuple[Path, ...] = ()) -> None:
+        """Give a browser user back (its processes ended, `leftovers` it may still own taken back
+        by root); the stages waiting for one are moved on."""
+        pool = self.pool()
+        if user is None or pool is None:
+            return
+        if await asyncio.to_thread(pool.give_back, user, leftovers):
+            self.wake()
 
     async def cancel_waiting(self, run: Run, stage: Stage) -> dict[str, Any]:
         """A waiting stage request withdrawn: it leaves the profile's queue and ends cancelled
@@ -272,7 +336,9 @@ class Stages:
         self.page_loads.watch(run, browser)      # its HTTPS page loads counted (daemon/pacing.py)
         await run.proxy.set_allow(browser.client, self.browser_allow(run, browser), browser_budgets(run, browser))
         gate_key = f"{run.run_id}/{stage.stage_id}/{stage.attempt}"
-        anchor, artifacts, quota = browser.anchor, run.workdir / "artifacts", self.site_policy.tab_quota
+        # downloads: a browser user's own folder (in its HOME), else the run's
+        anchor, quota = browser.anchor, self.site_policy.tab_quota
+        artifacts = anchor.downloads or run.workdir / "artifacts"
         # The stage's session (a gate token, an agent-browser session through it with the
         # stage's tab pinned and the unauthenticated stream server off): a shared anchor's
         # spare, started ahead, when there is one; else one started now. A shared anchor then
@@ -337,45 +403,55 @@ class Stages:
         return run.proxy
 
     async def launch(self, run: Run, browser: Browser, profile_dir: Path | None) -> Anchor:
+        """Start `browser` (a first launch, a restart, a relaunch headed) as its user."""
         proxy = await self.ensure_proxy(run)
         assert run.workdir is not None
         if self.browser_tool.path is None:
             raise BrowserStartError("no browser found (install Chromium or set SFGUARD_BROWSER)")
-        if self.browser_user() is not None:   # downloads land here; the browser user writes them
-            browser_user.owned_subdir(run.workdir / "artifacts", self.browser_user())
         spec = AnchorSpec(session=f"sfa-{short_id()}", socket_dir=self.socket_dir,
                           config_path=self.config_path, browser_path=self.browser_tool.path,
                           profile_dir=profile_dir, proxy_url=proxy.url_for(browser.client),
-                          headed=browser.headed, temp_root=run.workdir,
+                          headed=browser.headed, temp_root=run.workdir, user=browser.user,
                           window_title=xdisplay.window_title(
                               browser.profile.name if browser.profile else None, browser.site))
         return await self.host.launch_anchor(spec)
 
-    async def ensure_anchor(self, run: Run, key: ProfileKey, headed: bool) -> Browser:
+    async def ensure_anchor(self, run: Run, key: ProfileKey, headed: bool,
+                            user: BrowserUser | None = None) -> Browser:
+        """The run's browser on `key`, started when it has none. `user`: the browser user taken
+        for it (given back when not needed or when the start fails); one is taken when needed."""
         browser = run.browsers.get(key.name)
         if browser is not None and browser.anchor is not None:
+            await self.release_user(user)
             return browser
-        proxy = await self.ensure_proxy(run)
-        t0 = time.monotonic()
-        if not await self.calls.run(self.store.exists, key):   # the grant made it; deleted since?
-            await self.calls.run(store_ops.create_profile, self.stores, key, self.identity(run, key),
-                              run=run.run_id)
-        name = await proxy.add_client([], held=True, pace_key=f"p:{key.scope}/{key.name}")   # held until attach
-        browser = Browser(key.name, key, headed, name)
-        run.browsers[key.name] = browser
-        profile_dir = await self.calls.run(self.store.open, key)
-        self.records.save(run)
-        t1 = time.monotonic()
+        user = user or await self.take_user(run)
+        profile_dir: Path | None = None
         try:
-            browser.anchor = await self.launch(run, browser, profile_dir)
+            proxy = await self.ensure_proxy(run)
+            t0 = time.monotonic()
+            if not await self.calls.run(self.store.exists, key):   # the grant made it; deleted since?
+                await self.calls.run(store_ops.create_profile, self.stores, key, self.identity(run, key),
+                                  run=run.run_id)
+            name = await proxy.add_client([], held=True,      # refused everything until attach
+                                          pace_key=f"p:{key.scope}/{key.name}")
+            browser = Browser(key.name, key, headed, name, user=user)
+            run.browsers[key.name] = browser
+            profile_dir = await self.calls.run(self.store.open, key)
+            self.records.save(run)
+            t1 = time.monotonic()
+            try:
+                browser.anchor = await self.launch(run, browser, profile_dir)
+            except BaseException:
+                # a browser that never started changed nothing: drop the working copy (the sealed
+                # profile stays as it was) so that the next request can open the profile again
+                run.browsers.pop(key.name, None)
+                with swallowed(log, f"profile {key.name}: closing after a failed launch"):
+                    await self.calls.run(self.store.close, key, save=False)
+                with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
+                    await proxy.remove_client(name)
+                raise
         except BaseException:
-            # a browser that never started changed nothing: drop the working copy (the sealed
-            # profile stays as it was) so that the next request can open the profile again
-            run.browsers.pop(key.name, None)
-            with swallowed(log, f"profile {key.name}: closing after a failed launch"):
-                await self.calls.run(self.store.close, key, save=False)
-            with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
-                await proxy.remove_client(name)
+            await self.release_user(user, (profile_dir,) if profile_dir is not None else ())
             raise
         self.page_loads.watch(run, browser)      # the guard's own login checks count too
         log.info("run %s: anchor for profile %s ready (profile opened in %.0f ms, browser "
@@ -391,13 +467,25 @@ class Stages:
                                      run=run.run_id, removed=removed[:500])
         return browser
 
-    async def throwaway(self, run: Run, stage: Stage) -> Browser:
-        proxy = await self.ensure_proxy(run)
-        bkey = f"tmp-{stage.stage_id}"
-        name = await proxy.add_client([], held=True, pace_key=f"b:{run.run_id}/{bkey}")   # held until attach
-        browser = Browser(bkey, None, stage.headed, name)
-        run.browsers[browser.key] = browser
-        browser.anchor = await self.launch(run, browser, None)
+    async def throwaway(self, run: Run, stage: Stage, user: BrowserUser | None = None) -> Browser:
+        """A throw-away browser for a profile-less stage, as `user` (taken when not given)."""
+        user = user or await self.take_user(run)
+        key = f"tmp-{stage.stage_id}"
+        try:
+            proxy = await self.ensure_proxy(run)
+            name = await proxy.add_client([], held=True,      # refused everything until attach
+                                          pace_key=f"b:{run.run_id}/{key}")
+            browser = Browser(key, None, stage.headed, name, user=user)
+            run.browsers[key] = browser
+            browser.anchor = await self.launch(run, browser, None)
+        except BaseException:
+            failed = run.browsers.get(key)
+            if failed is not None and failed.anchor is None:    # never started: nothing of it stays
+                run.browsers.pop(key)
+                with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
+                    await proxy.remove_client(failed.client)
+            await self.release_user(user)
+            raise
         return browser
 
     async def leased_browser(self, run: Run, profile: str, headed: bool) -> Browser:

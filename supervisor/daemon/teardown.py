@@ -110,6 +110,10 @@ class Teardown:
     async def close_browser(self, run: Run, browser: Browser) -> list[str]:
         problems: list[str] = []
         browser.closing = True
+        # what its user may own: checked (taken back by root if still there) before the user
+        # goes back to the pool
+        owned = (browser.anchor.profile_dir, *([browser.anchor.home_dir] if browser.anchor.home_dir else [])) \
+            if browser.anchor is not None else ()
         if browser.anchor is not None:
             await self.sessions.drop(browser.anchor)   # a spare no stage took
             try:
@@ -140,6 +144,9 @@ class Teardown:
                 log.info("run %s: the proxy kept the ended browser's credential: %s", run.run_id, exc,
                          extra={"run": run.run_id})
         run.browsers.pop(browser.key, None)
+        user, browser.user = browser.user, None
+        # every process of its user ended, its files gone or resealed (or root's again)
+        await self.stages.release_user(user, owned)
         return problems
 
     async def end_run(self, run: Run, outcome: RunOutcome) -> None:

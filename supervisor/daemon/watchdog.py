@@ -52,6 +52,7 @@ class Watchdog:
 
     async def once(self) -> None:
         self.check_policy()
+        await self.stages.retry_users()      # a browser user a stuck process kept
         if await self.deferred.retry():        # a release landed: hand the profiles on
             for run in list(self.runs.values()):
                 if run.state == RunState.ACTIVE:

@@ -30,13 +30,12 @@ import psutil
 import yaml
 
 from sfguard import policy
-from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
+from sfguard.supervisor.browsers.browser_pool import existing_uids
 from sfguard.supervisor.client.guard_client import GuardClient
 from sfguard.supervisor.client.ops import OpError, guard_running
 from sfguard.supervisor.demo.runner import DemoError, DemoRunner, RunReport
 from sfguard.supervisor.home import resolve_home, runtime_path
 from sfguard.supervisor.procs import end_popen, scan_orphans, terminate_recorded
-from sfguard.supervisor.stage.sandbox import lookup_user
 
 # Package data: installed with the wheel, so the demo runs outside a checkout too.
 EXAMPLE_PIPELINE = Path(__file__).resolve().with_name("login-pipeline.yaml")
@@ -282,10 +281,9 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
                     "ended it (a bug to report)")
         # what no child list shows: an agent-browser daemon a stage command started carries
         # the guard's runtime folder only in its env; the sweep's own scan finds it
-        # (under root the guard's browsers ran as the browser user: its processes count too)
-        buser = lookup_user(DEFAULT_BROWSER_USER) if os.geteuid() == 0 else None
-        for orphan in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))],
-                                                      (buser.uid,) if buser else ()), 5):
+        # (under root the guard's browsers ran as its browser users: their processes count too)
+        busers = existing_uids() if os.geteuid() == 0 else ()
+        for orphan in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))], busers), 5):
             say(f"sfguard demo: process {orphan.pid} ({orphan.kind}) of the guard's runtime "
                 "folder outlived the guard; ended it (a bug to report)")
         log_file = workdir / "guard.log"

@@ -2,7 +2,7 @@
 
 A run's proxy process (supervisor/daemon/proxy_child.py) gets the store's connection string over
 its stdin and counts every paced request here (`PgPaceStore.take`, the `PaceStore` of
-proxy_addons/pacing.py): one call of `sfguard_pace_take` (pg_schema.py, migration 3) takes every
+proxy_addons/pacing.py): one call of `sfguard_pace_take` (pg_schema.py, migration 4) takes every
 counter of the request at once or none, with the arithmetic of `policy.pace.admit` in SQL, on
 the database's clock (no host's clock decides a wait). The database is on the request path of
 paced requests only: one round trip per request (measured: tests/pg/test_pace.py). When it

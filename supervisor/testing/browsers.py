@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sfguard.supervisor.browsers import browser_user as bu
 from sfguard.supervisor.browsers.handoff import HandoffImpossible, HandoffPayload
 from sfguard.supervisor.browsers.host import (
     CLOSE_TIMEOUT,
@@ -84,7 +83,7 @@ class FakeBrowserHost:
         self.launched: list[AnchorSpec] = []
         self.closed: list[str] = []                       # anchor sessions, in close order
         self.sessions: dict[str, str | None] = {}         # open stage sessions -> their tab
-        self.user: bu.BrowserUser | None = None
+        self.pool: object | None = None      # use_pool: a root guard's browser users
         self._dead: set[str] = set()
         self._pids = itertools.count(900_000)
 
@@ -100,7 +99,7 @@ class FakeBrowserHost:
         blank = (await pipe.call("Target.createTarget", {"url": "about:blank"}))["targetId"]
         return Anchor(session=spec.session, pipe=pipe, proc=_FakeProcess(next(self._pids)),  # type: ignore[arg-type]
                       profile_dir=profile, temp_profile=temp, socket_dir=spec.socket_dir, processes=[],
-                      launch_seconds=0.0, headed=spec.headed, blank_tab=blank)
+                      launch_seconds=0.0, headed=spec.headed, blank_tab=blank, user=spec.user)
 
     async def close_anchor(self, anchor: Anchor, timeout: float = CLOSE_TIMEOUT) -> CloseReport:
         t0 = time.monotonic()
@@ -136,8 +135,8 @@ class FakeBrowserHost:
         self.sessions.pop(env.get("AGENT_BROWSER_SESSION", ""), None)
         return CloseReport(graceful=graceful, terminated=[], removed_files=[], seconds=0.0)
 
-    def use_user(self, user: bu.BrowserUser) -> None:
-        self.user = user
+    def use_pool(self, pool: object) -> None:
+        self.pool = pool
 
 
 class FakeHandoff:

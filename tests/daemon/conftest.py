@@ -17,11 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sfguard.supervisor.browsers.browser_user import DEFAULT_BROWSER_USER
+from sfguard.supervisor.browsers.browser_pool import existing_uids
 from sfguard.supervisor.client.guard_client import GuardClient
 from sfguard.supervisor.home import runtime_dir, runtime_path
 from sfguard.supervisor.procs import scan_orphans, terminate_recorded
-from sfguard.supervisor.stage.sandbox import ensure_system_user, lookup_user
 from tests.daemon.fake_cdp import FakeCdp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,17 +32,16 @@ def fake_browser_for(base: Path) -> Path:
     """The SFGUARD_BROWSER for a guard whose fake Chromium logs to `base`/fake-chromium.jsonl
     and reads `base`/fake-chromium-control.json (base = the guard env's HOME, the home's parent).
 
-    Not root: the fake itself (the guard passes HOME through). Root: the guard runs its
-    browsers as the browser user with a HOME of their own, and `base` (in root's private
-    pytest folder) is out of that user's reach. So the fake gets a folder of the browser user
-    under /tmp and a wrapper that points it there, and those two names in `base` are links to
-    it: the tests read and write them as before."""
+    Not root: the fake itself (the guard passes HOME through). Root: the guard runs each browser
+    as a user of its pool with a HOME of its own, and `base` (in root's private pytest folder)
+    is out of those users' reach. So the fake gets a folder under /tmp that every browser user
+    may cross, a log every one of them may append to, and a wrapper that points it there; those
+    two names in `base` are links to it: the tests read and write them as before."""
     if os.geteuid() != 0:
         return FAKE_CHROMIUM
     log = base / "fake-chromium.jsonl"
     if log.is_symlink():                       # a second guard in the same folder
         return Path(os.readlink(log)).parent / "chromium"
-    user = ensure_system_user(DEFAULT_BROWSER_USER, "browser")
     folder = Path(tempfile.mkdtemp(prefix="sfg-fc-"))
     atexit.register(shutil.rmtree, folder, True)
     python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
@@ -51,19 +49,20 @@ def fake_browser_for(base: Path) -> Path:
     wrapper.write_text(f"#!/bin/sh\nFAKE_CHROMIUM_HOME={shlex.quote(str(folder))} "
                        f"exec {shlex.quote(python)} {shlex.quote(str(FAKE_CHROMIUM))} \"$@\"\n")
     wrapper.chmod(0o755)
-    os.chown(folder, user.uid, user.gid)
+    (folder / "fake-chromium.jsonl").touch()
+    (folder / "fake-chromium.jsonl").chmod(0o666)     # test data only: no secret in it
+    folder.chmod(0o755)
     for name in ("fake-chromium.jsonl", "fake-chromium-control.json"):
         (base / name).symlink_to(folder / name)
     return wrapper
 
 
 def browser_uids() -> tuple[int, ...]:
-    """The uid a root guard runs its browsers as (the default browser user), when it exists:
-    leftover scans must see that user's processes too."""
+    """The uids a root guard runs its browsers as (the default pool's users that exist):
+    leftover scans must see their processes too."""
     if os.geteuid() != 0:
         return ()
-    user = lookup_user(DEFAULT_BROWSER_USER)
-    return (user.uid,) if user is not None else ()
+    return existing_uids()
 
 
 class Daemon:

@@ -299,7 +299,7 @@ async def test_a_bug_of_the_guard_is_an_internal_error_not_a_browser_failure(api
     from sfguard.supervisor.daemon.runs import IllegalTransition, StageState
     from sfguard.supervisor.errors import BrowserStartError
 
-    async def broken(run, stage):
+    async def broken(run, stage, user=None):
         raise {"illegal_transition": IllegalTransition(StageState.READY, StageState.WAITING),
                "browser_start": BrowserStartError("the run's guard proxy did not start"),
                "os_error": OSError(5, "Input/output error")}[fault]

@@ -134,7 +134,7 @@ def _guard(user) -> Guard:
     runtime = Path(tempfile.mkdtemp(prefix="sfgw-", dir="/tmp"))
     os.chmod(runtime, 0o700)
     if user is not None:
-        bu.prepare(runtime, user)
+        bu.prepare(runtime, [user])
     (runtime / "profiles").mkdir(mode=0o700)
     ab_mod.write_pinned_config(runtime / "cfg.json")
     return Guard(LocalBrowserHost(ab.path, launch_timeout=60, user=user,

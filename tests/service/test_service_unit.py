@@ -62,7 +62,8 @@ def test_docs_copy_is_the_unit_of_a_system_wide_install():
 
 EVERY_OPTION = dict(
     home=Path("/srv/guard"), policy=Path("/etc/sfguard/sites.yaml"), api_group="runners",
-    browser_user="web-b", stage_user="web-s", ca_files=(Path("/etc/ssl/a.pem"), Path("/etc/ssl/b.pem")),
+    browser_users="web-b", browser_pool_size=24, stage_user="web-s",
+    ca_files=(Path("/etc/ssl/a.pem"), Path("/etc/ssl/b.pem")),
     tcp=9400, console="0.0.0.0:8443", console_public=True, console_url="https://guard.example.com:8443",
     console_tls_cert=Path("/etc/sfguard/console.crt"), console_tls_key=Path("/etc/sfguard/console.key"),
     log_format="json", memory_max="8G")
@@ -126,6 +127,15 @@ def test_the_unit_takes_what_the_guard_does_not_need():
     assert s["ExecStartPre"][0].startswith("+")   # users made outside the read-only system
 
 
+def test_the_browser_users_and_pool_size_go_to_start_and_to_ensure_users():
+    s = service_settings(unit_text(ANY_EXE, **EVERY_OPTION))
+    for line in (s["ExecStart"][0], s["ExecStartPre"][0]):
+        words = line.split()
+        for flag, value in (("--browser-users", "web-b"), ("--browser-pool-size", "24"), ("--stage-user", "web-s")):
+            assert words[words.index(flag) + 1] == value, line
+    assert "service ensure-users" in s["ExecStartPre"][0]
+
+
 @pytest.mark.parametrize("kwargs, word", [
     ({"home": Path("relative/home")}, "absolute"),
     ({"home": Path("/root/guard")}, "ProtectHome"),
@@ -139,7 +149,9 @@ def test_the_unit_takes_what_the_guard_does_not_need():
     ({"ca_files": (Path("/root/ca.pem"),)}, "ProtectHome"),
     ({"console_tls_key": Path("/home/op/console.key")}, "ProtectHome"),
     ({"api_group": "a b"}, "not a user or group"),
-    ({"browser_user": "../x"}, "not a user or group"),
+    ({"browser_users": "../x"}, "not a user or group"),
+    ({"browser_pool_size": 0}, "--browser-pool-size"),
+    ({"browser_pool_size": 100000}, "--browser-pool-size"),
     ({"tcp": 70000}, "port"),
     ({"tcp": 9400, "token_file": Path("/etc/sfguard/token")}, "only in the home"),
     ({"token_file": Path("/var/lib/sfguard/t")}, "needs --tcp"),
