@@ -19,14 +19,12 @@ and applies the same rule (`private_address`). Link-local addresses, which hold 
 metadata services, and the other metadata addresses (`METADATA_ADDRESSES`) are covered only by
 an entry that is that very address, never by a wider range. `run_pattern_refusal` says the same
 about a run's IP and CIDR patterns before a run (`sfguard validate`, the stage API). The proxy
-refuses SNI or Host header mismatches itself through `refuse`.
-
-`mode: report` relaxes only the allow and block lists: a `not_allowed` or `blocked_by_policy`
-denial becomes decision "allow" with reason "would_deny:<code>" (in one place, `_finish`). Every
-other check (malformed host, port, private and special addresses, SNI and Host agreement,
-credentials, request limits) denies in every mode; `check_address` judges a would-deny host's
-addresses too (only private_networks.allow exempts one). Writes: writes.py; pace: pace.py; what
-a run's record keeps of a site: recording.py.
+refuses SNI or Host header mismatches itself through `refuse`. `mode: report` relaxes only
+the allow and block lists: a `not_allowed` or `blocked_by_policy` denial becomes decision
+"allow" with reason "would_deny:<code>" (in one place, `_finish`). Every other check
+(malformed host, port, private and special addresses, SNI and Host agreement, credentials,
+request limits) denies in every mode; `check_address` judges a would-deny host's addresses too
+(only private_networks.allow exempts one). Writes: writes.py; pace: pace.py; recording: recording.py.
 """
 from __future__ import annotations
 

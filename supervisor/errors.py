@@ -20,7 +20,7 @@ class IllegalTransition(SfguardError):
 
 class BrowserStartError(SfguardError):
     """A browser, or the run proxy it needs, that could not be started or updated: the runner
-    is told `browser_failed` (daemon/stages.py BROWSER_ERRORS)."""
+    is told `browser_failed` (daemon/stage_browser.py BROWSER_ERRORS)."""
 
 
 class GuardError(SfguardError):

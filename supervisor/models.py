@@ -101,8 +101,7 @@ def _no_default(schema: dict) -> None:
 
 
 class BudgetField(StrictTypes):
-    """A stage's budget (policy/pace.py Budget): totals for the stage, then 429 until it ends,
-    and a pace of its own that only adds to the site's (both are counted)."""
+    """A stage's budget (policy/pace.py Budget): totals (then 429 until it ends), a pace that only adds."""
     page_loads: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(None, description="page loads in all")
     requests: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(None, description=(
         "requests the guard counts (plain-HTTP requests, HTTPS connections) in all"))

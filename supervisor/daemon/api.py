@@ -102,7 +102,7 @@ TOKEN_SCOPE = (403, ("token_scope",))
 ACCESS = ("full", "scrape", "open")
 
 #: What a code means at one status, where the guard answers that code with more than one status
-#: (supervisor/daemon/stages.py browser_failed): each route that lists the pair says so.
+#: (supervisor/daemon/stage_browser.py browser_failed): each route that lists the pair says so.
 ERROR_CAUSES: dict[tuple[int, str], str] = {
     (409, "browser_failed"): "the profile's store refused to open the profile for the browser (its "
                              "sealed copy is damaged, its key is missing, or it is open elsewhere); the "

@@ -63,8 +63,9 @@ from sfguard.supervisor.daemon.runs import (
 )
 from sfguard.supervisor.daemon.settings import GuardSettings
 from sfguard.supervisor.daemon.shared_proxy import pace_setting, proxy_pool
+from sfguard.supervisor.daemon.stage_browser import effective_headed
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
-from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages, effective_headed
+from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
 from sfguard.supervisor.daemon.status_view import guard_status
 from sfguard.supervisor.daemon.teardown import Teardown
 from sfguard.supervisor.daemon.watchdog import Watchdog

@@ -12,7 +12,7 @@ from sfguard.supervisor import models
 from sfguard.supervisor.browsers.handoff import HandoffImpossible
 from sfguard.supervisor.browsers.login import LoginCheckError, check_login, shown_url
 from sfguard.supervisor.daemon.runs import Browser, Run
-from sfguard.supervisor.daemon.stages import BROWSER_ERRORS
+from sfguard.supervisor.daemon.stage_browser import BROWSER_ERRORS
 from sfguard.supervisor.daemon.window_handoff import WindowHandoffs
 from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
 from sfguard.supervisor.protocols import ProfileError

@@ -12,20 +12,19 @@ from typing import TYPE_CHECKING, Any
 
 from sfguard.policy.writes import WriteRules
 from sfguard.supervisor import models
-from sfguard.supervisor.browsers import tools, xdisplay
-from sfguard.supervisor.browsers.host import Anchor, AnchorError, AnchorSpec
-from sfguard.supervisor.daemon.deferred import no_space
+from sfguard.supervisor.browsers import xdisplay
+from sfguard.supervisor.browsers.host import Anchor, AnchorSpec
 from sfguard.supervisor.daemon.pacing import PageLoads, browser_budgets, pace_key, pace_view, stage_budget
 from sfguard.supervisor.daemon.run_proxy import short_id
 from sfguard.supervisor.daemon.runs import WAITING_STATES, Browser, Run, RunState, Stage, StageOutcome, StageState
 from sfguard.supervisor.daemon.shared_proxy import AnyPool, AnyRunProxy
+from sfguard.supervisor.daemon.stage_browser import BROWSER_ERRORS, browser_failed
 from sfguard.supervisor.errors import BadRequest, BrowserStartError, Conflict, GuardError, Unavailable, swallowed
-from sfguard.supervisor.gate.cdp_gate import GateError
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, PipeClosed
 from sfguard.supervisor.home import private_dir
 from sfguard.supervisor.profiles import store_ops
 from sfguard.supervisor.profiles.local_store import pipeline_profile_name
-from sfguard.supervisor.protocols import ProfileError, ProfileKey, StoreUnavailable, Waiting
+from sfguard.supervisor.protocols import ProfileKey, StoreUnavailable, Waiting
 from sfguard.supervisor.writes.modes import guard_writes, rewire_writes, stage_write_modes
 from sfguard.supervisor.writes.websockets import guard_websockets
 
@@ -53,38 +52,6 @@ log = logging.getLogger("sfguard.guard")
 #: The whole stage env (docs/design.md 4.3): nothing else reaches a stage.
 STAGE_ENV_KEYS = ("AGENT_BROWSER_CDP", "AGENT_BROWSER_SESSION", "AGENT_BROWSER_SOCKET_DIR",
                   "AGENT_BROWSER_PIN_TAB", "AGENT_BROWSER_CONFIG", "AGENT_BROWSER_IDLE_TIMEOUT_MS")
-#: what a browser that cannot be had is. Nothing wider: an IllegalTransition or another bug of
-#: the guard is not a browser failure; it reaches the API as a 500 with its traceback logged.
-BROWSER_ERRORS = (AnchorError, GateError, ProfileError, BrowserStartError, OSError, TimeoutError)
-
-
-def browser_failed(exc: BaseException, message: str, field: str | None) -> GuardError:
-    """A browser that could not be had: a refused profile conflicts, a full disk is named as
-    such (it passes when space returns), anything else is away."""
-    if no_space(exc):
-        return Unavailable("disk_full", f"{message}: the guard has no disk space left (its home "
-                           f"or runtime folder is full: {exc}); free space, then ask again", field)
-    if isinstance(exc, ProfileError):
-        return Conflict("browser_failed", f"{message}: {exc}", field)
-    return Unavailable("browser_failed", f"{message}: {exc}", field)
-
-
-def effective_headed(req: models.BrowserField) -> bool:
-    """Whether a stage's browser opens a window: `headed` (the default) needs a display; asked
-    for explicitly without one it is refused (no_display), by default it runs headless."""
-    if not req.headed:
-        return False
-    if tools.display_available():
-        return True
-    if "headed" in req.model_fields_set:
-        where = ("; the guard runs inside a container, where a visible window is not possible"
-                 if tools.in_container() else "")
-        raise BadRequest("no_display", "headed: true needs a display, but neither DISPLAY nor "
-                         f"WAYLAND_DISPLAY is set{where}; set headed: false for this stage or run "
-                         "the guard in a desktop session", "browser.headed")
-    return False  # default headed, but no display: headless
-
-
 class Stages:
     """The stage state machine and the browsers behind it, over the guard's parts."""
 

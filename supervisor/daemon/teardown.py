@@ -145,8 +145,8 @@ class Teardown:
                          extra={"run": run.run_id})
         run.browsers.pop(browser.key, None)
         user, browser.user = browser.user, None
-        # every process of its user ended, its files gone or resealed (or root's again)
-        await self.stages.release_user(user, owned)
+        if user is not None:   # every process of its user ended, its files gone or resealed (or root's)
+            await self.stages.release_user(user, owned)
         return problems
 
     async def end_run(self, run: Run, outcome: RunOutcome) -> None:

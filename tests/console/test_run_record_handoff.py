@@ -27,6 +27,11 @@ def test_a_live_view_login_is_recorded_without_a_picture_of_the_login(guard):
                                                            "browser": browser(port)})
     assert status == 200, ans
     assert as_stage(ans["env"], "open", f"http://site-a.test:{port}/login").returncode == 0
+    folder = d.home / "records" / run
+    deadline = time.monotonic() + 15   # the load's picture: once the stage has been quiet 0.3 s
+    while time.monotonic() < deadline and not any(
+            e["kind"] == "screenshot" and e.get("why") == "navigation" for e in files.read_entries(folder)[0]):
+        time.sleep(0.2)
     status, payload = d.call("POST", f"/v1/runs/{run}/handoff", {
         "profile": "fixture", "site": "site-a.test", "reason": "please sign in",
         "url": f"http://site-a.test:{port}/login", "kind": "live_view", "stage_id": "login"})
@@ -38,7 +43,6 @@ def test_a_live_view_login_is_recorded_without_a_picture_of_the_login(guard):
         time.sleep(0.2)
     time.sleep(1.5)               # the end's picture is written in the background
     assert d.call("POST", f"/v1/runs/{run}/end", {"outcome": "succeeded"})[0] == 200
-    folder = d.home / "records" / run
     entries = sorted(files.read_entries(folder)[0], key=lambda e: e["t"])
     events = [e.get("event") for e in entries if e["kind"] in ("handoff", "login_check", "console")]
     assert events[:1] == ["handoff_opened"] and "handoff_viewed" in events and "handoff_confirmed" in events
