@@ -273,7 +273,7 @@ class SitePolicy:
                 match: Match | None = None, parents: list[str] | None = None) -> Decision:
         quiet = False
         if not allow:
-            if normalized is not None and self.quiet._count:
+            if normalized is not None and len(self.quiet):
                 quiet = self.quiet.match(normalized, is_ip, port, parents=parents) is not None
             if self.mode == "report" and reason in REPORT_RELAXES:
                 return _make(host, port, normalized, "allow", "would_deny:" + reason, rule, False,

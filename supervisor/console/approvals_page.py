@@ -44,8 +44,8 @@ def register(app: web.Application, server: Any) -> None:
         return aid
 
     async def screenshot(request: web.Request) -> web.StreamResponse:
-        if server._console_session(request) is None:
-            return server._unauthorized(request)
+        if server.console_session(request) is None:
+            return server.unauthorized(request)
         aid = lookup(request)
         try:
             png = server.guard.approvals.get(aid).held.screenshot
@@ -56,9 +56,9 @@ def register(app: web.Application, server: Any) -> None:
         return web.Response(body=png, content_type="image/png")
 
     async def decide(request: web.Request) -> web.StreamResponse:
-        sess = server._console_session(request)
+        sess = server.console_session(request)
         if sess is None:
-            return server._unauthorized(request)
+            return server.unauthorized(request)
         form = await request.post()
         csrf = form.get("csrf")
         if not sess.csrf_ok(csrf if isinstance(csrf, str) else None):
@@ -74,8 +74,8 @@ def register(app: web.Application, server: Any) -> None:
         except ApprovalNotFound:
             raise web.HTTPNotFound(text="no such approval\n") from None
         except ApprovalDecided as exc:
-            return server._render("message.html", 409, title="Already decided", session=sess,
-                                  message=f"{exc}. Nothing was changed.")
+            return server.render_page("message.html", 409, title="Already decided", session=sess,
+                                      message=f"{exc}. Nothing was changed.")
         server.notify()
         raise web.HTTPSeeOther("/approvals")
 

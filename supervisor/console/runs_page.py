@@ -112,7 +112,7 @@ class RunsRoutes:
         return catalog.find(g.recorder.root, rid, _backend(g), g.recorder.root / catalog.SHARED_CACHE)
 
     def _session(self, request: web.Request) -> Any:
-        return self.server._console_session(request)
+        return self.server.console_session(request)
 
     async def _csrf(self, request: web.Request, sess: Any) -> bool:
         form = await request.post()
@@ -122,7 +122,7 @@ class RunsRoutes:
     async def _audited(self, event: str, sess: Any, **fields: Any) -> bool:
         """The audit record of a console action, before it acts; False: not recorded (refuse)."""
         try:
-            await self.server._record(event, by=sess.decider, **fields)
+            await self.server.audit_event(event, by=sess.decider, **fields)
         except Exception:   # a boundary: whatever the chain's failure, the action does not happen
             return False
         return True
@@ -131,7 +131,7 @@ class RunsRoutes:
     async def page(self, request: web.Request) -> web.StreamResponse:
         sess = self._session(request)
         if sess is None:
-            return self.server._unauthorized(request)
+            return self.server.unauthorized(request)
         rid = self._rid(request)
         q = request.query
         stage, kind = q.get("stage", "")[:128], q.get("kind", "")[:30]
@@ -149,15 +149,15 @@ class RunsRoutes:
             rows = view.rows(entries, stage=stage or None, kind=kind or None, only_refused=only_refused)
         at = view.nearest(rows, q.get("at", "")[:40])
         stages = sorted({r["stage"] for r in rows if r["stage"]} | set(index.get("stages") or []))
-        return self.server._render("run.html", page="runs", session=sess, rid=rid, index=index, run=_live(run),
-                                   rows=rows[:SHOWN], more=max(0, len(rows) - SHOWN), problems=problems,
-                                   stage=stage, kind=kind, refused=only_refused, kinds=view.KINDS, at=at,
-                                   stages=stages,
-                                   record_name=folder.name if folder is not None else None)
+        return self.server.render_page("run.html", page="runs", session=sess, rid=rid, index=index, run=_live(run),
+                                       rows=rows[:SHOWN], more=max(0, len(rows) - SHOWN), problems=problems,
+                                       stage=stage, kind=kind, refused=only_refused, kinds=view.KINDS, at=at,
+                                       stages=stages,
+                                       record_name=folder.name if folder is not None else None)
 
     async def shot(self, request: web.Request) -> web.StreamResponse:
         if self._session(request) is None:
-            return self.server._unauthorized(request)
+            return self.server.unauthorized(request)
         rid, name = self._rid(request), self._part(request, "shot", SHOT_RE)
         folder = await asyncio.to_thread(self._folder, rid)
         path = folder / files.SHOTS / name if folder is not None else None
@@ -177,16 +177,16 @@ class RunsRoutes:
     async def watch_page(self, request: web.Request) -> web.StreamResponse:
         sess = self._session(request)
         if sess is None:
-            return self.server._unauthorized(request)
+            return self.server.unauthorized(request)
         rid, sid = self._rid(request), self._part(request, "sid", STAGE_RE)
         run, stage = self._ready_stage(rid, sid)
         if stage.state != StageState.READY or run.state != RunState.ACTIVE:
-            return self.server._render("message.html", 410, page="runs", title="Nothing to watch", session=sess,
-                                       message=f"Stage {sid} of run {rid} is {stage.state}: only a running "
-                                               "stage's tab can be watched.")
+            return self.server.render_page("message.html", 410, page="runs", title="Nothing to watch", session=sess,
+                                           message=f"Stage {sid} of run {rid} is {stage.state}: only a running "
+                                                   "stage's tab can be watched.")
         if not await self._watched(sess, rid, sid):
-            return self.server._audit_down()
-        return self.server._render("watch.html", page="runs", session=sess, rid=rid, sid=sid)
+            return self.server.audit_down()
+        return self.server.render_page("watch.html", page="runs", session=sess, rid=rid, sid=sid)
 
     async def _watched(self, sess: Any, rid: str, sid: str) -> bool:
         """Audit the first watch of a stage by a session (its page or its socket); False: the
@@ -250,7 +250,7 @@ class RunsRoutes:
                     break
 
         async def watch() -> None:
-            while (self.server._session_live(sess) and stage.state == StageState.READY
+            while (self.server.session_live(sess) and stage.state == StageState.READY
                    and run.state == RunState.ACTIVE and not view_.closed.is_set()):
                 await asyncio.sleep(WATCH_STEP)
 
@@ -269,7 +269,7 @@ class RunsRoutes:
     async def _control(self, request: web.Request) -> tuple[Any, str] | web.StreamResponse:
         sess = self._session(request)
         if sess is None:
-            return self.server._unauthorized(request)
+            return self.server.unauthorized(request)
         if not await self._csrf(request, sess):
             return web.Response(status=403, text="CSRF token missing or wrong\n")
         return sess, self._rid(request)
@@ -279,7 +279,8 @@ class RunsRoutes:
         raise web.HTTPSeeOther(f"/runs/{rid}")
 
     def _refused(self, sess: Any, text: str, status: int = 409) -> web.StreamResponse:
-        return self.server._render("message.html", status, page="runs", title="Not done", session=sess, message=text)
+        return self.server.render_page("message.html", status, page="runs", title="Not done", session=sess,
+                                           message=text)
 
     async def end_run(self, request: web.Request) -> web.StreamResponse:
         got = await self._control(request)
@@ -290,7 +291,7 @@ class RunsRoutes:
         if run is None or run.state != RunState.ACTIVE:
             return self._refused(sess, f"Run {rid} is not running. Nothing was changed.")
         if not await self._audited("console_run_ended", sess, run=rid):
-            return self.server._audit_down()
+            return self.server.audit_down()
         await self.guard.end_run(rid, models.RunEnd(outcome="cancelled"))
         return self._done(rid)
 
@@ -305,7 +306,7 @@ class RunsRoutes:
         if stage is None or stage.state in (StageState.ENDED, StageState.FAILED):
             return self._refused(sess, f"Stage {sid} of run {rid} is not running. Nothing was changed.")
         if not await self._audited("console_stage_cancelled", sess, run=rid, stage=sid):
-            return self.server._audit_down()
+            return self.server.audit_down()
         try:
             if stage.state in WAITING_STATES and stage.state != StageState.RELAUNCHING:
                 await self.guard.cancel_stage(rid, sid)
@@ -327,7 +328,7 @@ class RunsRoutes:
             return self._refused(sess, f"Run {rid} has no running browser {bkey}. Nothing was changed.")
         fields = {"profile": browser.profile.name} if browser.profile is not None else {}
         if not await self._audited("console_browser_restarted", sess, run=rid, **fields):
-            return self.server._audit_down()
+            return self.server.audit_down()
         await self.guard.watchdog.restart_browser(run, browser, by=sess.decider)
         return self._done(rid)
 

@@ -146,7 +146,7 @@ class ConsoleServer:
         for ev in list(self._wakers):
             ev.set()
 
-    def _session_live(self, sess: Session) -> bool:
+    def session_live(self, sess: Session) -> bool:
         return not self._stopping and self.auth.live(sess)
 
     async def _until_changed(self, waker: asyncio.Event, sess: Session) -> None:
@@ -156,7 +156,7 @@ class ConsoleServer:
             await asyncio.wait_for(waker.wait(), left)
 
     # -- audit -------------------------------------------------------------------------------
-    async def _record(self, event: str, **fields: Any) -> None:
+    async def audit_event(self, event: str, **fields: Any) -> None:
         """An audit record of a console session, written before the answer goes out (so the
         chain keeps the order things happened in)."""
         await self.guard.store_call(self.guard.audit.record, event, **fields)
@@ -230,7 +230,7 @@ class ConsoleServer:
         resp.headers["Cache-Control"] = "no-store"
         return resp
 
-    def _render(self, name: str, status: int = 200, **ctx) -> web.Response:
+    def render_page(self, name: str, status: int = 200, **ctx) -> web.Response:
         html = self.env.get_template(name).render(**ctx)
         return web.Response(status=status, text=html, content_type="text/html", charset="utf-8")
 
@@ -239,34 +239,34 @@ class ConsoleServer:
         resp.set_cookie(name, value, max_age=max(1, int(sess.expires - time.time())), path=path,
                         httponly=True, samesite="Strict", secure=self.reach.secure(request))
 
-    def _console_session(self, request: web.Request) -> Session | None:
+    def console_session(self, request: web.Request) -> Session | None:
         """A console-scope session under the console cookie; a live-view session is not one,
         whatever name its cookie is sent under."""
         sess = self.auth.session(request.cookies.get(CONSOLE_COOKIE))
         return sess if sess is not None and sess.is_console else None
 
-    def _unauthorized(self, request: web.Request) -> web.Response:
+    def unauthorized(self, request: web.Request) -> web.Response:
         if request.headers.get("Accept", "").startswith("text/event-stream"):
             return web.Response(status=401, text="sign in with a link from `sfguard console`\n")
-        return self._render("message.html", 401, title="Not signed in", session=None,
-                            message="This console needs a session. Run `sfguard console` on the "
-                                    "guard's machine and open the one-time link it prints.")
+        return self.render_page("message.html", 401, title="Not signed in", session=None,
+                                message="This console needs a session. Run `sfguard console` on the "
+                                        "guard's machine and open the one-time link it prints.")
 
     # -- sign in / out -----------------------------------------------------------------------
     async def h_login(self, request: web.Request) -> web.StreamResponse:
         got = self.auth.redeem(request.query.get("t"), scope="console")
         if got is None:
             self._audit_refused()
-            return self._render("message.html", 401, title="Link not valid", session=None,
-                                message="This login link was already used, has expired, or is "
-                                        "not one of this guard's. Run `sfguard console` for a new one.")
+            return self.render_page("message.html", 401, title="Link not valid", session=None,
+                                    message="This login link was already used, has expired, or is "
+                                            "not one of this guard's. Run `sfguard console` for a new one.")
         cookie, sess = got
         named = {"person": sess.person} if sess.person else {}
         if not await self._audited_sign_in(cookie, sess, mode="console", **named):
-            return self._audit_down()
+            return self.audit_down()
         # A page (not a redirect) that moves on by itself: the next request starts on this
         # site, so the SameSite=Strict cookie goes with it wherever the link was clicked.
-        resp = self._render("moved.html", title="Signed in", target="/", session=None)
+        resp = self.render_page("moved.html", title="Signed in", target="/", session=None)
         self._set_cookie(request, resp, CONSOLE_COOKIE, cookie, sess, "/")
         log.info("console: session %s signed in%s from %s", sess.public_id,
                  f" as {sess.person}" if sess.person else "", self.reach.client(request))
@@ -276,7 +276,7 @@ class ConsoleServer:
         """Audit a sign-in before its cookie is handed out; a session the audit log cannot
         record is ended at once (fail closed)."""
         try:
-            await self._record("console_signed_in", by=sess.public_id, **fields)
+            await self.audit_event("console_signed_in", by=sess.public_id, **fields)
         except Exception as exc:
             log.error("console: sign-in refused, the audit log could not record it (%s)",
                       type(exc).__name__)
@@ -284,26 +284,26 @@ class ConsoleServer:
             return False
         return True
 
-    def _audit_down(self) -> web.Response:
-        return self._render("message.html", 503, title="Sign-in not recorded", session=None,
-                            message="The guard could not write this sign-in to its audit log, "
-                                    "so it refused it. See the guard's log.")
+    def audit_down(self) -> web.Response:
+        return self.render_page("message.html", 503, title="Sign-in not recorded", session=None,
+                                message="The guard could not write this sign-in to its audit log, "
+                                        "so it refused it. See the guard's log.")
 
     async def h_logout(self, request: web.Request) -> web.StreamResponse:
-        sess = self._console_session(request)
+        sess = self.console_session(request)
         if sess is None:
-            return self._unauthorized(request)
+            return self.unauthorized(request)
         form = await request.post()
         if not sess.csrf_ok(_text(form.get("csrf")) or request.headers.get("X-CSRF-Token")):
             return web.Response(status=403, text="CSRF token missing or wrong\n")
         self.auth.end_session(request.cookies.get(CONSOLE_COOKIE))
         try:
-            await self._record("console_signed_out", by=sess.public_id, reason="logout")
+            await self.audit_event("console_signed_out", by=sess.public_id, reason="logout")
         except Exception as exc:      # signed out all the same; the log says what is missing
             log.error("console: sign-out of %s not audited (%s)", sess.public_id, type(exc).__name__)
         log.info("console: session %s signed out", sess.public_id)
-        resp = self._render("message.html", title="Signed out", session=None,
-                            message="Signed out. Run `sfguard console` to sign in again.")
+        resp = self.render_page("message.html", title="Signed out", session=None,
+                                message="Signed out. Run `sfguard console` to sign in again.")
         resp.del_cookie(CONSOLE_COOKIE, path="/")
         return resp
 
@@ -316,17 +316,17 @@ class ConsoleServer:
 
     # -- pages -------------------------------------------------------------------------------
     async def h_page(self, request: web.Request) -> web.StreamResponse:
-        sess = self._console_session(request)
+        sess = self.console_session(request)
         if sess is None:
-            return self._unauthorized(request)
+            return self.unauthorized(request)
         page = request.path.strip("/") or "overview"
         ctx = await self.page_context(page, dict(request.query))
-        return self._render(f"{page}.html", page=page, session=sess, **ctx)
+        return self.render_page(f"{page}.html", page=page, session=sess, **ctx)
 
     async def h_metrics(self, request: web.Request) -> web.StreamResponse:
         """The guard's Prometheus metrics (supervisor/daemon/metrics.py) for a console session,
         as the control API serves them."""
-        if self._console_session(request) is None:
+        if self.console_session(request) is None:
             return web.Response(status=401, text="sign in with a link from `sfguard console`\n")
         g = self.guard
         body = await asyncio.to_thread(g.metrics.render, g.metrics.snapshot(g))
@@ -338,9 +338,9 @@ class ConsoleServer:
 
     # -- live updates ------------------------------------------------------------------------
     async def h_events(self, request: web.Request) -> web.StreamResponse:
-        sess = self._console_session(request)
+        sess = self.console_session(request)
         if sess is None:
-            return self._unauthorized(request)
+            return self.unauthorized(request)
         if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site"):
             # no Origin (an <img> or <script> of another page), but the browser says whose
             return web.Response(status=403, text="cross-origin request refused\n")
@@ -355,10 +355,10 @@ class ConsoleServer:
         waker = asyncio.Event()
         self._wakers.add(waker)
         try:
-            while self._session_live(sess):
+            while self.session_live(sess):
                 waker.clear()     # a change while this renders wakes the next wait at once
                 ctx = await self.page_context(page, query)
-                if not self._session_live(sess):
+                if not self.session_live(sess):
                     break
                 html = self.env.get_template(f"_{page}.html").render(session=sess, **ctx)
                 digest = hashlib.sha256(html.encode()).hexdigest()
@@ -388,13 +388,13 @@ class ConsoleServer:
         # this handoff's own live session under the live cookie, or a console session
         sess = self.auth.session(request.cookies.get(LIVE_COOKIE))
         if sess is None or sess.scope != h.scope:
-            sess = self._console_session(request)
+            sess = self.console_session(request)
         return h, sess
 
     def _live_gone(self) -> web.Response:
-        return self._render("message.html", 410, title="Live view ended", session=None,
-                            message="This live view has ended (done, cancelled, timed out, or its "
-                                    "stage ended). Its link no longer works.")
+        return self.render_page("message.html", 410, title="Live view ended", session=None,
+                                message="This live view has ended (done, cancelled, timed out, or its "
+                                        "stage ended). Its link no longer works.")
 
     async def h_live(self, request: web.Request) -> web.StreamResponse:
         hid = request.match_info["hid"]
@@ -403,24 +403,24 @@ class ConsoleServer:
             got = self.auth.redeem(request.query.get("t"), scope=f"live:{hid}")
             if got is None or h is None or h.state != HandoffPhase.OPEN:
                 self._audit_refused()
-                return self._render("message.html", 401, title="Link not valid", session=None,
-                                    message="This live-view link was already used, has expired, "
-                                            "or its login has ended.")
+                return self.render_page("message.html", 401, title="Link not valid", session=None,
+                                        message="This live-view link was already used, has expired, "
+                                                "or its login has ended.")
             cookie, live_sess = got
             if not await self._audited_sign_in(cookie, live_sess, mode="live_view",
                                                run=h.run_id, profile=h.profile):
-                return self._audit_down()
-            resp = self._render("moved.html", title="Live view", target=f"/live/{hid}", session=None)
+                return self.audit_down()
+            resp = self.render_page("moved.html", title="Live view", target=f"/live/{hid}", session=None)
             self._set_cookie(request, resp, LIVE_COOKIE, cookie, live_sess, f"/live/{hid}")
             return resp
         h, sess = self._live(request)
         if h is None or h.state != HandoffPhase.OPEN:
-            return self._live_gone() if (h is not None or sess is not None) else self._unauthorized(request)
+            return self._live_gone() if (h is not None or sess is not None) else self.unauthorized(request)
         if sess is None:
-            return self._unauthorized(request)
+            return self.unauthorized(request)
         live.viewed(self.guard, h, sess.public_id)
-        return self._render("live.html", page="live", session=sess, h=h,
-                            state=h.view.state(), csrf=sess.csrf)
+        return self.render_page("live.html", page="live", session=sess, h=h,
+                                state=h.view.state(), csrf=sess.csrf)
 
     async def h_live_ws(self, request: web.Request) -> web.StreamResponse:
         h, sess = self._live(request)
@@ -438,7 +438,7 @@ class ConsoleServer:
 
         async def watch() -> None:
             # the socket's session ends (sign-out, expiry, the guard's stop): the socket too
-            while self._session_live(sess) and not h.view.closed.is_set():
+            while self.session_live(sess) and not h.view.closed.is_set():
                 waker.clear()
                 await self._until_changed(waker, sess)
             h.view.end_viewer(q)
@@ -467,7 +467,7 @@ class ConsoleServer:
             async for msg in ws:
                 if msg.type != WSMsgType.TEXT or h.state != HandoffPhase.OPEN:
                     continue
-                if not self._session_live(sess):
+                if not self.session_live(sess):
                     break       # the session ended: no more input
                 try:
                     data = json.loads(msg.data)
@@ -497,4 +497,4 @@ class ConsoleServer:
         # a named console session decides as its person (console:NAME), else as its id
         result = await live.finish(self.guard, h, outcome,
                                    by=sess.decider if sess.person else sess.public_id)
-        return self._render("live_result.html", title="Live view ended", session=None, result=result)
+        return self.render_page("live_result.html", title="Live view ended", session=None, result=result)

@@ -101,7 +101,7 @@ class CdpGate:
             raise GateError("the CDP gate listens on loopback only")
         self._host, self._port = host, port
         self._on_refusal = on_refusal
-        self._record = record_methods
+        self.record_methods = record_methods
         #: sees every command a stage sends, forwarded or refused (`Observer`)
         self.observer: Observer | None = None
         self._stages: dict[str, _Stage] = {}
@@ -313,7 +313,8 @@ class CdpGate:
             await relay.close()
         return client
 
-    def _refused(self, stage: _Stage, method: str, reason: str) -> None:
+    def refused(self, stage: _Stage, method: str, reason: str) -> None:
+        """A command of `stage` the gate refused: logged, and told to the refusal callback."""
         name = policy.safe_method_name(method)
         log.warning("stage %s (token %s): refused %s: %s", stage.key, stage.fp, name, reason)
         if self._on_refusal:

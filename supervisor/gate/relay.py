@@ -90,7 +90,7 @@ class Relay:
             except ValueError:
                 data = None
             method = data.get("method") if isinstance(data, dict) else None
-            if self.gate._record and isinstance(method, str):
+            if self.gate.record_methods and isinstance(method, str):
                 self.stage.methods[policy.safe_method_name(method)] += 1
             self.ctx.pending_creates = self.stage.creating   # the quota is the stage's
             reason = policy.check_command(data, self.ctx)
@@ -99,7 +99,7 @@ class Relay:
                 if key in self.pending:
                     reason = "a command with this id is still in flight"
             if reason is not None:
-                self.gate._refused(self.stage, method or "", reason)
+                self.gate.refused(self.stage, method or "", reason)
                 self._observe(data, reason)
                 if isinstance(data, dict) and "id" in data:
                     await self._out(json.dumps(policy.refusal_message(
