@@ -125,17 +125,15 @@ class Stages:
                         or run.state != RunState.ACTIVE:
                     return
                 key = self.profile_key(run, req.profile) if req.profile is not None else None
-                # a new browser needs a user of its own, asked for before the lease: a run that
-                # waits for one holds no profile meanwhile
-                if self.needs_browser(run, key):
-                    pool = self.pool()
-                    user = await asyncio.to_thread(pool.take, f"run {run.run_id}") if pool else None
-                    if pool is not None and user is None:
-                        stage.move(StageState.WAITING)
-                        stage.waiting, stage.pool_wait = None, pool.full_reason()
-                        self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "waiting",
-                                            reason="browser_pool_full")
-                        return
+                # a new browser needs a user of its own, taken before the lease (a run that waits
+                # for a user holds no profile meanwhile), but only when the lease would be
+                # granted: a stage that will wait for its profile takes none (it would hand one
+                # back at every turn of the queue, waking every stage that waits for one)
+                pool = self.pool() if self.needs_browser(run, key) else None
+                if pool is not None and (key is None or await self.calls.run(self.lease_open, key, run.run_id)):
+                    user = await asyncio.to_thread(pool.take, f"run {run.run_id}")
+                    if user is None:
+                        return self.wait_for_user(run, stage, pool)
                 stage.pool_wait = None
                 if key is not None:
                     try:
@@ -156,6 +154,10 @@ class Stages:
                         self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "waiting",
                                             holder_run=result.holder_run or None)
                         return
+                    if pool is not None and user is None:    # the lease came free meanwhile
+                        user = await asyncio.to_thread(pool.take, f"run {run.run_id}")
+                        if user is None:
+                            return self.wait_for_user(run, stage, pool)
                     t1 = time.monotonic()
                     handed, user = user, None      # the browser owns it now (or gives it back)
                     browser = await self.ensure_anchor(run, key, stage.headed, handed)
@@ -188,6 +190,24 @@ class Stages:
                 await self.release_user(user)
             with swallowed(log, f"run {run.run_id}: saving its record", (OSError,)):
                 self.records.save(run)
+
+    def wait_for_user(self, run: Run, stage: Stage, pool: BrowserPool) -> None:
+        """The stage waits for a browser user (`browser_pool_full`); a browser's end wakes it."""
+        stage.move(StageState.WAITING)
+        stage.waiting, stage.pool_wait = None, pool.full_reason()
+        self.recorder.stage(run.run_id, stage.stage_id, stage.attempt, "waiting", reason="browser_pool_full")
+
+    def lease_open(self, key: ProfileKey, run_id: str) -> bool:
+        """Whether `run_id` would be granted `key` now: it holds it, or nobody does and nobody
+        is queued before it (a store call: run it off the event loop). An unreachable store: no."""
+        try:
+            holder = self.stores.lease.holder(key)
+            if holder is not None:
+                return holder.run == run_id
+            queue = self.stores.lease.queue(key)
+        except StoreUnavailable:
+            return False
+        return not queue or queue[0].run == run_id
 
     def needs_browser(self, run: Run, key: ProfileKey | None) -> bool:
         """A stage of `key` (None: profile-less) needs a new browser in `run`."""

@@ -79,7 +79,7 @@ def test_sign_in_through_the_provider_reuse_and_a_stage_that_may_not_reach_it(ss
     assert as_stage(s, "fill", "input[name=login]", "operator").returncode == 0
     assert as_stage(s, "fill", "input[name=password]", "anything").returncode == 0
     assert as_stage(s, "click", "button[type=submit]").returncode == 0
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 40
     while time.monotonic() < deadline:
         url = as_stage(s, "get", "url").stdout.strip()
         if url == f"{app}/account":
@@ -87,6 +87,7 @@ def test_sign_in_through_the_provider_reuse_and_a_stage_that_may_not_reach_it(ss
         if "/interaction/" in url and as_stage(s, "click", "button[type=submit]").returncode == 0:  # consent
             continue
         time.sleep(0.3)
+    as_stage(s, "wait", "#who")            # the account page has loaded (bounded by agent-browser)
     assert as_stage(s, "get", "text", "#who").stdout.strip() == "signed in as operator"
     assert check(d, "r1", sites)["logged_in"] is True
     assert d.call("POST", "/v1/runs/r1/end", {"outcome": "succeeded"})[0] == 200
