@@ -33,7 +33,7 @@ from sfguard.supervisor.profiles import rotation, store_ops
 from sfguard.supervisor.profiles.key_versions import KeyStateError
 from sfguard.supervisor.profiles.keys import KeyMissing
 from sfguard.supervisor.profiles.lease import current_process, process_alive
-from sfguard.supervisor.protocols import ProcessIdentity
+from sfguard.supervisor.protocols import ProcessIdentity, ProfileError
 from sfguard.supervisor.stage.sandbox import lookup_user
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ def sweep(guard: Guard) -> dict:
             log.error("profile %s could not be resealed after a crash (%s); its unsealed copy is "
                       "kept until the current key version can be used", key.name, exc)
             report.setdefault("kept_unsealed", []).append(key.name)
-        except Exception as exc:
+        except (ProfileError, OSError) as exc:   # a seal or store failure, a full disk
             log.error("profile %s could not be resealed after a crash (%s); the previous sealed "
                       "copy is kept", key.name, exc)
             with swallowed(log, f"sweep: closing the unsealed copy of {key.name}"):
