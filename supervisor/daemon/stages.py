@@ -432,9 +432,8 @@ class Stages:
             try:
                 browser.anchor = await self.launch(run, browser, profile_dir)
             finally:
-                if browser.anchor is None:
-                    # a browser that never started changed nothing: drop the working copy (the sealed
-                    # profile stays as it was) so that the next request can open the profile again
+                if browser.anchor is None:   # it never started, so it changed nothing: drop the working
+                    # copy (the sealed profile stays as it was) so that the next request can open it again
                     run.browsers.pop(key.name, None)
                     with swallowed(log, f"profile {key.name}: closing after a failed launch"):
                         await self.calls.run(self.store.close, key, save=False)
