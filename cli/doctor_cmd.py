@@ -59,7 +59,7 @@ def _keyring_backend() -> tuple[bool, str]:
     try:
         import keyring
         from keyring.backends import fail
-    except Exception as exc:  # keyring itself is a required package; reported above
+    except ImportError as exc:  # keyring itself is a required package; reported above
         return False, f"keyring unusable ({type(exc).__name__})"
     kr = keyring.get_keyring()
     if isinstance(kr, fail.Keyring):

@@ -54,29 +54,30 @@ class SfguardRestHook(commands.StartHook):
     rest: Rest
 
 
-class _Resumed:
+class _Resumed(Generator[Any, Any, Any]):
     """Awaitable that goes on with a coroutine (`it`, its `__await__` iterator) which already
     yielded `pending` outside any task: awaiting it hands `pending` to the awaiting task, then
-    passes every result, and anything thrown in (cancellation), to the coroutine."""
+    passes every result, and anything thrown in (cancellation), to the coroutine. It is its own
+    iterator, which `await` delegates to as `yield from` does (send, throw, close): the
+    coroutine's end (StopIteration) is the await's result, and nothing is caught here."""
 
     def __init__(self, it: Generator[Any, Any, Any], pending: Any) -> None:
-        self.it, self.pending = it, pending
+        self.it, self.pending, self.handed = it, pending, False
 
     def __await__(self) -> Generator[Any, Any, Any]:
-        it, pending = self.it, self.pending
-        while True:
-            try:
-                value = yield pending
-            except BaseException as exc:  # thrown into the awaiting task: the handler's to handle
-                try:
-                    pending = it.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    pending = it.send(value)
-                except StopIteration as stop:
-                    return stop.value
+        return self
+
+    def send(self, value: Any) -> Any:
+        if not self.handed:      # the awaiting task's first step: what the coroutine yielded
+            self.handed = True
+            return self.pending
+        return self.it.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        return self.it.throw(typ) if val is None and tb is None else self.it.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self.it.close()
 
 
 class CachedAddonManager(addonmanager.AddonManager):

@@ -103,5 +103,5 @@ class PolicyReloader:
             await asyncio.sleep(self.interval)
             try:
                 self.check_now()
-            except Exception:  # never let the watcher die silently
+            except Exception:  # the task's top: a failed check must not end the watcher (logged)
                 logger.exception("policy watcher error")

@@ -245,34 +245,39 @@ def prune_empty(folder: Path, stop: Path) -> None:
         folder = folder.parent
 
 
-def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
-    """Write `data` to `path` so a crash leaves either the old or the new file, never half."""
-    with atomic_file(path, mode) as fh:
+def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE, sync: bool = True) -> None:
+    """Write `data` to `path` so a crash leaves either the old or the new file, never half
+    (`sync`: see atomic_file)."""
+    with atomic_file(path, mode, sync=sync) as fh:
         fh.write(data)
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: int = FILE_MODE, buffering: int = -1) -> Iterator[BinaryIO]:
+def atomic_file(path: Path, mode: int = FILE_MODE, buffering: int = -1,
+                sync: bool = True) -> Iterator[BinaryIO]:
     """The one atomic write: yields a binary file to fill; on a clean exit it is flushed,
     fsynced and renamed over `path`, then the folder is fsynced. The temp file
     `.<name>.<random>.tmp` sits in the same folder, created with `mode`; on any error it is
-    removed and `path` is left as it was."""
+    removed and `path` is left as it was. `sync` False: renamed without either fsync (a power
+    cut may lose the new file, never leave half of it), for writes on the event loop."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    placed = False
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb", buffering=buffering) as fh:
             yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
+        placed = True
+    finally:
+        if not placed:      # an error (the caller's too): the temp file goes, `path` stays as it was
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    if sync:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

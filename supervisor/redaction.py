@@ -111,7 +111,7 @@ def redact_record(record: logging.LogRecord) -> logging.LogRecord:
         return record
     try:
         message = record.getMessage()
-    except Exception:  # a broken format string: keep the parts, masked
+    except Exception:  # a log call never raises (a broken format string, an argument's str): keep the parts
         message = f"{record.msg!s} {record.args!r}"
     record.msg = redact(message)
     record.args = None

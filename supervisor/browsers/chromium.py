@@ -207,6 +207,7 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
             return carried
         tmp = f".Preferences.sfguard-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=ddir)
+        placed = False
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(json.dumps(guarded, separators=(",", ":")).encode())
@@ -215,10 +216,11 @@ def set_guard_prefs(profile_dir: Path, owner: tuple[int, int] | None = None) -> 
             if owner is not None:
                 os.chown(tmp, *owner, dir_fd=ddir, follow_symlinks=False)
             os.rename(tmp, "Preferences", src_dir_fd=ddir, dst_dir_fd=ddir)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=ddir)
-            raise
+            placed = True
+        finally:
+            if not placed:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=ddir)
         return carried
     finally:
         os.close(ddir)
@@ -298,18 +300,20 @@ async def spawn(argv: list[str], *, env: dict[str, str], cwd: str,
         os.dup2(hi_r, PIPE_READ_FD)
         os.dup2(hi_w, PIPE_WRITE_FD)
 
+    spawned = False
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=child_fds,
             pass_fds=(PIPE_READ_FD, PIPE_WRITE_FD), user=user, group=group,
             extra_groups=[] if user is not None else None)
-    except BaseException:
-        for fd in (hi_r, hi_w, to_browser_w, from_browser_r):
-            os.close(fd)
-        raise
-    os.close(hi_r)
-    os.close(hi_w)
+        spawned = True
+    finally:
+        os.close(hi_r)      # the child's ends: the child has its copies, or there is no child
+        os.close(hi_w)
+        if not spawned:
+            os.close(to_browser_w)
+            os.close(from_browser_r)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=256 * 1024 * 1024)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),

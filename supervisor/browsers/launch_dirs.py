@@ -49,6 +49,7 @@ class LaunchDirs:
         owner = (user.uid, user.gid) if user is not None else None
         dirs = cls(bu.owned_dir(work, f"tp-{session[:20]}-", user), True) if profile_dir is None \
             else cls(Path(profile_dir), False)
+        made = False
         try:
             if temp:
                 dirs.carried = tuple(chromium.set_guard_prefs(dirs.profile_dir, owner))
@@ -72,9 +73,10 @@ class LaunchDirs:
             if extension:
                 dirs.ext_dir = websockets.extension_dir(work if private else socket_dir,
                                                         user.gid if user is not None else None)
-        except BaseException:
-            dirs.drop()
-            raise
+            made = True
+        finally:
+            if not made:
+                dirs.drop()
         return dirs
 
     def drop(self) -> None:

@@ -320,6 +320,6 @@ async def check_login(pipe: CdpPipe, check: LoginCheck, *, timeout: float = 30,
             if target is not None:
                 try:
                     await asyncio.wait_for(_close_tab(cdp, target), CLOSE_WAIT)
-                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - best effort, bounded
+                except (PipeClosed, CdpCallError, TimeoutError, asyncio.CancelledError):  # best effort, bounded
                     pass
             await cdp.close()

@@ -88,6 +88,7 @@ def grant(display: str, user: BrowserUser, home: Path, source: str | None = None
     path = Path(home) / GRANT_NAME
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     os.close(fd)
+    granted = False
     try:
         merged = subprocess.run([xauth, "-q", "-f", str(path), "nmerge", "-"], input=cookie.stdout,
                                 capture_output=True, timeout=PROBE_TIMEOUT, check=False,
@@ -97,9 +98,10 @@ def grant(display: str, user: BrowserUser, home: Path, source: str | None = None
         # xauth writes a new file and renames it over: set owner and mode on what is there now
         os.chown(path, user.uid, user.gid, follow_symlinks=False)
         os.chmod(path, 0o600, follow_symlinks=False)
-    except BaseException:
-        revoke(path)
-        raise
+        granted = True
+    finally:
+        if not granted:
+            revoke(path)
     return path
 
 
@@ -152,6 +154,7 @@ async def prepare(env: dict[str, str], headed: bool, user: Any, home_dir: Path |
     if not headed or not env.get("DISPLAY"):
         return None
     xauth_file: Path | None = None
+    usable = False
     try:
         if user is not None:
             display = local_display(env)
@@ -160,7 +163,8 @@ async def prepare(env: dict[str, str], headed: bool, user: Any, home_dir: Path |
             xauth_file = await asyncio.to_thread(grant, display, user, home_dir)
             env["XAUTHORITY"] = str(xauth_file)
         await asyncio.to_thread(probe, env, user)
-    except BaseException:
-        revoke(xauth_file)
-        raise
+        usable = True
+    finally:
+        if not usable:
+            revoke(xauth_file)
     return xauth_file

@@ -275,6 +275,7 @@ class ProfileOps:
         live_view, url = a one-time console link). HandoffRefused when neither can work."""
         new = None if self._profile_exists() else self.name
         run = GuardRun(self.client, new_run_id("login"))
+        opened = False
         try:
             try:
                 run.stage("login", self._browser(headed=True), wait=0)
@@ -289,15 +290,18 @@ class ProfileOps:
                                       self.url, "auto", "login", spec)
                 if payload.get("kind") != "live_view":
                     raise HandoffRefused(str(exc), "no_display") from None
-                return LoginWindow(run, payload, new)
+                window = LoginWindow(run, payload, new)
+                opened = True
+                return window
             payload = run.handoff(self.name, urlsplit(self.url).hostname or self.url,
                                   f"sfguard profiles login: sign in to profile {self.name}", self.url)
-        except BaseException:
-            with contextlib.suppress(OpError):
-                run.end("cancelled")
-            if new is not None:
-                drop_new_profile(self.client, new)
-            raise
+            opened = True
+        finally:
+            if not opened:      # a failure, or Ctrl-C: the run ends and a profile made for it goes
+                with contextlib.suppress(OpError):
+                    run.end("cancelled")
+                if new is not None:
+                    drop_new_profile(self.client, new)
         return LoginWindow(run, payload, new)
 
 

@@ -392,7 +392,7 @@ def _edge(token: str | None, scrape_token: str | None) -> Any:
             return error_response(405, "method_not_allowed", "method not allowed on this route")
         except web.HTTPException as exc:
             return error_response(exc.status, "http_error", exc.reason)
-        except Exception:
+        except Exception:   # the route's top: a bug answers 500 (traceback logged), never a dropped connection
             log.exception("internal error on %s %s", request.method, request.rel_url.path)
             return error_response(500, "internal", "internal error; see the guard's log")
 

@@ -48,8 +48,8 @@ class AuditWatch:
     async def check(self) -> None:
         try:
             result = await self.run(self.verify)
-        except Exception as exc:   # boundary: a store away is "unknown", said in the log
-            log.warning("the audit chain could not be verified: %s", exc)
+        except Exception as exc:   # the loop's top: whatever stops a check (a store away), the watch goes on
+            log.warning("the audit chain could not be verified: %s: %s", type(exc).__name__, exc)
             self.ok, self.checked, self.problem = None, time.time(), f"not verified: {exc}"
             return
         self.seen(result)

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,13 +27,13 @@ from sfguard.supervisor.browsers.browser_user import BrowserUser, take_back
 from sfguard.supervisor.daemon.runs import Run, StageState
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
 from sfguard.supervisor.errors import swallowed
-from sfguard.supervisor.home import FILE_MODE, atomic_write, private_dir
+from sfguard.supervisor.home import atomic_write, private_dir
 from sfguard.supervisor.procs import ProcRecord, scan_orphans, terminate_recorded
 from sfguard.supervisor.profiles import rotation, store_ops
 from sfguard.supervisor.profiles.key_versions import KeyStateError
 from sfguard.supervisor.profiles.keys import KeyMissing
 from sfguard.supervisor.profiles.lease import current_process, process_alive
-from sfguard.supervisor.protocols import ProcessIdentity
+from sfguard.supervisor.protocols import ProcessIdentity, ProfileError
 from sfguard.supervisor.stage.sandbox import lookup_user
 
 if TYPE_CHECKING:
@@ -91,16 +90,7 @@ class RunRecords:
         power cut may lose the newest records (the audit log, fsynced, still has the runs);
         it never leaves half a record."""
         folder = private_dir(self.ended_dir)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{run.run_id}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, FILE_MODE)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(json.dumps(run.public()).encode())
-            os.replace(tmp, folder / f"{run.run_id}.json")
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(folder / f"{run.run_id}.json", json.dumps(run.public()).encode(), sync=False)
 
     def ended_record(self, run_id: str) -> dict[str, Any] | None:
         """The kept record of an ended run, or None."""
@@ -212,7 +202,7 @@ def sweep(guard: Guard) -> dict:
             log.error("profile %s could not be resealed after a crash (%s); its unsealed copy is "
                       "kept until the current key version can be used", key.name, exc)
             report.setdefault("kept_unsealed", []).append(key.name)
-        except Exception as exc:
+        except (ProfileError, OSError) as exc:   # a seal or store failure, a full disk
             log.error("profile %s could not be resealed after a crash (%s); the previous sealed "
                       "copy is kept", key.name, exc)
             with swallowed(log, f"sweep: closing the unsealed copy of {key.name}"):

@@ -15,6 +15,7 @@ from sfguard.supervisor.daemon.runs import Browser, Run
 from sfguard.supervisor.daemon.stage_browser import BROWSER_ERRORS
 from sfguard.supervisor.daemon.window_handoff import WindowHandoffs
 from sfguard.supervisor.errors import BadRequest, Conflict, Forbidden, Unavailable, Unprocessable
+from sfguard.supervisor.gate.cdp_session import CdpCallError, PipeClosed
 from sfguard.supervisor.protocols import ProfileError
 from sfguard.supervisor.states import HandoffPhase
 
@@ -158,7 +159,7 @@ class Logins:
             await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser) + [host])
             try:
                 await open_in_titled_window(browser.anchor.pipe, body.url)
-            except Exception as exc:
+            except (PipeClosed, CdpCallError, TimeoutError, KeyError) as exc:   # KeyError: an answer without its field
                 raise Unavailable("browser_failed", f"could not open the page in the browser "
                                   f"({type(exc).__name__})", None) from None
         await self.store_call(self.audit.record, "handoff_opened", scope=self.scope,

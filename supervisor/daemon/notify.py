@@ -200,8 +200,8 @@ class Notifier:
                 self._enqueue(event, payload)
             else:
                 loop.call_soon_threadsafe(self._enqueue, event, dict(payload))
-        except Exception as exc:   # boundary: a notification never stops what it reports
-            log.warning("notifications: %s not queued: %s", event, exc)
+        except Exception as exc:   # boundary, from any thread: a notification never stops what it reports
+            log.warning("notifications: %s not queued: %s: %s", event, type(exc).__name__, exc)
 
     def status(self) -> dict[str, Any] | None:
         if not self.hooks:

@@ -39,6 +39,7 @@ import socket
 import sys
 from pathlib import Path
 
+from sfguard.errors import SfguardError
 from sfguard.supervisor import redaction
 from sfguard.supervisor.errors import BrowserStartError
 from sfguard.supervisor.procs import ProcRecord, end_child
@@ -263,7 +264,7 @@ def _warm(policy_path: str, decision_log: str) -> None:
     logging.disable(logging.CRITICAL)
     try:
         asyncio.run(once())
-    except Exception as exc:   # noqa: BLE001 - a bad policy now is reported by the child that loads it
+    except (SfguardError, OSError, ValueError) as exc:   # a bad policy now is reported by the child that loads it
         print(redaction.log_line(f"sfguard-proxy-zygote: warm-up skipped ({type(exc).__name__})",
                                  logger="sfguard.proxy.zygote", level="WARNING"), file=sys.stderr)
     finally:
@@ -290,9 +291,7 @@ def _child(ctl: socket.socket, fds: list[int], args: list[str]) -> None:
         code = proxy_child.main(args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:   # noqa: BLE001 - the child must end here, never return into the zygote loop
-        code = 70
-    finally:
+    finally:   # the child ends here (70 unless main returned), never returns into the zygote loop
         with contextlib.suppress(OSError, ValueError):
             sys.stdout.flush()
             sys.stderr.flush()

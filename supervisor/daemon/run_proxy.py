@@ -352,7 +352,7 @@ class ProxyPool:
         proxy = self._starting = self._make()
         try:
             await proxy.start(nice=self.spare_nice)
-        except Exception as exc:
+        except (BrowserStartError, OSError, ValueError) as exc:   # did not start, could not be spawned
             log.warning("could not start a spare run proxy: %s", exc)
             return
         finally:

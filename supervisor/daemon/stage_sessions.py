@@ -106,6 +106,7 @@ class StageSessions:
         # not carry: every command of a session must have the same env
         env = {k: v for k, v in full.items()
                if k in self.stage_keys or not k.startswith("AGENT_BROWSER_")}
+        bound = False
         try:
             # The session is bound to one tab that is the stage's before it starts: the
             # browser's start-up tab, else one the gate creates now. Left to itself,
@@ -113,9 +114,10 @@ class StageSessions:
             # creates its pinned tab: two tab creations, the slowest Chromium work of a session.
             tab = own_tab or await self.gate.create_stage_tab(gate_key, visible=anchor.headed)
             opened = await self.host.open_stage_session(env, nice=nice, target_id=tab)
-        except BaseException:
-            await self.gate.revoke(gate_key, close_tabs=True)   # tabs of no stage
-            raise
+            bound = True
+        finally:
+            if not bound:
+                await self.gate.revoke(gate_key, close_tabs=True)   # tabs of no stage
         return StartedSession(gate_key, url, env, list(opened.processes), tab)
 
     # -- spares -------------------------------------------------------------------------------
@@ -142,6 +144,9 @@ class StageSessions:
         except (AnchorError, GateError, OSError, ValueError) as exc:
             log.info("spare stage session for %s not started: %s", anchor.session, exc)
             return None
+        except Exception:   # a task's top: a spare is only ahead of time; a stage that finds none starts its own
+            log.exception("spare stage session for %s not started", anchor.session)
+            return None
 
     def spare_records(self, anchor: Anchor) -> tuple[list[ProcRecord], list[str]]:
         """The processes and session name of the anchor's ready spare (for the crash record)."""
@@ -159,7 +164,7 @@ class StageSessions:
         except asyncio.CancelledError:   # the request was cancelled: nobody gets this spare
             self._end_when_done(task)
             raise
-        except Exception:   # too slow, or failed in an unforeseen way: the stage starts its own
+        except TimeoutError:   # too slow (a failed one answers None): the stage starts its own
             self._end_when_done(task)
             return None
         if started is None:
@@ -181,10 +186,9 @@ class StageSessions:
     def _end_when_done(self, task: asyncio.Task) -> None:
         """A spare taken out of the table but given to no stage: ended once it has started."""
         async def end() -> None:
-            with contextlib.suppress(BaseException):
-                started = await task
-                if started is not None:
-                    await self.end(started)
+            started = await task    # None when it failed (_spare logs why); cancelled: this ends too
+            if started is not None:
+                await self.end(started)
         ending = asyncio.get_running_loop().create_task(end())
         self._ending.add(ending)   # the loop keeps only weak references to tasks
         ending.add_done_callback(self._ending.discard)
@@ -206,10 +210,8 @@ class StageSessions:
             started = await asyncio.wait_for(asyncio.shield(task), TAKE_WAIT)
         except TimeoutError:
             task.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(asyncio.CancelledError):   # _spare itself never raises
                 await task
-            started = None
-        except Exception:
             started = None
         if started is not None:
             await self.end(started)

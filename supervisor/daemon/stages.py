@@ -352,12 +352,14 @@ class Stages:
             with contextlib.suppress(PipeClosed, CdpCallError, TimeoutError):
                 await anchor.pipe.call("Target.activateTarget", {"targetId": started.tab}, timeout=5)
         # The stage's bridges for `sfguard stage-exec` (closed at stage end, like the token).
+        bridged = False
         try:
             await self.bridges.open(gate_key, started.url, run.proxy, stage.browser_req.allow_domains,
                                     stage.browser_req.writes, pace=(pace_key(run, browser), stage_budget(stage)))
-        except BaseException:
-            await self.sessions.end(started)
-            raise
+            bridged = True
+        finally:
+            if not bridged:
+                await self.sessions.end(started)
         if stage.state == StageState.ENDED:
             # ended (POST .../end) while its browser was being made: nothing of it may stay open
             browser.stages.discard(stage.stage_id)
@@ -413,6 +415,7 @@ class Stages:
             return browser
         user = user or await self.take_user(run)
         profile_dir: Path | None = None
+        ready = False
         try:
             proxy = await self.ensure_proxy(run)
             t0 = time.monotonic()
@@ -428,18 +431,18 @@ class Stages:
             t1 = time.monotonic()
             try:
                 browser.anchor = await self.launch(run, browser, profile_dir)
-            except BaseException:
-                # a browser that never started changed nothing: drop the working copy (the sealed
-                # profile stays as it was) so that the next request can open the profile again
-                run.browsers.pop(key.name, None)
-                with swallowed(log, f"profile {key.name}: closing after a failed launch"):
-                    await self.calls.run(self.store.close, key, save=False)
-                with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
-                    await proxy.remove_client(name)
-                raise
-        except BaseException:
-            await self.release_user(user, (profile_dir,) if profile_dir is not None else ())
-            raise
+            finally:
+                if browser.anchor is None:   # it never started, so it changed nothing: drop the working
+                    # copy (the sealed profile stays as it was) so that the next request can open it again
+                    run.browsers.pop(key.name, None)
+                    with swallowed(log, f"profile {key.name}: closing after a failed launch"):
+                        await self.calls.run(self.store.close, key, save=False)
+                    with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
+                        await proxy.remove_client(name)
+            ready = True
+        finally:
+            if not ready:
+                await self.release_user(user, (profile_dir,) if profile_dir is not None else ())
         self.page_loads.watch(run, browser)      # the guard's own login checks count too
         log.info("run %s: anchor for profile %s ready (profile opened in %.0f ms, browser "
                  "launched in %.0f ms)", run.run_id, key.name, (t1 - t0) * 1000,
@@ -458,6 +461,7 @@ class Stages:
         """A throw-away browser for a profile-less stage, as `user` (taken when not given)."""
         user = user or await self.take_user(run)
         key = f"tmp-{stage.stage_id}"
+        ready = False
         try:
             proxy = await self.ensure_proxy(run)
             name = await proxy.add_client([], held=True,      # refused everything until attach
@@ -465,14 +469,15 @@ class Stages:
             browser = Browser(key, None, stage.headed, name, user=user)
             run.browsers[key] = browser
             browser.anchor = await self.launch(run, browser, None)
-        except BaseException:
-            failed = run.browsers.get(key)
-            if failed is not None and failed.anchor is None:    # never started: nothing of it stays
-                run.browsers.pop(key)
-                with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
-                    await proxy.remove_client(failed.client)
-            await self.release_user(user)
-            raise
+            ready = True
+        finally:
+            if not ready:
+                failed = run.browsers.get(key)
+                if failed is not None and failed.anchor is None:    # never started: nothing of it stays
+                    run.browsers.pop(key)
+                    with swallowed(log, "removing the failed browser's proxy client", (BrowserStartError,)):
+                        await proxy.remove_client(failed.client)
+                await self.release_user(user)
         return browser
 
     async def leased_browser(self, run: Run, profile: str, headed: bool) -> Browser:

@@ -22,9 +22,11 @@ from sfguard.supervisor.daemon.runs import (
     StageOutcome,
     StageState,
 )
+from sfguard.supervisor.daemon.stage_browser import BROWSER_ERRORS
 from sfguard.supervisor.errors import BrowserStartError, swallowed
 from sfguard.supervisor.procs import terminate_recorded
 from sfguard.supervisor.profiles import rotation, store_ops
+from sfguard.supervisor.protocols import ProfileError
 from sfguard.supervisor.writes.modes import stage_left
 
 if TYPE_CHECKING:
@@ -80,7 +82,7 @@ class Teardown:
             if stage.env_full:
                 try:
                     await self.host.close_stage_session(stage.env_full)
-                except Exception as exc:
+                except BROWSER_ERRORS as exc:
                     log.debug("stage session close: %s", exc)
             # 2. the stage's tabs, over the raw connection
             with swallowed(log, f"stage {stage.stage_id}: closing its tabs"):
@@ -118,14 +120,14 @@ class Teardown:
             await self.sessions.drop(browser.anchor)   # a spare no stage took
             try:
                 await self.host.close_anchor(browser.anchor)
-            except Exception as exc:
+            except BROWSER_ERRORS as exc:
                 problems.append(f"closing the browser of {browser.key}: {exc}")
                 await asyncio.to_thread(terminate_recorded, browser.anchor.processes)
             browser.anchor = None
         if browser.profile is not None:
             try:
                 await self.calls.run(rotation.close_profile, self.stores, browser.profile, run.run_id)
-            except Exception as exc:
+            except (ProfileError, OSError) as exc:   # a seal or store failure, a full disk, a key away
                 wait = waits_for(exc)
                 if wait:      # keep the login: resealed when space (or the key) is there
                     self.deferred.reseal_later(browser.profile, run.run_id, wait)

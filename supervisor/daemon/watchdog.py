@@ -47,7 +47,7 @@ class Watchdog:
             try:
                 await self.once()
                 self.last_pass = time.monotonic()     # readiness (supervisor/daemon/health.py)
-            except Exception:
+            except Exception:   # a task's top: one failed pass must not end the watchdog
                 log.exception("watchdog pass failed")
 
     async def once(self) -> None:

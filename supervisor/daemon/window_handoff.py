@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sfguard.supervisor.daemon.runs import Browser, Run, RunState, StageState
+from sfguard.supervisor.daemon.stage_browser import BROWSER_ERRORS
+from sfguard.supervisor.errors import GuardError
+from sfguard.supervisor.protocols import ProfileError
 from sfguard.supervisor.states import HandoffPhase, handoff_move
 
 log = logging.getLogger("sfguard.handoff")
@@ -92,7 +95,7 @@ class WindowHandoffs:
             fields["stage"] = h.stage_id
         try:
             await self.audit(outcome, fields)
-        except Exception as exc:   # the chain's own failure is in its log; the window still goes
+        except (GuardError, ProfileError, OSError) as exc:   # the store away or refusing: the window still goes
             log.warning("handoff_closed of run %s not audited: %s", h.run_id, type(exc).__name__)
         if run is not None and run.state == RunState.ACTIVE:
             browser = run.browsers.get(h.browser_key)
@@ -102,7 +105,7 @@ class WindowHandoffs:
             if browser is not None and browser.headed and not wanted:
                 try:
                     await self.headless(run, browser)
-                except Exception as exc:   # the browser stays as it is; the watchdog keeps it
+                except BROWSER_ERRORS as exc:   # the browser stays as it is; the watchdog keeps it
                     log.warning("the login window of run %s did not go back to headless: %s",
                                 h.run_id, type(exc).__name__)
         h.state = handoff_move(h.state, outcome)

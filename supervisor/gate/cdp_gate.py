@@ -320,5 +320,5 @@ class CdpGate:
         if self._on_refusal:
             try:
                 self._on_refusal(stage.key, name, reason)
-            except Exception:  # a broken callback must not open the gate
+            except OSError:  # its decision-log line; the command stays refused all the same
                 log.exception("on_refusal callback failed")

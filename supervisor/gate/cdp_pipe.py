@@ -136,11 +136,12 @@ class CdpPipe:
         tasks = [asyncio.ensure_future(c) for c in calls]
         try:
             results = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
+        finally:
+            left = [t for t in tasks if not t.done()]   # after a failure: the others end too
+            for t in left:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            if left:
+                await asyncio.gather(*left, return_exceptions=True)
         if proxy_auth is not None:
             self.fetch_on = True
         return results[0]
@@ -282,7 +283,7 @@ class CdpPipe:
                 text = raw[:-1].decode("utf-8", errors="replace")
                 try:
                     self._dispatch(text)
-                except Exception:  # one bad message must not stop the browser's reader
+                except Exception:  # the reader's loop: one bad message must not stop the browser's reader
                     log.exception("dispatching a DevTools message failed")
         except (OSError, ConnectionError):
             pass

@@ -153,7 +153,7 @@ class Relay:
             (data.get("params") or {}).get("targetId") if isinstance(data.get("params"), dict) else None
         try:
             observer(self.stage.key, data, target if isinstance(target, str) else None, self.upstream.pipe, outcome)
-        except Exception:   # a broken observer must not stop (or open) the gate
+        except RuntimeError:   # the run record's loop closed (the guard stops): the command goes on
             log.exception("the gate's observer failed")
 
     def _held(self, data: dict) -> str | None:

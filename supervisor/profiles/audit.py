@@ -76,7 +76,7 @@ from sfguard.supervisor.profiles.audit_chain import (
 )
 from sfguard.supervisor.profiles.audit_versions import AuditKeyVersions, mark_json
 from sfguard.supervisor.profiles.keys import KeyMissing
-from sfguard.supervisor.protocols import VerifyResult
+from sfguard.supervisor.protocols import ProfileError, VerifyResult
 
 #: what other modules import from here (the chain's names live in audit_chain.py)
 __all__ = ["EVENTS", "FIELDS", "GENESIS", "AuditFieldError", "ChainEnd", "VerifyResult", "canonical",
@@ -128,7 +128,7 @@ class LocalAuditSink(AuditKeyVersions):
         try:
             if self._audit_key(create=False) is not None:
                 return "the audit key exists, so keyed records were written"
-        except Exception:  # a damaged key is evidence too
+        except (ProfileError, OSError):  # KeyMissing, KeyStateError, unreadable: a damaged key is evidence too
             return "the audit key exists, so keyed records were written"
         return None
 
@@ -344,7 +344,7 @@ class LocalAuditSink(AuditKeyVersions):
             try:
                 key = self.chain_keys()
                 key.lookup(key.current or 1)
-            except Exception as exc:  # KeyMissing, KeyStateError: damaged or not private
+            except (ProfileError, OSError) as exc:  # KeyMissing, KeyStateError: damaged or not private
                 return VerifyResult(False, 0, None, f"the audit key cannot be used: {exc}")
             stray = self._stray_segment_files()
             if stray:

@@ -251,7 +251,7 @@ def keyring_usable() -> bool:
     try:
         import keyring
         from keyring.backends import fail
-    except Exception:
+    except ImportError:
         return False
     kr = keyring.get_keyring()
     if isinstance(kr, fail.Keyring):

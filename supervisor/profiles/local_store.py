@@ -206,11 +206,13 @@ class LocalProfileStore:
         private_dir(self._runtime_root())
         private_dir(self._runtime_root() / "profiles")
         private_dir(self._runtime_scope_dir(key.scope))
+        opened = False
         try:
             sealing.unseal_to(sealed, dest, self._key_lookup(key.scope), key.scope, key.name)
-        except BaseException:
-            self._prune_runtime(dest.parent)
-            raise
+            opened = True
+        finally:
+            if not opened:
+                self._prune_runtime(dest.parent)
         return dest
 
     def save(self, key: ProfileKey) -> ProfileInfo:

@@ -135,24 +135,27 @@ class PgBackend:
         self.down = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        import psycopg  # noqa: PLC0415 - the pool's errors (PoolTimeout...) are psycopg.OperationalError
         try:
             self.pool.open(wait=True, timeout=connect_wait)
-        except Exception as exc:
+        except psycopg.Error as exc:
             with swallowed(log, "closing the pool that could not connect"):
                 self.pool.close(timeout=1)
             raise StoreUnavailable(f"cannot reach the database {self.url_shown}: "
                                    f"{type(exc).__name__}") from None
         self.schema_version = 0
+        started = False
         try:
             with self.conn() as conn:
                 self.schema_version = (check_schema(conn, self.url_shown) if read_only
                                        else migrate(conn))
             if not read_only:
                 self.beat()
-        except BaseException:
-            with swallowed(log, "closing the pool after a failed start"):
-                self.pool.close(timeout=1)
-            raise
+            started = True
+        finally:
+            if not started:
+                with swallowed(log, "closing the pool after a failed start"):
+                    self.pool.close(timeout=1)
         if heartbeat and not read_only:
             self._thread = threading.Thread(target=self._beat_loop, name="sfguard-heartbeat",
                                             daemon=True)
@@ -180,13 +183,6 @@ class PgBackend:
             raise StoreRefused(f"the database {self.url_shown} refused the change "
                                f"(SQLSTATE {exc.sqlstate or 'unknown'}, {type(exc).__name__}); "
                                "nothing of it was written") from None
-        except Exception as exc:
-            if type(exc).__module__.startswith(("psycopg_pool",)):
-                self.down = True
-                self._down_until = time.monotonic() + FAIL_FAST
-                raise StoreUnavailable(f"no database connection to {self.url_shown} "
-                                       f"({type(exc).__name__})") from None
-            raise
 
     def beat(self, conn=None) -> None:
         """Register or refresh this guard's row (its leases live until expires_at)."""
@@ -210,7 +206,7 @@ class PgBackend:
                 continue
             try:
                 self.beat()
-            except Exception as exc:  # the database is away: leases lapse after the TTL
+            except ProfileError as exc:  # StoreUnavailable, StoreRefused: leases lapse after the TTL
                 if not failing:
                     log.warning("heartbeat to the shared store failed (%s); leases of this "
                                 "guard expire %.0f s after the last good one; trying again "
@@ -244,7 +240,7 @@ class PgBackend:
             except StoreUnavailable:
                 with self.pending_lock:
                     return len(self.pending)
-            except Exception as exc:
+            except (ProfileError, OSError) as exc:   # StaleLease, StoreRefused, ...; its sealed file
                 log.error("deferred %s was refused (%s)", what, exc)
             else:
                 log.info("deferred %s is done", what)

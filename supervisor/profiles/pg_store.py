@@ -112,12 +112,14 @@ class PgProfileStore:
     # ----------------------------------------------------------------- blobs
     def _seal_to_file(self, key: ProfileKey, src: Path) -> Path:
         tmp = self._scratch(".seal-")
+        sealed = False
         try:
             version, scope_key = self.keys.current_key(key.scope)
             sealing.seal_dir(src, tmp, scope_key, key.scope, key.name, key_version=version)
-        except BaseException:
-            self._discard(tmp)
-            raise
+            sealed = True
+        finally:
+            if not sealed:
+                self._discard(tmp)
         return tmp
 
     def _key_lookup(self, scope: str) -> sealing.KeyLookup:
@@ -145,6 +147,7 @@ class PgProfileStore:
     def _fetch_to_file(self, key: ProfileKey) -> Path:
         """Stream the current sealed blob into a private temp file (chunk by chunk)."""
         tmp = self._scratch(".fetch-")
+        fetched = False
         try:
             with open(tmp, "wb") as out, self.backend.conn() as conn:
                 row = conn.execute("SELECT blob_id FROM sfguard_profiles WHERE scope = %s AND "
@@ -158,9 +161,10 @@ class PgProfileStore:
                                 "ORDER BY idx", (row[0],))
                     for (data,) in cur:
                         out.write(data)
-        except BaseException:
-            self._discard(tmp)
-            raise
+            fetched = True
+        finally:
+            if not fetched:
+                self._discard(tmp)
         return tmp
 
     # ----------------------------------------------------------------- ProfileStore
@@ -291,6 +295,7 @@ class PgProfileStore:
         recorded (`profile_rekeyed`) in the same transaction; `rekey`: a rotation's reseal at
         rest, which leaves `last_used` as it was."""
         version = sealing.key_version_of(sealed, key.scope, key.name)
+        keep = False        # refused or failed: the sealed file goes
         try:
             with self.backend.conn() as conn:
                 blob_id, size = self._insert_blob(conn, sealed)
@@ -311,13 +316,13 @@ class PgProfileStore:
                 if int(old[1]) != version:
                     self._audit(conn, "profile_rekeyed", key, {"run": run, "from_version": int(old[1]),
                                                                 "to_version": version})
+            keep = not final    # stored: a deferred retry's file goes; a save's is the caller's
         except StoreUnavailable:
+            keep = True
             raise                                   # kept for the next retry
-        except BaseException:
-            self._discard(sealed)
-            raise
-        if final:
-            self._discard(sealed)
+        finally:
+            if not keep:
+                self._discard(sealed)
 
     def record_login_check(self, key: ProfileKey, logged_in: bool) -> None:
         """A state write: the last login check's time and result, fenced like a reseal."""
@@ -332,15 +337,16 @@ class PgProfileStore:
         (stale) reseal still removes the working copy and then raises StaleLease; a reseal this
         host cannot key (KeyVersionMissing) keeps it, for the guard to try again."""
         src = self._unsealed_dir(key)
+        keep = False
         try:
             if save and src.is_dir():
                 self.save(key)
         except KeyVersionMissing:
+            keep = True
             raise      # kept: sealed once this host has the store's current key version
-        except BaseException:
-            shutil.rmtree(src, ignore_errors=True)
-            raise
-        shutil.rmtree(src, ignore_errors=True)
+        finally:
+            if not keep:
+                shutil.rmtree(src, ignore_errors=True)
         return self.info(key)
 
     def delete(self, key: ProfileKey, *, note: dict | None = None) -> None:

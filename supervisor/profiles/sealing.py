@@ -381,6 +381,7 @@ def unseal_to(sealed: Path, dest: Path, scope_key: bytes | KeyLookup, scope: str
     if os.path.lexists(dest):
         raise SealError("the unseal destination already exists")
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.unsealing-"))
+    unsealed = False
     try:
         os.chmod(tmp, DIR_MODE)
         with open(sealed, "rb", buffering=1 << 20) as fh:
@@ -397,9 +398,10 @@ def unseal_to(sealed: Path, dest: Path, scope_key: bytes | KeyLookup, scope: str
             if not reader.finished:
                 raise SealError("sealed file is truncated (no final chunk)")
         os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        unsealed = True
+    finally:
+        if not unsealed:    # nothing half-unsealed stays
+            shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(dest.parent)
 
 

@@ -87,11 +87,13 @@ def open_stores(home: Path, runtime: Path | None = None, flag: str | None = None
     from sfguard.supervisor.profiles.pg_store import PgProfileStore  # noqa: PLC0415
     masters, source = load_master_keys()
     backend = PgBackend(url, heartbeat=heartbeat, read_only=read_only)
+    made = False
     try:
         keys = PgKeyProvider(backend, masters, source)
-    except BaseException:
-        backend.close()
-        raise
+        made = True
+    finally:
+        if not made:    # the backend (its pool, its heartbeat) goes with the failed start
+            backend.close()
     audit = PgAuditSink(backend, keys)
     backend.audit = audit
     return Stores("postgresql", f"PostgreSQL {backend.url_shown}", keys,

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -140,20 +139,7 @@ def write_index(folder: Path, index: dict[str, Any], sync: bool = True) -> str:
     """Write the index whole (a temp file renamed over it); its digest. `sync` False: not
     fsynced (a run's first index: the guard's event loop writes it; a power cut may lose it,
     never leave half of it, and the sealed index is fsynced)."""
-    data = canonical(index) + b"\n"
-    if sync:
-        atomic_write(folder / INDEX, data)
-        return digest(index)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{INDEX}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, folder / INDEX)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(folder / INDEX, canonical(index) + b"\n", sync=sync)
     return digest(index)
 
 

@@ -173,16 +173,18 @@ class BridgeHost:
                                  0o710 if gid is not None else 0o700, gid, self.stage_uid)
         client = await proxy.add_client(allow, writes=writes, pace_key=pace[0] if pace else None,
                                         budgets=pace[1] if pace else None)
+        serving = False
         try:
             gate = _Bridge(folder / "gate.sock", gate_target)
             prox = _Bridge(folder / "proxy.sock", ("127.0.0.1", proxy.port))
             await gate.start(self.stage_uid, gid)
             await prox.start(self.stage_uid, gid)
-        except BaseException:
-            with swallowed(log, "removing the bridge's proxy client after a failed start"):
-                await proxy.remove_client(client)
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
+            serving = True
+        finally:
+            if not serving:
+                with swallowed(log, "removing the bridge's proxy client after a failed start"):
+                    await proxy.remove_client(client)
+                shutil.rmtree(folder, ignore_errors=True)
         sb = StageBridges(folder, gate, prox, client, proxy.url_for(client))
         self._stages[key] = sb
         return sb

@@ -113,6 +113,15 @@ def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
+def _tell(what: str, hook: Callable[..., object], *args: Any) -> None:
+    """Call a hook of another part (the console's pages, the run record, the audit chain, the
+    webhooks) about an approval: what it raises is logged, never let into the decision."""
+    try:
+        hook(*args)
+    except Exception as exc:   # boundary: another part's failure never stops (or undoes) a decision
+        log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
+
+
 class Approvals:
     """The store. `audit(event, fields)` records held, approved, denied, timed out, cancelled;
     `folder` (in the guard home) keeps decided approvals for `keep_seconds`."""
@@ -219,20 +228,14 @@ class Approvals:
         self.changed.set()
         self.changed = asyncio.Event()
         for listener in list(self.listeners):
-            try:
-                listener()
-            except Exception as exc:   # a page that cannot refresh never stops a decision
-                log.warning("an approvals listener failed: %s", type(exc).__name__)
+            _tell("an approvals listener", listener)   # a page that cannot refresh
 
     def _record(self, event: str, ap: Approval) -> None:
         """The audit record: what was held (method, address with query values hidden, form
         field names, body type and size), why and by which rule, who decided and their reason."""
         self._notify(event, ap)
         for observer in list(self.observers):
-            try:
-                observer(event, ap)
-            except Exception as exc:   # the record's failure never stops a decision
-                log.warning("an approvals observer failed: %s", type(exc).__name__)
+            _tell("an approvals observer", observer, event, ap)   # the run record
         if self.audit is None:
             return
         h = ap.held
@@ -242,10 +245,8 @@ class Approvals:
             "url": hidden_query(h.url), "fields": ",".join(k for k, _ in h.form)[:500] if h.form else None,
             "body_type": h.body_type, "body_size": h.body_size, "why": h.why, "rule": h.rule,
             "by": ap.by, "note": ap.reason or None}
-        try:
-            self.audit(event, {k: v for k, v in fields.items() if v is not None})
-        except Exception as exc:   # the audit chain's own failure is logged by it; the write still waits
-            log.warning("could not audit %s of %s: %s", event, ap.id, exc)
+        _tell(f"the audit record {event} of {ap.id}", self.audit, event,
+              {k: v for k, v in fields.items() if v is not None})
 
     def _notify(self, event: str, ap: Approval) -> None:
         """The guard's webhooks: what a person needs to act, never a form value, a body, a
@@ -253,10 +254,8 @@ class Approvals:
         if self.notify is None:
             return
         hidden = ("form", "url", "earlier", "headers", "body_text", "tab_url")
-        try:
-            self.notify(event, {k: v for k, v in ap.public().items() if k not in hidden})
-        except Exception as exc:   # a notification never stops the write's decision
-            log.warning("could not notify %s of %s: %s", event, ap.id, exc)
+        _tell(f"the notification {event} of {ap.id}", self.notify, event,
+              {k: v for k, v in ap.public().items() if k not in hidden})
 
     # -- the lasting record ------------------------------------------------------------------
     def _file(self) -> Path | None:

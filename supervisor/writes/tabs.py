@@ -116,7 +116,7 @@ async def capture(pipe: Any, tab: dict | None,
             finally:
                 with contextlib.suppress(PipeClosed, CdpCallError, TimeoutError):
                     await cdp.call("Target.detachFromTarget", {"sessionId": sid}, timeout=2)
-    except Exception as exc:  # noqa: BLE001 - a held write never fails for want of a picture
+    except (PipeClosed, CdpCallError, TimeoutError, KeyError, ValueError) as exc:  # held without its picture
         log.info("no screenshot of the tab of a held write: %s", type(exc).__name__)
     finally:
         if cdp is not None:

@@ -91,6 +91,7 @@ def extension_dir(parent: Path, gid: int | None = None) -> Path:
     (the browser user's group) the folder and files are readable, not writable, by that group."""
     import tempfile  # noqa: PLC0415
     path = Path(tempfile.mkdtemp(prefix="wsx-", dir=parent))
+    written = False
     try:
         for name, text in (("manifest.json", json.dumps(MANIFEST, indent=1)), (WORKER_FILE, WORKER_JS)):
             fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
@@ -102,10 +103,11 @@ def extension_dir(parent: Path, gid: int | None = None) -> Path:
         if gid is not None:
             os.chown(path, -1, gid, follow_symlinks=False)
             os.chmod(path, 0o750)
-    except BaseException:
-        import shutil  # noqa: PLC0415
-        shutil.rmtree(path, ignore_errors=True)
-        raise
+        written = True
+    finally:
+        if not written:
+            import shutil  # noqa: PLC0415
+            shutil.rmtree(path, ignore_errors=True)
     return path
 
 
@@ -236,6 +238,7 @@ class WebSocketGate:
         self._cdp = self._sid = None
         self.rules = None
         cdp = await self.pipe.session("websocket write gate")
+        started = False
         try:
             # One load, then its worker's target. Measured at browser start under load: now and
             # then no worker target came (about 1 start in 25 with a load, an uninstall and a
@@ -272,9 +275,10 @@ class WebSocketGate:
                         "expression": "typeof globalThis.sfguardSetRules", "returnByValue": True},
                         session=sid, timeout=LOAD_TIMEOUT)).get("result", {}).get("value") != "function":
                     await asyncio.sleep(0.02)
-        except BaseException:
-            await cdp.close()
-            raise
+            started = True
+        finally:
+            if not started:
+                await cdp.close()
         self._cdp, self._sid = cdp, sid
         self._reader = asyncio.get_running_loop().create_task(self._read(cdp))
 
