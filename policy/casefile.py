@@ -3,32 +3,20 @@
 Pure like the rest of `policy/`: it reads text handed to it and answers data; the CLI
 (`sfguard policy test`, cli/policy_test_cmd.py) reads files and prints.
 
-Case files (YAML), either a top-level list of cases or ``{policy: PATH, cases: [...]}``::
+    cf = parse_case_file(text, source)          # CaseFileError: each problem with its line
+    results = run_cases(site_policy, cf.cases)  # a CaseResult per case
 
-    policy: ../sites.yaml          # optional, relative to the case file
-    cases:
-      - host: www.linkedin.com     # HOST or HOST:PORT (IPv6 with a port: "[2001:db8::1]:443")
-        expect: deny               # allow | deny
-        reason: blocked_by_policy  # optional: the reason code must be this one
-      - host: example.com:8443
-        allow: "*.example.com:8443"  # optional: the run's allow_domains (comma-separated or a list)
-        expect: allow
-        name: a run may add a port  # optional: shown with a failure
-      - host: shop.example.com       # the write gate (the policy's writes section):
-        allow: shop.example.com
-        expect: allow
-        method: POST                 # the request (path default /, query ignored)
-        path: /cart/checkout
-        writes: allow                # optional: the stage's browser.writes (default allow)
-        expect_write: gate           # read | allow | gate | deny
-      - host: www.shop.example       # the pace section: the strictest limits that apply
-        allow: "*.shop.example"
-        expect: allow
-        expect_pace: {page_loads_per_minute: 20, requests_per_minute: 120}   # or: none
-
+A case file (YAML) is a list of cases or `{policy: PATH, cases: [...]}` (PATH relative to the
+case file). A case: `host` (HOST or HOST:PORT; IPv6 with a port in brackets), `expect` (allow |
+deny), and optionally `reason` (the exact reason code), `allow` (the run's allow_domains,
+comma-separated or a list) and `name` (shown with a failure); for the write gate `method`,
+`path` (default /, query ignored), `writes` (the stage's browser.writes, default allow) and
+`expect_write` (read | allow | gate | deny); for the pace section `expect_pace` (the strictest
+limits that apply, e.g. `{page_loads_per_minute: 20, requests_per_minute: 120}`, or `none`).
 A decision is the one `sfguard policy explain` gives: the host rules, and for IP literals the
 address check. In report mode a would-be denial is decision `allow` with reason
-`would_deny:<code>`, exactly as the proxy logs it.
+`would_deny:<code>`, exactly as the proxy logs it. With examples: docs/policy.md, "Testing a
+policy in CI".
 """
 from __future__ import annotations
 

@@ -9,29 +9,16 @@ a read and passes. Each write gets one of three modes, from loosest to strictest
   deny   refused at once; the site never sees it.
 
 The stage asks for a mode (`browser.writes`); the security reviewers set a floor per site in
-sites.yaml (`writes`); the stricter of the two wins (`effective`), so a pipeline never loosens the
-site policy. Pure: no I/O, every verdict names its reason, and the rule and line that decided.
+sites.yaml (`writes`, read by policy/schema.py into `WriteRules`); the stricter of the two wins
+(`effective`), so a pipeline never loosens the site policy. Every entry whose host pattern
+matches applies: the strictest floor wins, and an exception (`reads`) of any of them counts. A
+request pattern is `METHOD /path` (`*` within one segment, `**` across, the query not part of
+it); a GET named a write also matches the path as a server would route it (`server_path`), in
+any case with `ignore_case`; a `reads` exception matches the path only as sent. Pure: no I/O,
+every verdict names its reason, and the rule and line that decided.
 
-The `writes` section of sites.yaml (read by policy/schema.py into `WriteRules`)::
-
-    writes:
-      - pattern: "*.bank.example"        # or patterns: [...], host patterns as in block
-        mode: gate                       # the floor: allow | gate | deny (default allow)
-        reason: "payments need a person"
-        reads:                           # requests that only read although they POST
-          - "POST /search"
-          - "POST /api/graphql"
-        writes:                          # GETs that change something
-          - "GET /logout"
-          - "GET /api/*/delete"
-
-A request pattern is `METHOD /path`: `*` matches within one path segment, `**` across segments,
-the query string is not part of the path. A GET named a write also matches the path as a server
-would route it (`server_path`: unreserved %-escapes decoded, `;params`, dot segments, duplicate
-and trailing slashes dropped), and written as `{request: "GET /Logout", ignore_case: true}` in
-any case; a `reads` exception matches the path only as sent (it loosens, so it stays narrow).
-Every entry whose host pattern matches a request's host applies: the strictest floor wins, and
-an exception of any of them counts.
+The section, with examples: docs/policy.md, "Writes: what a logged-in browser may change". Why
+the patterns match as they do: docs/decisions/0009-write-gate-patterns.md.
 """
 from __future__ import annotations
 

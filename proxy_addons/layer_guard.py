@@ -1,43 +1,25 @@
 """LayerGuard addon: chooses every protocol layer itself, so TLS is never intercepted.
 
-mitmproxy asks the `next_layer` hook what protocol comes next. The guard answers:
+It takes the place of mitmproxy's NextLayer addon: mitmproxy asks its `next_layer` hook what
+protocol comes next, and the guard answers:
 
-1. A new client connection (regular proxy mode): an HTTP/1 proxy layer with a bounded
-   request head (`BoundedHttpLayer`). A client that starts with TLS (a "secure web proxy"
-   client) is closed: the guard speaks plain HTTP to its clients only.
-2. Inside an allowed CONNECT tunnel, the client's first message is buffered whole before
-   anything is decided, and nothing reaches the server before the decision (the server
-   connection is only opened by the passthrough layer chosen afterwards). The wait is bounded
-   by `MAX_FIRST_MESSAGE` bytes and the head-read timeout; a one-byte first write is enough
-   to choose the path:
-   - first byte 0x16, a TLS handshake: `client_hello.read_client_hello` reads the complete
-     ClientHello across any number of writes and TLS records. It must carry exactly one
-     server_name entry, of type host_name, equal to the CONNECT host after normalisation
-     (`sni_mismatch` otherwise: two names, a name of another type, a foreign name). An
-     ECH/ESNI extension is accepted only with such an outer name. No server_name at all is
-     accepted only when the CONNECT host is an IP literal (clients send no SNI for an
-     address); for a name it is `sni_missing`. A malformed ClientHello is
-     `tls_hello_invalid`. Then the tunnel becomes raw TCP passthrough (no CA, no decryption;
-     HTTP/2 and WebSocket inside simply flow).
-   - first byte an upper-case letter: the whole first line is awaited (bounded in bytes like a
-     request head, and in time). An HTTP/1 request (e.g.
-     `ws://` tunnelled by a browser) has its head bounded like any request head (bytes and
-     header lines, `request_head_too_large`) and is judged by `tunnel_http.judge_request`
-     (request_head's checks: framing, exactly one Host naming the CONNECT host, an
-     absolute-form target naming it too); a refusal is answered 400 with the decision header.
-     The tunnel is then served by `tunnel_http.TunnelHttpLayer`, which judges every later
-     request the same way (raw passthrough only after a WebSocket upgrade answered 101). A
-     first line that mentions
-     `HTTP/` but is not a clean request line (tabs, a lower-case method, no space) is
-     `tunnel_protocol_refused`; a text protocol whose first line does not mention it passes.
-   - anything else (a binary protocol on a port a pattern allowed explicitly): raw
-     passthrough to the checked address.
+1. A new client connection (regular proxy mode): a CONNECT gets `layers.BoundedHttpLayer` (the
+   request head bounded), any other first request `plain_http.PlainHttpLayer`; a client that
+   starts with TLS is closed (the guard speaks plain HTTP to its clients only).
+2. Inside an allowed CONNECT tunnel, the client's first message is read whole (at most
+   `MAX_FIRST_MESSAGE` bytes, within the head-read timeout) before anything is decided, and
+   before the server connection opens. First byte 0x16: the ClientHello
+   (`client_hello.read_client_hello`) must name the CONNECT host (`sni_mismatch`, `sni_missing`,
+   `tls_hello_invalid`), then raw passthrough. An upper-case letter: the whole first line; an
+   HTTP/1 request is judged by `tunnel_http.judge_request` and the tunnel served by
+   `tunnel_http.TunnelHttpLayer` (a first line that mentions `HTTP/` but is not a clean request
+   line: `tunnel_protocol_refused`; a line that does not mention it passes). Anything else:
+   raw passthrough to the checked address.
    Every refusal is logged and closes the connection, in every policy mode.
 3. Anything else (e.g. an HTTP upgrade on a plain proxied request): closed.
 
-The SNI is judged here rather than in `tls_clienthello` because no TLS layer is ever built:
-mitmproxy's TLS layers would need a certificate authority to intercept, and the guard has none
-(the TlsConfig addon is not loaded), so a TLS layer could only fail.
+The rules in full: docs/proxy.md, "What it checks, in order" (5). Why the guard chooses the
+layers and judges the SNI here: docs/decisions/0030-proxy-chooses-its-layers.md.
 """
 from __future__ import annotations
 

@@ -1,35 +1,20 @@
 """`read_request_head`: mitmproxy's HTTP/1 request-head parser, with its pure checks remembered.
 
-mitmproxy's `http1.read_request_head` checks an absolute-form request line
-(`GET http://host:port/path HTTP/1.1`, how a browser sends every http:// request to a proxy)
-with two parsers, both on every request: `url.parse_authority(authority, check=True)` (the host
-and port it returns) and `url.parse(target)` (urllib, IDNA; a check only, its result unused).
-Measured in the run proxy (cProfile, plain GETs on kept-alive connections) the two took about a
-tenth of its CPU per request, for the same few authorities again and again.
-
-This module gives the same answer and refuses the same request lines, doing that work once per
-(scheme, authority). For an ASCII target whose authority holds no `?` or `#`, what `url.parse`
-can refuse depends only on the scheme and the authority (the path of an ASCII target can make
-neither urllib nor the ASCII re-encoding fail), so the check of `scheme://authority/` stands for
-it. Any other request line (origin form, CONNECT, a non-ASCII target, `?`/`#` in the authority,
-an authority longer than `MAX_CACHED_AUTHORITY`, any refusal) goes through mitmproxy's own
-`read_request_head`, which produces the answer and the error message.
-tests/proxy/test_request_head.py holds the parity table.
+`read_request_head(lines)` gives the same request, and refuses the same request lines, as
+mitmproxy's `http1.read_request_head`, but checks an absolute-form line's authority once per
+(scheme, authority); any line it cannot answer for goes through mitmproxy's own parser.
+tests/proxy/test_request_head.py holds the parity table. Why, the measurements, and when the
+remembered check stands for mitmproxy's: docs/decisions/0031-request-head-checked-once-per-authority.md.
 
 It also holds the guard's one check of a request head's framing and Host (RFC 9112 2.2, 5.2,
 3.2, 3.2.2), used on every path: plain proxied requests (plain_http.PlainHttpLayer, and
 ConnectGuard's `requestheaders`/`http_connect`, which the stock mitmproxy layers reach too),
 CONNECT heads (layers.BoundedHttpLayer) and every request inside a plain-HTTP tunnel
-(tunnel_http). A refused head gets `400` with `X-Sfguard-Decision: deny; reason=CODE`:
-- `head_lone_cr`: a CR not followed by LF anywhere in the head;
-- `head_bare_lf`: a line (or the empty line ending the head) that ends in LF without CR;
-- `head_obs_fold`: a header line starting with SP or HTAB (obs-fold, or whitespace before the
-  first header);
-- `head_nul`: a NUL byte;
-- `host_header_missing`: an HTTP/1.1 request without Host;
-- `host_header_repeated`: more than one Host line;
-- `host_header_mismatch`: a Host, or an absolute-form target's authority, naming another host
-  or port than the request is judged for.
+(tunnel_http): `head_fault`/`raw_head_fault` (`head_lone_cr`, `head_bare_lf`, `head_obs_fold`,
+`head_nul`), `field_fault` and `host_fault` (`host_header_missing`, `host_header_repeated`,
+`host_header_mismatch`). A refused head gets `400` with `X-Sfguard-Decision: deny; reason=CODE`
+(`refusal_answer`). What each code refuses, and why: docs/proxy.md, "Request heads: what is
+refused and why".
 """
 from __future__ import annotations
 

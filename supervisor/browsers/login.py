@@ -1,6 +1,6 @@
 """The login check: is this browser profile logged in to the site? Computed by the guard.
 
-A stage's `browser.login_check` (see `sfguard.supervisor.models.LoginCheck`) names a page, a pattern
+A stage's `browser.login_check` (`sfguard.supervisor.models.LoginCheck`) names a page, a pattern
 for the address a logged-in visitor ends on, patterns for the addresses a logged-out visitor
 ends on, and optionally a CSS selector that only a logged-in page shows:
 
@@ -10,35 +10,17 @@ ends on, and optionally a CSS selector that only a logged-in page shows:
       logged_out: ["http://127.0.0.1:8080/login*"]
       selector: "#signed-in"
 
-The guard opens `url` in its own tab of the run's anchor browser, waits for the navigation to
-settle, reads the final address (and whether the selector is on the page), closes the tab and
-decides. The answer `{logged_in, url}` is the guard's, never a model's.
+`check_login(pipe, check)` opens `url` in a tab of its own in the run's anchor (over the guard's
+DevTools pipe), reads the final address and whether the selector is shown, closes the tab and
+returns `LoginResult(logged_in, url)` (`url` as `shown_url` shows it: query values hidden).
+`decide_login`: only `logged_in` matches -> True, or False when a selector is given and not
+shown; a `logged_out` pattern matches -> False; both or neither -> `LoginCheckError`.
+Patterns (`match_pattern`) match the WHOLE final URL: a glob, case-sensitive, where only `*` is
+special (any run of characters, also none, also `/`; `?`, `.`, `[`, `+` mean themselves), or
+`re:` and a Python regular expression that must match the whole URL (`re.fullmatch`).
 
-Patterns (`match_pattern`) are matched against the WHOLE final URL:
-
-* a glob: `*` matches any run of characters (also none, also `/`); every other character is
-  literal (`?`, `.`, `[`, `+` mean themselves). Case-sensitive.
-  `http://127.0.0.1:8080/login*` matches `http://127.0.0.1:8080/login?next=/account`.
-* `re:` followed by a Python regular expression that must match the whole URL
-  (`re.fullmatch`), e.g. `re:https://example\\.com/(feed|home)(\\?.*)?`.
-
-The decision (`decide_login`) never guesses:
-
-==========================  ===============================  ===============================
-logged_in matches           no logged_out matches            a logged_out pattern matches
-==========================  ===============================  ===============================
-yes                         True (see selector rule)         error: both match
-no                          error: neither matches           False
-==========================  ===============================  ===============================
-
-Selector rule: when a selector is given, a logged-in address is not enough: the page must also
-show the selector, otherwise the answer is False (logged out). A logged-out address is False
-whatever the selector says. So the selector can only turn a "logged in" into a "logged out",
-which errs on the safe side (a human login is asked for, nothing runs without a login).
-
-`check_login` talks to the anchor over its DevTools pipe (guard-internal: whoever held it could
-bypass the proxy, docs/design.md 2): this module never logs, and no error message it raises contains
-cookie values or the proxy credential.
+Why the guard decides, never guesses, and lets the selector only say "logged out":
+docs/decisions/0028-login-check.md.
 """
 from __future__ import annotations
 

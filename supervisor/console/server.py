@@ -5,30 +5,18 @@
                   [--console-plain-http]] [--no-console]          (listen.py checks them)
     sfguard console [--as NAME]  -> a one-time login link (at the public URL when one is set)
 
-Pages (server-rendered with Jinja2, autoescaped): overview (runs, stages, leases and queues,
-browsers, proxies, site policy state), decisions (the decision log with filters, the rule and
-its source line, a copy-ready `sfguard policy explain`), profiles (names, scope, sealed or
-leased, last login check; never a cookie), audit (chain state and the latest records), and the
-live view of a login handoff. `/events` pushes fresh page fragments over SSE.
+Pages (server-rendered with Jinja2, autoescaped; PAGES): overview (runs, stages, leases and
+queues, browsers, proxies, site policy state), approvals (approvals_page.py), decisions (the
+decision log with filters, the rule and its source line, a copy-ready `sfguard policy explain`),
+profiles (names, scope, sealed or leased, last login check; never a cookie), audit (chain state
+and the latest records), runs (runs_page.py), and the live view of a login handoff. `/events`
+pushes fresh page fragments over SSE. Every page and endpoint needs a session from a one-time
+link (sfguard.supervisor.console.auth; 401 otherwise); a live-view session reaches only its own
+handoff. The middleware checks every request's peer, Host and Origin (an Origin is required on
+every POST, which also needs its CSRF token; reach.py) and puts the same strict headers on every
+answer (`_headers`).
 
-Security: every page and endpoint needs a session (401 otherwise); a session comes only from
-a one-time link (sfguard.supervisor.console.auth); the cookie is HttpOnly, SameSite=Strict, with a
-Max-Age. Sessions keep to their scope: the console pages, `/events` and `/logout` take only a
-console session under the console cookie; a live-view session (the live cookie) reaches only its
-own handoff's page, socket, Done and Cancel (a console session may open any live view). An
-`/events` stream or a live-view socket ends within a second of its session ending, whatever
-ended it: sign-out, the end of the handoff, expiry, the guard's stop. Every POST and the live
-view's WebSocket check the Origin, and POSTs a CSRF token; a request of any method that carries
-a foreign Origin is refused. Sign-in, sign-out, live-view sign-in and refused links (counted, at
-most one record a minute) go to the audit log with the session's public id, never a secret.
-The Host header must name this server or its public URL (no DNS rebinding), and an Origin
-must be one of them with its scheme. With a trusted proxy, only it and loopback may connect, and
-only its X-Forwarded-Proto and X-Forwarded-For count. Cookies are Secure over TLS (the console's
-own, or the trusted proxy's). Every answer carries a strict
-Content-Security-Policy (scripts and styles from this server only, no inline script),
-`Referrer-Policy: same-origin` (a link token never leaks to another site; `no-referrer` would make
-Chromium send `Origin: null` on our own POSTs), `X-Frame-Options: DENY`
-and `Cache-Control: no-store`. Everything the browser loads ships in this package.
+What each session reaches, the checks and the headers, and why: docs/decisions/0029-console-sessions.md.
 """
 from __future__ import annotations
 

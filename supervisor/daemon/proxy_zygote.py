@@ -1,19 +1,10 @@
 """The runs' proxies forked from one pre-loaded parent (a "zygote"), so that a run's proxy
 shares the pages of mitmproxy, our addons and the policy code with every other run's.
 
-Why: a run's proxy started as its own `python -m ...proxy_child` costs ~0.7 s of CPU (the
-imports) and 60-90 MB PSS, nearly all of it the same code and data in every run. A child forked
-from a parent that has imported everything, started and stopped one proxy (so the lazy imports
-and caches are loaded), and frozen its objects out of the garbage collector's reach
-(`gc.freeze`), is the same process as before (same `proxy_child.main`, same argv, same stdin
-control protocol, its own port, clients, decisions and log lines), but it begins with all of that
-in shared pages: measured ~8.5 MB private (USS) per child, see docs/reliability.md.
-
-Isolation stays per process: each run's proxy is its own process in its own session; the
-zygote holds no client and no credential (it never serves a request; its warm-up proxy has no
-clients and is stopped before the first fork). If a run's proxy dies, the watchdog restarts it
-as before; if the zygote dies, running proxies are untouched (they hang off the daemon's pipes,
-not the zygote's) and the next start forks from a new zygote.
+The zygote imports everything, starts and stops one proxy without clients, freezes its objects
+(`gc.freeze`) and then only forks: each child is the same process as a separately started
+`proxy_child` (same `main`, argv, stdin control protocol), in its own session. The zygote holds
+no client and no credential.
 
 Protocol, over a SOCK_SEQPACKET socket pair (`--ctl-fd` in the zygote), one JSON object per message:
 
@@ -24,6 +15,10 @@ Protocol, over a SOCK_SEQPACKET socket pair (`--ctl-fd` in the zygote), one JSON
 The daemon watches and signals each child through its pidfd (never a bare pid that the kernel
 may have reused). The zygote reaps its children. When the daemon's end closes (the guard
 stopped or died), the zygote exits; its children end when their stdin closes, as before.
+`SFGUARD_PROXY_ZYGOTE=0` starts each proxy as its own process.
+
+Why fork, what it saves (measured) and why isolation stays per process:
+docs/decisions/0032-proxies-forked-from-a-zygote.md.
 """
 from __future__ import annotations
 

@@ -1,44 +1,18 @@
 """The guard as a systemd service: the unit `sfguard service print` writes (docs/sfguard.service).
 
 The guard runs as root so that its browsers (each as a user of its own) and stages run as
-unprivileged users (supervisor/browsers/browser_pool.py, supervisor/stage/sandbox.py). The unit takes from root
-everything the guard does not use. Each setting below was checked against a real run of
-`sfguard demo --auto-login` under the same restrictions (tests/service/test_service_unit.py
-emulates them with bubblewrap, setpriv and a seccomp filter, because this machine has no
-systemd as PID 1):
+unprivileged users (supervisor/browsers/browser_pool.py, supervisor/stage/sandbox.py). The unit
+takes from root everything the guard does not use: only CAPABILITIES, HARDENING (a read-only file
+system but for the home, a private /tmp and /dev/shm; /home, /root and /run/user hidden; the
+DENIED_SYSCALLS groups answered EPERM), LIMITS, and `WatchdogSec=` with the guard sending
+WATCHDOG=1 from its event loop (supervisor/daemon/sd_notify.py). The users are made by
+`ExecStartPre=+... service ensure-users`, outside the restrictions. An installation, or a file
+the guard reads, under a folder the unit hides or empties is refused (`ServiceUnitError`,
+`service print` exits 2); MemoryMax= is the operator's (`--memory-max`).
+tests/service/test_service_unit.py runs the demo under the same restrictions, emulated.
 
-- capabilities: CAP_SETUID and CAP_SETGID start a browser as its user; CAP_CHOWN hands it the
-  unsealed profile (and takes it back); CAP_FOWNER and CAP_DAC_OVERRIDE let root reseal and
-  remove what that user wrote, and set the ACL that lets the browser users cross the runtime
-  folder; CAP_KILL ends a browser user's processes on teardown and after a crash. Without any
-  one of the first five the demo fails (measured); CAP_KILL is needed only on those paths.
-- the file system is read-only but for the home (StateDirectory), a private /tmp and /dev/shm
-  (where unsealed profiles and the browser users' lock files live, memory-backed;
-  PrivateDevices= keeps the host's /dev/shm in its minimal /dev); /home, /root and /run/user
-  are hidden. PrivateTmp= hides /tmp and
-  /var/tmp: an installation there is refused (`service print` exits 2), as is any file the
-  guard reads (policy, certificates) under a hidden folder.
-- system calls: a deny list of groups nothing of the guard uses (clock, CPU emulation, debug,
-  modules, obsolete, raw I/O, reboot, swap), answered EPERM (Chromium's crash handler
-  uses ptrace only after a crash).
-- users are made by `ExecStartPre=+... service ensure-users`, which runs outside the
-  restrictions: /etc is read-only for the guard itself.
-- the watchdog: WatchdogSec= with the guard sending WATCHDOG=1 from its event loop
-  (supervisor/daemon/sd_notify.py): a blocked loop gets it killed and restarted.
-- limits: TasksMax= (measured 146 tasks per run with one stage: ~17 Chromium, agent-browser
-  and proxy processes), LimitNOFILE= (the guard itself holds 12 + 9 per run), OOMPolicy=continue
-  (the kernel ending one browser must not stop every run: the guard restarts it). MemoryMax= is
-  the operator's (`--memory-max`): a guard's memory grows with its runs (measured about 250 MB
-  PSS per run, 70 MB the guard), so no default fits every host.
-
-Left out on purpose, because the guard or its browsers need what they take: MemoryDenyWriteExecute (V8's JIT),
-RestrictNamespaces and PrivateUsers (Chromium's sandbox uses user namespaces), PrivateNetwork
-(the run proxies reach the sites), IPAddressDeny (so do they, anywhere), an allow-list
-SystemCallFilter (Chromium's sandbox needs calls outside @system-service) and denying
-@privileged, @mount or @resources (setuid for browsers, bubblewrap's mounts, niceness),
-ProtectProc=invisible (root without CAP_SYS_PTRACE would no longer see its browser user's
-processes, which it records, checks and ends) and ProcSubset=pid (psutil reads the boot time
-in /proc/stat to date every process the guard records: supervisor/procs.py).
+Why each setting, what each capability is for, what is left out on purpose and the measured
+figures behind the limits: docs/decisions/0002-service-unit-watchdog-limits.md.
 """
 from __future__ import annotations
 

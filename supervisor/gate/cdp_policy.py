@@ -13,24 +13,8 @@ the browser sends back. Order of checks in `check_command`:
   5. the parameter rules of the allowed method (own target ids, tab quota, URL scheme, download
      folder inside the stage's artifacts dir).
 
-How the allowlist was found: agent-browser 0.41.2 driven through the gate with
-`CdpGate(record_methods=True)` (see
-tests/cdp_gate/test_cdp_gate_browser.py::test_agent_browser_commands_through_gate, which
-records the methods agent-browser sends and checks each is allowlisted) for the
-commands the stage skill teaches: open, snapshot, click, fill, type, press, wait, screenshot,
-get url/text/title, tab list/new/close, back, forward, reload, scroll, close. Methods it sent:
-
-  Browser.getVersion            (three per command: the daemon's liveness check)
-  Target.setDiscoverTargets, Target.getTargets, Target.attachToTarget, Target.createTarget,
-  Target.closeTarget, Target.setAutoAttach (inside its page sessions)
-  Runtime.enable, Runtime.evaluate, Runtime.callFunctionOn, Runtime.runIfWaitingForDebugger
-  Page.enable, Page.navigate, Page.getFrameTree, Page.captureScreenshot, Page.reload
-  Network.enable, DOM.enable, DOM.resolveNode, DOM.getBoxModel, DOM.scrollIntoViewIfNeeded,
-  Accessibility.enable, Accessibility.getFullAXTree,
-  Input.dispatchMouseEvent, Input.dispatchKeyEvent, Input.insertText, WebMCP.enable
-  (`close` of a --cdp session only disconnects; measured, it sends one Browser.getVersion.)
-A few neighbours of these that the same commands use in other situations (history navigation,
-dialogs, focus, layout) are allowed too; each entry says why.
+Each entry of NEVER_PASS and ALLOWED says why. How the allowlist was found (the methods
+agent-browser was measured to send through the gate): docs/decisions/0025-cdp-allowlist-from-agent-browser.md.
 """
 from __future__ import annotations
 

@@ -1,45 +1,26 @@
 """Pipeline validation (`sfguard validate PIPELINE.yaml`): find browser mistakes before a run.
 
-The pipeline shape read here is Stageflow-like::
+    report = validate_pipeline(path, policy_path=None, check_tools=True)   # a PipelineReport
 
-    name: login-example                 # optional
-    description: ...                    # optional
-    stages:
-      - id: check                       # required, unique, ^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$
-        file: stages/check.yaml         # optional stage file (relative, inside the pipeline's
-                                        # folder); keys of the entry override the file's keys
-        prompt: ...                     # the stage's own fields are not judged here
-        browser:                        # the spec's browser field (sfguard.supervisor.models.BrowserField)
-          profile: fixture
-          headed: true
-          allow_domains: ["127.0.0.1:8080"]
-          login_check: {url: ..., logged_in: ..., logged_out: [...], selector: ...}
-        next:                           # routes: a stage id, a list of ids, or a list of
-          - to: login                   # {to: ID, if: "FIELD eq|ne VALUE"}
-            if: logged_in eq false
-          - to: work
-        gate: {type: confirm, message: ..., handoff: {kind: local_window, site: ..., reason: ...}}
-        verify: login_check             # after-phase: re-run the stage's login check
-        on_verify_fail: login           # where a failed verify sends the run (the same stage)
+The pipeline shape is Stageflow-like (an example: supervisor/demo/login-pipeline.yaml; the
+words: docs/runner-guide.md, "Words used here"): optional `name` and `description`, and
+`stages`, each with a unique `id` (models.STAGE_ID), an optional stage `file` (relative, inside
+the pipeline's folder; the entry's keys override the file's), `browser` (judged by
+`sfguard.supervisor.models.BrowserField`, the model the control API uses, so a file and an API
+request are judged alike), `next` (a stage id, a list of ids, or `{to: ID, if: "FIELD eq|ne
+VALUE"}` entries), `gate` (`{type: confirm, message, handoff}`), `verify: login_check` and
+`on_verify_fail`; a stage's other fields (`prompt`, ...) are not judged here.
 
-What is reported (each as `FILE:LINE:COL: PATH: MESSAGE`, line and column 1-based, from the
-YAML node marks; a stage file's problems name the stage file):
-
-* YAML syntax errors, duplicate keys, unknown keys (with a "did you mean"), wrong shapes;
-* every invalid `browser` field, validated by `sfguard.supervisor.models.BrowserField`, the same model
-  the control API uses, so a file and an API request are judged alike; every bad
-  `allow_domains` entry, every login-check URL pattern that does not compile;
-* `allow_domains` patterns the site policy blocks anyway (`blocked_by_policy`), and a login
-  check page that the run's own allow list would not let through the proxy;
-* routes to unknown stages, `on_verify_fail` to an unknown stage, `verify: login_check`
-  without a login check;
-* a login-stage topology that skips the work stage silently (see `check_login_topology`);
-* a missing agent-browser or browser on this machine when any stage has a browser.
-
-`validate_pipeline` returns a `PipelineReport`; it never raises for a bad pipeline. The work is
-done by the other modules of this room: validator.py (the file, node by node), topology.py (the
-login topology), yamldoc.py (YAML files with node marks, placed by sfguard.policy.yamlpos) and
-report.py (what is found).
+`validate_pipeline` never raises for a bad pipeline. Each finding is `FILE:LINE:COL: PATH:
+MESSAGE` (1-based, from the YAML node marks; a stage file's problems name the stage file): YAML
+syntax, duplicate and unknown keys (with a "did you mean"), wrong shapes; every invalid
+`browser` field; `allow_domains` patterns the site policy blocks anyway, and a login-check page
+the run's own allow list would not let through; routes and `on_verify_fail` to unknown stages,
+`verify: login_check` without a login check; a login topology that skips the work stage
+silently (`topology.check_login_topology`); a missing agent-browser or browser when a stage has
+a browser (docs/operator-guide.md, section 4). The other modules of this room do the work:
+validator.py (the file, node by node), topology.py (the login topology), yamldoc.py (YAML with
+node marks, placed by sfguard.policy.yamlpos) and report.py (what is found).
 """
 from __future__ import annotations
 

@@ -1,47 +1,23 @@
 """The audit trail: append-only JSON lines, each record chained to the one before.
 
+    sink = LocalAuditSink(home)                # keys: the home's KeyProvider
+    sink.record("profile_leased", profile="shop", run="r1", scope="local")
+    sink.verify()                              # `sfguard audit verify`: any edit, cut or reorder
+
 `<home>/audit.log` (0600), one record per line::
 
     {"event": "profile_leased", "fields": {"profile": "shop", "run": "r1", "scope": "local"},
-     "hash": "<sha256>", "prev": "<hash of the previous record>", "seq": 7, "ts": 1764679...}
+     "hash": "<sha256>", "mac": "<HMAC-SHA256>", "prev": "<hash of the previous record>",
+     "seq": 7, "ts": 1764679...}                # and "kid": N when key version N > 1 keys it
 
-`hash` = sha256 over the canonical JSON (sorted keys, no spaces) of the record without
-`hash` and `mac`. The first record's `prev` is 64 zeros. `<home>/audit.head` (0600) holds
-the last `seq` and `hash`, rewritten after every append, so a cut-off tail is detected too.
+Beside it: `audit.head` (the last `seq` and `hash`, keyed), `audit.lock` (flock of every
+append), `audit.d/<first seq, 12 digits>.log` (closed segments: SEGMENT_BYTES, SEGMENT_AGE_S)
+and `audit.anchor` (where the chain starts after `archive(keep_from_seq)`, keyed). Only the
+events and fields of audit_chain.py are accepted, each validated: never a cookie or token
+value. The chain's pure part (hashes, MACs, the walk) is audit_chain.py; key versions and
+`switch_key`, audit_versions.py.
 
-The chain is keyed: every record also carries `mac` = HMAC-SHA256 over the canonical JSON of
-the record without `mac` (so over its `hash` and `prev` too), and the head file carries a
-`mac` over its `seq` and `hash`. The key is the KeyProvider's audit key (a key of its own,
-never a sealing key; keyring or `<home>/keys/audit.hmac`). Whoever rewrites the log and the
-head without the key (recomputing every sha256) is detected. Logs written before the key
-existed have no `mac`: their records still verify with the plain hash chain; once a keyed
-record exists, every later record and the head must be keyed.
-
-An absent or empty log is not "intact" when the home shows records must have existed: sealed
-profiles under `<home>/profiles/`, or the audit key itself (made with the first keyed record).
-
-Appends from several processes are serialised with fcntl.flock on `<home>/audit.lock`
-around read-head + append + fsync + write-head. The chain continues from the head file, so
-an edit, deletion, insertion, reordering or truncation stays visible to `verify()`.
-
-Segments (a guard runs for months): when `audit.log` reaches `segment_bytes` (default 8 MiB)
-or its first record is older than `segment_age_s` (default 30 days), it is closed under the
-lock: renamed to `<home>/audit.d/<first seq, 12 digits>.log` (0600). The chain goes on across
-segments: each segment's first record links to the last record of the one before, so
-`verify()` walks every segment in order of its first seq and then `audit.log`, and a removed,
-emptied, reordered or edited segment breaks the chain where it was. Old segments may be moved
-away only with `archive(keep_from_seq)`, which records `audit_archived` in the chain and writes
-`<home>/audit.anchor`: the seq and hash of the last record moved away, keyed like the head
-(whoever has no key cannot move the start of the chain). A chain that starts after seq 1 is
-intact only when the anchor names exactly where it starts.
-
-Key versions (audit_chain.py): each record is keyed by the current key version's audit key
-and names it (`kid`); `switch_key` closes the active log into a segment and starts the next
-one with the `key_rotated` record, so every segment is keyed by one version. The head and the
-anchor name the version that keys them.
-
-Only a fixed set of events and fields is accepted, each field validated: profile names, run
-ids, hosts, counts, short reason codes. Never cookie or token values.
+Why a keyed chain, the head, segments and the anchor: docs/decisions/0027-audit-chain.md.
 """
 from __future__ import annotations
 

@@ -1,37 +1,20 @@
 """Seal a profile folder into one authenticated, encrypted file, and unseal it again.
 
-File format (version 2; version 1 is still read)::
+    seal_dir(src, dest, scope_key, scope, name, key_version=N)  the folder into `dest`, atomically
+    unseal_to(sealed, dest, keys, scope, name)   into the new folder `dest`, every chunk verified
+    verify_sealed(sealed, keys, scope, name)     every chunk authenticated, nothing written
+    reseal(sealed, dest, old_keys, new_key, N, scope, name)   to key version N, never unpacked
+    key_version_of(sealed, scope, name)          the key version (`kid`) its header names
 
-    MAGIC (8 bytes "SFGSEAL" 0x02) | header length (u32 BE) | header (canonical JSON)
-    then chunks:  ciphertext length (u32 BE) | AES-256-GCM ciphertext+tag
+`keys` is the scope key or a lookup by key version. The file: MAGIC ("SFGSEAL" 0x02; 0x01, key
+version 1, is still read) | header length (u32 BE) | header (canonical JSON: version, scope,
+name, `kid`, salt, nonce prefix, chunk size), then chunks of a PAX tar stream of the folder,
+each a length (u32 BE) and its AES-256-GCM ciphertext+tag. Anything that cannot be trusted is a
+`SealError`, and leaves nothing unsealed behind; a crash keeps the previous sealed copy. Only
+folders and regular files are sealed, read without following a link; caches, `Service Worker`,
+the saved session and `Singleton*` files are left out (`is_excluded`).
 
-- The header holds version, scope, name, the key version (`kid`: which version of the scope
-  key sealed it, an id, never the key), a random 16-byte salt, a random 4-byte nonce prefix
-  and the chunk size. The per-file AES key is HKDF-SHA256(scope key, salt, info=scope/name),
-  so every file has its own key and nonces never repeat across files. A version 1 file
-  ("SFGSEAL" 0x01, written before key versions existed) has no `kid`: it was sealed by key
-  version 1, the original one.
-- The plaintext is a tar stream (PAX) of the profile folder, cut into fixed-size chunks.
-  Chunk i is sealed with nonce = prefix || i (u64 BE) and
-  AAD = sha256(MAGIC|len|header) || i (u64 BE) || final flag (1 byte).
-  So the header (scope/name/version) is bound to every chunk, chunks cannot be reordered or
-  moved between files, and a cut-off file (no chunk with the final flag) is refused.
-- Memory stays at about two chunks whatever the profile size (streamed both ways).
-
-`reseal` moves a sealed file to another key version without unpacking it: each chunk is
-verified under the old key and sealed again under the new one, into a temporary file renamed
-over the old (a key rotation; the plaintext never reaches a disk).
-
-Unsealing writes into a temporary sibling folder and renames it into place only after every
-chunk verified and the final chunk was seen: a tampered or truncated file leaves nothing
-unsealed behind. Sealing writes a temporary file, fsyncs and renames it over the previous
-copy: a crash at any point keeps the previous sealed copy intact.
-
-Left out of the seal: browser caches (they are large and hold no login) and Chromium's
-`Singleton*` lock files and sockets (they name a live process and must not be restored).
-Symlinks, sockets, fifos and devices are never sealed, and sealing never follows a link (it
-reads through folder descriptors: under a root guard the folder is the browser user's); on
-unseal, tar members with absolute paths, `..`, links, devices or fifos are refused.
+Why this format, and what each part guarantees: docs/decisions/0026-sealed-profile-format.md.
 """
 from __future__ import annotations
 
