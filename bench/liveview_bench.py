@@ -22,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import aiohttp
@@ -37,6 +36,7 @@ from sfguard.supervisor.console.liveview import LiveView  # noqa: E402
 from sfguard.supervisor.console.server import LIVE_COOKIE, ConsoleServer  # noqa: E402
 from sfguard.supervisor.profiles.audit import LocalAuditSink  # noqa: E402
 from sfguard.supervisor.profiles.keys import FileKeyProvider  # noqa: E402
+from sfguard.supervisor.testing.console_view import FakeConsoleView  # noqa: E402
 
 PAGE = ("<!doctype html><title>bench</title><h1 id='n'>0</h1>"
         "<input id='f' autofocus style='font-size:30px'>")
@@ -79,10 +79,7 @@ async def main(rounds: int) -> None:
     # the console audits sign-ins (and refuses one it cannot record): a real audit log in tmp
     audit = LocalAuditSink(tmp / "home", FileKeyProvider(tmp / "home"))
 
-    async def store_call(fn, *args, **kw):
-        return fn(*args, **kw)
-    console = ConsoleServer(types.SimpleNamespace(audit=audit, store_call=store_call, scope="local"),
-                            ConsoleConfig(host="127.0.0.1", port=0))
+    console = ConsoleServer(FakeConsoleView(tmp, audit=audit), ConsoleConfig(host="127.0.0.1", port=0))
     await console.start()
     h = live.LiveHandoff("b" * 16, "bench", "bench", None, "127.0.0.1", "127.0.0.1", None,
                          time.monotonic() + 3600, view)

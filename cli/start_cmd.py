@@ -376,7 +376,8 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
                          "routes only")
     if console_at is not None:
         from sfguard.supervisor.console.server import ConsoleServer
-        console = ConsoleServer(guard, console_at)
+        from sfguard.supervisor.daemon.console_view import console_view
+        console = ConsoleServer(console_view(guard), console_at)
         try:
             await console.start()
         except OSError as exc:

@@ -9,7 +9,8 @@ Everything the daemon does with a profile goes through these four interfaces:
 
 Local implementations live in `profiles.py`, `lease.py`, `keys.py` and `audit.py`; in-memory
 fakes (two scopes) in `supervisor/testing/`. The `BrowserHost` and `Handoff` Protocols live next
-to their value types, in browsers/host.py and browsers/handoff.py (this module imports no room).
+to their value types, in browsers/host.py and browsers/handoff.py (this module imports no room);
+so does `ConsoleView`, what the operator console reaches of the guard, in console/view.py.
 
 A profile is addressed by a `ProfileKey` (scope + name). The scope is always set by the guard
 (locally the fixed value `LOCAL_SCOPE`), never by a request body or YAML; names are validated

@@ -13,12 +13,16 @@ own Origin (the server's middleware refuses other origins)."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from sfguard.supervisor.console.view import ConsoleView
 from sfguard.supervisor.states import ApprovalState
 from sfguard.supervisor.writes.approvals import ApprovalDecided, ApprovalNotFound
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.console.server import ConsoleServer
 
 APPROVAL_ID = re.compile(r"^ap_[0-9a-f]{20}$")
 #: decided approvals shown under the pending ones
@@ -26,14 +30,14 @@ DECIDED_SHOWN = 20
 MAX_REASON = 500
 
 
-def context(guard: Any) -> dict[str, Any]:
-    items = guard.approvals.listing()
+def context(view: ConsoleView) -> dict[str, Any]:
+    items = view.approvals.listing()
     pending = [a for a in items if a["state"] == ApprovalState.PENDING]
     decided = [a for a in reversed(items) if a["state"] != ApprovalState.PENDING][:DECIDED_SHOWN]
     return {"pending": pending, "decided": decided}
 
 
-def register(app: web.Application, server: Any) -> None:
+def register(app: web.Application, server: ConsoleServer) -> None:
     """The routes on the console's app (the server subscribes its pages to the store when it
     starts: ConsoleServer.start)."""
 
@@ -48,7 +52,7 @@ def register(app: web.Application, server: Any) -> None:
             return server.unauthorized(request)
         aid = lookup(request)
         try:
-            png = server.guard.approvals.get(aid).held.screenshot
+            png = server.view.approvals.get(aid).held.screenshot
         except ApprovalNotFound:
             png = None
         if png is None:
@@ -70,7 +74,7 @@ def register(app: web.Application, server: Any) -> None:
         reason = form.get("reason")
         reason = reason.strip()[:MAX_REASON] if isinstance(reason, str) else ""
         try:
-            server.guard.approvals.answer(aid, decision == "approve", sess.decider, reason)
+            server.view.approvals.answer(aid, decision == "approve", sess.decider, reason)
         except ApprovalNotFound:
             raise web.HTTPNotFound(text="no such approval\n") from None
         except ApprovalDecided as exc:

@@ -70,7 +70,7 @@ class _Link:
 
 
 class ConsoleAuth:
-    def __init__(self, clock=time.time, on_end: Callable[[], None] | None = None):
+    def __init__(self, clock: Callable[[], float] = time.time, on_end: Callable[[], None] | None = None):
         self._clock = clock
         self._links: dict[str, _Link] = {}         # digest(token) -> link
         self._sessions: dict[str, Session] = {}    # digest(cookie) -> session

@@ -19,20 +19,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sfguard import policy
 from sfguard.supervisor import models
 from sfguard.supervisor.browsers import tools
 from sfguard.supervisor.browsers.handoff import display_refusal
-from sfguard.supervisor.console.liveview import LiveView
+from sfguard.supervisor.console.liveview import TAB_ERRORS, LiveView
+from sfguard.supervisor.console.view import RunView
 from sfguard.supervisor.errors import BadRequest, Conflict, GuardError, NotFound, Unavailable, swallowed
 from sfguard.supervisor.protocols import ProfileError
 from sfguard.supervisor.states import HandoffPhase, RunState, StageState, handoff_move
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.console.server import ConsoleServer
 
 log = logging.getLogger("sfguard.console.handoff")
 #: a stage that will not ask for anything any more
@@ -56,12 +61,13 @@ class LiveHandoff:
     deadline: float
     view: LiveView
     state: HandoffPhase = HandoffPhase.OPEN
-    result: dict | None = None
+    result: dict[str, Any] | None = None
     viewers_seen: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    watcher: asyncio.Task | None = None
+    watcher: asyncio.Task[None] | None = None
     finishing: bool = False
     created: float = field(default_factory=time.monotonic)
+    browser_key: str = ""          # the run's browser it opened in (its page host is allowed there)
 
     @property
     def scope(self) -> str:
@@ -76,7 +82,7 @@ class LiveHandoff:
         return out
 
 
-def wants_live_view(guard, body: models.HandoffRequest) -> bool:
+def wants_live_view(console: ConsoleServer | None, body: models.HandoffRequest) -> bool:
     """`live_view` asked for, or `auto` with a page to open on a guard with no usable screen
     (no display, or one this guard cannot open; a container given a display has one) and its
     console on."""
@@ -85,17 +91,12 @@ def wants_live_view(guard, body: models.HandoffRequest) -> bool:
         return True
     if kind == "local_window":
         return False
-    if not body.url or getattr(guard, "console", None) is None:
+    if not body.url or console is None:
         return False
     return not tools.display_available() or display_refusal() is not None
 
 
-def _registry(guard) -> dict[str, LiveHandoff]:
-    return guard.console.handoffs
-
-
-async def open_live(guard, run, body: models.HandoffRequest) -> dict:
-    console = getattr(guard, "console", None)
+async def open_live(console: ConsoleServer | None, run: RunView, body: models.HandoffRequest) -> dict[str, Any]:
     if console is None:
         raise Conflict("handoff_impossible", "a live_view handoff needs the guard's console, "
                        "which is off (start the guard without --no-console)", None)
@@ -113,150 +114,138 @@ async def open_live(guard, run, body: models.HandoffRequest) -> dict:
         if stage is None:
             raise NotFound("stage_not_found", f"no stage {body.stage_id!r} in run "
                            f"{run.run_id!r}", "stage_id")
-    for old in _registry(guard).values():   # one open live view per run and profile
+    for old in console.handoffs.values():   # one open live view per run and profile
         if old.run_id == run.run_id and old.profile == body.profile and old.state == HandoffPhase.OPEN:
-            await finish(guard, old, "ended", by="guard")
-    browser = await guard.stages.leased_browser(run, body.profile, headed=False)
+            await finish(console, old, "ended", by="guard")
+    view = console.view
+    browser = await view.lease_browser(run.run_id, body.profile)
+    if browser.anchor is None:
+        raise Unavailable("browser_failed", "the profile's browser is not running", None)
     host = urlsplit(body.url).hostname or ""
-    allow = sorted(set(guard.stages.browser_allow(run, browser)) | {page_pattern})
+    allow = await view.allow_browser(run.run_id, browser.key, [page_pattern])
     patterns = policy.compile_patterns(allow)
-    await run.proxy.set_allow(browser.client, allow)
 
     def allowed(url: str) -> bool:
         p = urlsplit(url)
         if p.scheme not in ("http", "https") or not p.hostname:
             return False
         port = p.port or (443 if p.scheme == "https" else 80)
-        return guard.site_policy.decide(p.hostname, port, patterns).allowed
+        return view.site_policy.decide(p.hostname, port, patterns).allowed
 
     hid = secrets.token_hex(8)
-    view = LiveView(browser.anchor.pipe, allowed, name=f"live:{hid}")
+    tab = LiveView(browser.anchor.pipe, allowed, name=f"live:{hid}")
     try:
-        await view.start(body.url)
-    except Exception as exc:
+        await tab.start(body.url)
+    except TAB_ERRORS as exc:
         with swallowed(log, "closing the live view that could not start"):
-            await view.close()
+            await tab.close()
         raise Unavailable("browser_failed", f"could not open the login tab for the live view "
                           f"({type(exc).__name__})", None) from None
     check = body.login_check or (stage.browser_req.login_check if stage is not None else None)
     h = LiveHandoff(hid, run.run_id, body.profile, body.stage_id, body.site, host, check,
-                    time.monotonic() + float(body.timeout_s or HANDOFF_TIMEOUT), view)
-    _registry(guard)[hid] = h
+                    time.monotonic() + float(body.timeout_s or HANDOFF_TIMEOUT), tab, browser_key=browser.key)
+    console.handoffs[hid] = h
     token = console.auth.new_link(h.scope, ttl=float(body.timeout_s or HANDOFF_TIMEOUT))
-    h.watcher = asyncio.get_running_loop().create_task(_watch(guard, h))
-    guard.audit.record("handoff_opened", scope=guard.scope, profile=browser.key, run=run.run_id,
-                       host=body.site if _plain_host(body.site) else host, mode="live_view")
-    _notify(guard, "handoff_waiting", {"kind": "live_view", "run": run.run_id, "stage": body.stage_id,
-                                       "profile": body.profile, "site": body.site, "reason": body.reason})
+    h.watcher = asyncio.get_running_loop().create_task(_watch(console, h))
+    view.audit.record("handoff_opened", scope=view.scope, profile=browser.key, run=run.run_id,
+                      host=body.site if _plain_host(body.site) else host, mode="live_view")
+    view.notify("handoff_waiting", {"kind": "live_view", "run": run.run_id, "stage": body.stage_id,
+                                    "profile": body.profile, "site": body.site, "reason": body.reason})
     url = f"{console.base_url}/live/{hid}?t={token}"
     return {"kind": "live_view", "site": body.site, "reason": body.reason, "url": url}
 
 
 def _plain_host(site: str) -> bool:
-    import re
     return bool(re.fullmatch(r"[A-Za-z0-9._:\-\[\]*]{1,255}", site))
 
 
-async def _watch(guard, h: LiveHandoff) -> None:
+async def _watch(console: ConsoleServer, h: LiveHandoff) -> None:
     """End the handoff when its time is up, its stage or run ended, or its tab went away."""
     try:
         while h.state == HandoffPhase.OPEN:
             await asyncio.sleep(WATCH_STEP)
             if h.state != HandoffPhase.OPEN or h.finishing:
                 return
-            run = guard.runs.get(h.run_id)
+            run = console.view.runs.get(h.run_id)
             stage = run.stages.get(h.stage_id) if (run is not None and h.stage_id) else None
             if time.monotonic() >= h.deadline:
-                await finish(guard, h, "expired", by="guard")
+                await finish(console, h, "expired", by="guard")
             elif run is None or run.state != RunState.ACTIVE or (stage is not None and stage.state in STAGE_OVER):
-                await finish(guard, h, "ended", by="guard")
+                await finish(console, h, "ended", by="guard")
             elif h.view.closed.is_set():
-                await finish(guard, h, "ended", by="guard")
+                await finish(console, h, "ended", by="guard")
     except asyncio.CancelledError:
         pass
 
 
-async def finish(guard, h: LiveHandoff, outcome: str, *, by: str) -> dict:
+async def finish(console: ConsoleServer, h: LiveHandoff, outcome: str, *, by: str) -> dict[str, Any]:
     """End a handoff: `done` (then the guard's login check), `cancelled` (the stage fails),
     `expired` or `ended`. Idempotent; the link and its sessions stop working at once."""
     if h.state != HandoffPhase.OPEN or h.finishing:
         return h.public()
     h.finishing = True
-    console = guard.console
+    view = console.view
     console.auth.end_scope(h.scope)
     h.view.outcome = outcome     # what the viewers are told as their socket closes
     await h.view.close()
     if h.watcher is not None and h.watcher is not asyncio.current_task():
         h.watcher.cancel()
-    run = guard.runs.get(h.run_id)
+    run = view.runs.get(h.run_id)
     result = None
     if outcome == "done" and h.login_check is not None and run is not None and run.state == RunState.ACTIVE:
         try:
-            result = await guard.login_check(h.run_id, models.LoginCheckRequest(
+            result = await view.login_check(h.run_id, models.LoginCheckRequest(
                 profile=h.profile, login_check=h.login_check))
         except GuardError as exc:
             result = {"logged_in": False, "url": "", "error": exc.code}
     elif outcome == "cancelled" and h.stage_id and run is not None and run.state == RunState.ACTIVE:
         with contextlib.suppress(GuardError):
-            await guard.end_stage(h.run_id, h.stage_id, models.StageEnd(outcome="failed"))
-    if run is not None and run.state == RunState.ACTIVE and run.proxy is not None:
+            await view.end_stage(h.run_id, h.stage_id, models.StageEnd(outcome="failed"))
+    if run is not None and run.state == RunState.ACTIVE:
         # the page's host was added for the handoff only: back to what the stages allow
         with swallowed(log, f"run {h.run_id}: taking the handoff's page host off the allowlist"):
-            browser = run.browsers.get(guard.profile_key(run, h.profile).name)
-            if browser is not None and browser.client in run.proxy.clients:
-                await run.proxy.set_allow(browser.client, guard.stages.browser_allow(run, browser))
+            await view.allow_browser(h.run_id, h.browser_key)
     h.result = result
     h.state = handoff_move(h.state, outcome)
-    fields = dict(scope=guard.scope, profile=h.profile, run=h.run_id, by=by)
+    fields: dict[str, Any] = dict(scope=view.scope, profile=h.profile, run=h.run_id, by=by)
     if h.stage_id:
         fields["stage"] = h.stage_id
     with swallowed(log, "the audit record of the handoff's end", (OSError, ProfileError)):
         if outcome == "done":
-            guard.audit.record("handoff_confirmed", outcome="done", **fields,
-                               **({"logged_in": bool(result.get("logged_in"))} if result else {}))
+            view.audit.record("handoff_confirmed", outcome="done", **fields,
+                              **({"logged_in": bool(result.get("logged_in"))} if result else {}))
         else:
-            guard.audit.record("handoff_closed", outcome=outcome, **fields)
+            view.audit.record("handoff_closed", outcome=outcome, **fields)
     h.changed.set()
     console.notify()
     log.info("live view %s of run %s ended: %s", h.id, h.run_id, outcome, extra={"run": h.run_id})
-    _notify(guard, "handoff_ended", {"kind": "live_view", "run": h.run_id, "stage": h.stage_id,
-                                     "profile": h.profile, "site": h.site, "outcome": outcome})
+    view.notify("handoff_ended", {"kind": "live_view", "run": h.run_id, "stage": h.stage_id,
+                                  "profile": h.profile, "site": h.site, "outcome": outcome})
     return h.public()
 
 
-def _notify(guard, event: str, payload: dict) -> None:
-    """The guard's webhooks (supervisor/daemon/notify.py), where it has them; never the live
-    view's link (it signs a person in)."""
-    notify = getattr(guard, "notify", None)
-    if notify is not None:
-        notify(event, payload)
-
-
-def viewed(guard, h: LiveHandoff, session_id: str) -> None:
+def viewed(console: ConsoleServer, h: LiveHandoff, session_id: str) -> None:
     """Audit the first time a console session opens this live view."""
     if session_id in h.viewers_seen:
         return
     h.viewers_seen.add(session_id)
     with swallowed(log, "the audit record of a handoff viewed", (OSError, ProfileError)):
-        guard.audit.record("handoff_viewed", scope=guard.scope, profile=h.profile, run=h.run_id,
-                           by=session_id)
+        console.view.audit.record("handoff_viewed", scope=console.view.scope, profile=h.profile,
+                                  run=h.run_id, by=session_id)
 
 
-def newest(guard, run_id: str) -> LiveHandoff | None:
+def newest(console: ConsoleServer | None, run_id: str) -> LiveHandoff | None:
     """The run's newest live handoff, if it had one."""
-    console = getattr(guard, "console", None)
     mine = [h for h in (console.handoffs.values() if console else []) if h.run_id == run_id]
     return mine[-1] if mine else None
 
 
-async def state(guard, run_id: str, wait: float = 0.0) -> dict:
-    """The run's latest live handoff; with `wait`, held until it is no longer open."""
-    guard.run_of(run_id)
-    console = getattr(guard, "console", None)
-    mine = [h for h in (console.handoffs.values() if console else []) if h.run_id == run_id]
-    if not mine:
+async def state(console: ConsoleServer | None, run_id: str, wait: float = 0.0) -> dict[str, Any]:
+    """The run's latest live handoff (the caller has checked the run is known); with `wait`,
+    held until it is no longer open."""
+    h = newest(console, run_id)
+    if h is None:
         raise NotFound("handoff_not_found", f"run {run_id!r} has no handoff", "run_id")
-    h = mine[-1]
     if h.state == HandoffPhase.OPEN and wait > 0:
         h.changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -264,9 +253,8 @@ async def state(guard, run_id: str, wait: float = 0.0) -> dict:
     return h.public()
 
 
-async def close_all(guard) -> None:
-    console = getattr(guard, "console", None)
+async def close_all(console: ConsoleServer | None) -> None:
     if console is None:
         return
     for h in list(console.handoffs.values()):
-        await finish(guard, h, "ended", by="guard")
+        await finish(console, h, "ended", by="guard")

@@ -28,9 +28,10 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import urlsplit
 
+from sfguard.errors import SfguardError
 from sfguard.policy import join_host_port
 from sfguard.supervisor.errors import swallowed
 from sfguard.supervisor.gate.cdp_pipe import CdpCallError, CdpPipe, CdpSession, PipeClosed
@@ -65,6 +66,12 @@ def display_url(url: str) -> str:
     return f"{p.scheme}://{hostport}{p.path or '/'}"
 
 
+#: what opening or watching a tab over the pipe can raise: the browser's error answer, the pipe
+#: gone, no answer in time, an answer without the field asked for, the pipe's own I/O
+TAB_ERRORS = (CdpCallError, PipeClosed, TimeoutError, KeyError, OSError)
+#: one viewer's queue: ("frame", bytes) and ("state", dict) items, None at the end
+ViewerQueue: TypeAlias = asyncio.Queue[tuple[str, Any] | None]
+
 SCREENCAST = {"format": "jpeg", "quality": 70, "maxWidth": MAX_W, "maxHeight": MAX_H, "everyNthFrame": 1}
 
 
@@ -87,11 +94,11 @@ class LiveView:
         self.last_frame: bytes | None = None
         self.last_meta: dict[str, Any] = {}
         self.refused: list[str] = []
-        self.viewers: set[asyncio.Queue] = set()
+        self.viewers: set[ViewerQueue] = set()
         self.closed = asyncio.Event()
         self.outcome = "ended"
-        self._task: asyncio.Task | None = None
-        self._restart: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._restart: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, url: str, timeout: float = 20.0) -> None:
@@ -137,21 +144,21 @@ class LiveView:
                 _offer(q, None)
 
     # -- viewers ---------------------------------------------------------------------------
-    def add_viewer(self) -> asyncio.Queue:
+    def add_viewer(self) -> ViewerQueue:
         """A queue of ("frame", bytes) / ("state", dict) items; None at the end. A slow viewer
         loses old frames, never the newest."""
-        q: asyncio.Queue = asyncio.Queue(maxsize=8)
+        q: ViewerQueue = asyncio.Queue(maxsize=8)
         self.viewers.add(q)
         _offer(q, ("state", self.state()))
         if self.last_frame is not None:
             _offer(q, ("frame", self.last_frame))
         return q
 
-    def remove_viewer(self, q: asyncio.Queue) -> None:
+    def remove_viewer(self, q: ViewerQueue) -> None:
         self.viewers.discard(q)
 
     @staticmethod
-    def end_viewer(q: asyncio.Queue) -> None:
+    def end_viewer(q: ViewerQueue) -> None:
         """Tell one viewer its view is over (its session ended), newest item first."""
         _offer(q, None)
 
@@ -159,7 +166,7 @@ class LiveView:
         return {"t": "state", "url": display_url(self.url), "w": self.size[0], "h": self.size[1],
                 "refused": self.refused[-3:], "frames": self.frames}
 
-    def _broadcast(self, item) -> None:
+    def _broadcast(self, item: tuple[str, Any]) -> None:
         for q in list(self.viewers):
             _offer(q, item)
 
@@ -189,8 +196,8 @@ class LiveView:
                     break
         except (PipeClosed, asyncio.CancelledError):
             pass
-        except Exception:
-            log.exception("live view %s: reading the tab's events failed", self.name)
+        except Exception:   # the reader task's top: whatever the tab sent, the view ends, said in the log
+            log.exception("live view %s: reading the tab's events failed; the view ends", self.name)
         finally:
             self._finish()
 
@@ -212,7 +219,7 @@ class LiveView:
             raise RuntimeError("the live view's CDP session is not open")
         return self.cdp
 
-    async def _frame(self, params: dict) -> None:
+    async def _frame(self, params: dict[str, Any]) -> None:
         # the ack goes first (not awaited): the next frame may be produced meanwhile
         with swallowed(log, "acknowledging a frame"):
             await self._cdp().client.send({"id": 0, "method": "Page.screencastFrameAck",
@@ -231,7 +238,7 @@ class LiveView:
             self._broadcast(("state", self.state()))
         self._broadcast(("frame", data))
 
-    async def _navigation(self, params: dict) -> None:
+    async def _navigation(self, params: dict[str, Any]) -> None:
         request = params.get("request") or {}
         url = str(request.get("url") or "")
         rid = params.get("requestId")
@@ -248,9 +255,10 @@ class LiveView:
                 self._broadcast(("state", self.state()))
 
     def _allowed(self, url: str) -> bool:
+        """The policy's answer for a document request; an address it cannot read is refused."""
         try:
             return bool(self.allowed(url))
-        except Exception:
+        except (ValueError, SfguardError):    # a malformed address or port, a host the policy refuses to read
             return False
 
     # -- input from a viewer -------------------------------------------------------------------
@@ -271,7 +279,7 @@ class LiveView:
         return True
 
 
-def _offer(q: asyncio.Queue, item) -> None:
+def _offer(q: ViewerQueue, item: tuple[str, Any] | None) -> None:
     while True:
         try:
             q.put_nowait(item)
@@ -291,7 +299,7 @@ def _mods(v: Any) -> int:
     return int(v) & 0b1111 if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
-def _translate(msg: dict, size: tuple[int, int]) -> tuple[str, dict] | None:
+def _translate(msg: dict[str, Any], size: tuple[int, int]) -> tuple[str, dict[str, Any]] | None:
     """A viewer message -> (CDP method, params), or None when it is not valid."""
     t = msg.get("t")
     w, h = size
@@ -351,5 +359,5 @@ def _translate(msg: dict, size: tuple[int, int]) -> tuple[str, dict] | None:
     return None
 
 
-def encode_state(state: dict) -> str:
+def encode_state(state: dict[str, Any]) -> str:
     return json.dumps(state, separators=(",", ":"))

@@ -8,42 +8,47 @@ import contextlib
 import json
 import shlex
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sfguard.supervisor.console import approvals_page, runs_page
+from sfguard.supervisor.console.view import ConsoleView
 from sfguard.supervisor.protocols import ProfileError
 from sfguard.supervisor.states import HandoffPhase
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.console.handoff import LiveHandoff
 
 DECISIONS_TAIL = 5000
 DECISIONS_SHOWN = 200
 AUDIT_SHOWN = 50
 
 
-async def page_context(guard: Any, handoffs: dict[str, Any], page: str, query: dict[str, str]) -> dict[str, Any]:
+async def page_context(view: ConsoleView, handoffs: dict[str, LiveHandoff], page: str,
+                       query: dict[str, str]) -> dict[str, Any]:
     if page == "overview":
-        return await _overview(guard, handoffs)
+        return await _overview(view, handoffs)
     if page == "decisions":
-        return _decisions(guard, query)
+        return _decisions(view, query)
     if page == "profiles":
-        return await _profiles(guard)
+        return await _profiles(view)
     if page == "approvals":
-        return approvals_page.context(guard)
+        return approvals_page.context(view)
     if page == "runs":
-        return await runs_page.context(guard, query)
-    return _audit(guard)
+        return await runs_page.context(view, query)
+    return _audit(view)
 
 
-async def _overview(guard: Any, handoffs: dict[str, Any]) -> dict[str, Any]:
-    status = await guard.status()
+async def _overview(view: ConsoleView, handoffs: dict[str, LiveHandoff]) -> dict[str, Any]:
+    status = await view.status()
     shown = [dict(h.public(), id=h.id, run=h.run_id, stage=h.stage_id)
              for h in handoffs.values() if h.state == HandoffPhase.OPEN]
-    return {"gs": status, "handoffs": shown, "approvals": approvals_page.context(guard)["pending"]}
+    return {"gs": status, "handoffs": shown, "approvals": approvals_page.context(view)["pending"]}
 
 
-def _decisions(guard: Any, query: dict[str, str]) -> dict[str, Any]:
+def _decisions(view: ConsoleView, query: dict[str, str]) -> dict[str, Any]:
     filters = {k: query.get(k, "").strip()[:200] for k in ("run", "stage", "host", "decision", "reason")}
-    rows: deque = deque(maxlen=DECISIONS_TAIL)
-    path = guard.logs_dir / "decisions.log"
+    rows: deque[str] = deque(maxlen=DECISIONS_TAIL)
+    path = view.decisions_log
     # the newest rotated file first (supervisor/daemon/log_rotation.py), then the live one
     for part in (path.with_name(path.name + ".1"), path):
         with contextlib.suppress(FileNotFoundError):
@@ -66,19 +71,19 @@ def _decisions(guard: Any, query: dict[str, str]) -> dict[str, Any]:
                "source": d.get("source") or "proxy"}
         if any(v and v.lower() not in str(rec[k]).lower() for k, v in filters.items()):
             continue
-        rec["explain"] = _explain(guard, rec)
+        rec["explain"] = _explain(view, rec)
         out.append(rec)
         if len(out) >= DECISIONS_SHOWN:
             break
     return {"rows": out, "filters": filters}
 
 
-def _explain(guard: Any, rec: dict) -> str | None:
+def _explain(view: ConsoleView, rec: dict[str, Any]) -> str | None:
     if rec["source"] != "proxy" or not rec["host"]:
         return None
     target = rec["host"] + (f":{rec['port']}" if rec["port"] not in (None, 80, 443) else "")
-    argv = ["sfguard", "policy", "explain", target, "--policy", str(guard.policy_path)]
-    run = guard.runs.get(rec["run"])
+    argv = ["sfguard", "policy", "explain", target, "--policy", str(view.policy_path)]
+    run = view.runs.get(rec["run"])
     if run is not None:
         allow = sorted({a for s in run.stages.values() for a in s.browser_req.allow_domains})
         for a in allow:
@@ -86,11 +91,11 @@ def _explain(guard: Any, rec: dict) -> str | None:
     return shlex.join(argv)
 
 
-async def _profiles(guard: Any) -> dict[str, Any]:
-    answer = await guard.inventory.list_profiles()
-    checks: dict[str, dict] = {}
+async def _profiles(view: ConsoleView) -> dict[str, Any]:
+    answer = await view.list_profiles()
+    checks: dict[str, dict[str, Any]] = {}
     with contextlib.suppress(OSError, ProfileError):   # the page shows the profiles without their last check
-        for rec in guard.audit.records():
+        for rec in view.audit.records():
             if rec.get("event") == "login_checked":
                 f = rec.get("fields") or {}
                 checks[str(f.get("profile"))] = {"ts": rec.get("ts"), "result": f.get("result")}
@@ -99,9 +104,9 @@ async def _profiles(guard: Any) -> dict[str, Any]:
     return {"profiles": rows}
 
 
-def _audit(guard: Any) -> dict[str, Any]:
-    result = guard.audit.verify()
-    records = guard.audit.records()[-AUDIT_SHOWN:]
+def _audit(view: ConsoleView) -> dict[str, Any]:
+    result = view.audit.verify()
+    records = view.audit.records()[-AUDIT_SHOWN:]
     shown = [{"seq": r.get("seq"), "ts": r.get("ts"), "event": r.get("event"),
               "fields": " ".join(f"{k}={v}" for k, v in sorted((r.get("fields") or {}).items()))}
              for r in reversed(records)]

@@ -25,18 +25,30 @@ import asyncio
 import calendar
 import contextlib
 import json
+import logging
 import re
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import WSMsgType, web
 
 from sfguard.supervisor import models
+from sfguard.supervisor.console.auth import Session
+from sfguard.supervisor.console.liveview import TAB_ERRORS
+from sfguard.supervisor.console.view import AUDIT_ERRORS, ConsoleView, RunView, StageView
 from sfguard.supervisor.errors import GuardError
+from sfguard.supervisor.gate.cdp_pipe import CdpPipe
 from sfguard.supervisor.protocols import validate_run_id
-from sfguard.supervisor.record import catalog, files, view
+from sfguard.supervisor.record import catalog, files
+from sfguard.supervisor.record import view as record_view
 from sfguard.supervisor.record.watch import WatchView
 from sfguard.supervisor.states import WAITING_STATES, RunState, StageState
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.console.server import ConsoleServer
+
+log = logging.getLogger("sfguard.console")
 
 STAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 SHOT_RE = re.compile(r"^[0-9]{5}\.(jpg|png)$")
@@ -54,24 +66,20 @@ def _day(text: str) -> float | None:
         return None
 
 
-def _backend(guard: Any) -> Any:
-    return getattr(getattr(guard, "stores", None), "backend", None)
-
-
-async def context(guard: Any, query: dict[str, str]) -> dict[str, Any]:
+async def context(view: ConsoleView, query: dict[str, str]) -> dict[str, Any]:
     """The runs page: records (this home's, a fleet's on a shared store) matching the filters."""
     f = {k: query.get(k, "").strip()[:200] for k in FILTERS}
     until = _day(f["until"])
-    lines = await asyncio.to_thread(catalog.listing, guard.recorder.root, _backend(guard))
-    shown = [x for x in lines if view.matches(x, text=f["q"], pipeline=f["pipeline"], profile=f["profile"],
-                                              outcome=f["outcome"], since=_day(f["since"]),
-                                              until=until + 86400 if until is not None else None)]
-    active = {r.run_id for r in guard.runs.values() if r.state == RunState.ACTIVE}
+    lines = await asyncio.to_thread(catalog.listing, view.records_root, view.records_backend)
+    shown = [x for x in lines if record_view.matches(
+        x, text=f["q"], pipeline=f["pipeline"], profile=f["profile"], outcome=f["outcome"],
+        since=_day(f["since"]), until=until + 86400 if until is not None else None)]
+    active = {r.run_id for r in view.runs.values() if r.state == RunState.ACTIVE}
     return {"records": shown[:LISTED], "more": max(0, len(shown) - LISTED), "filters": f, "active": active,
-            "recording": guard.recorder.settings.level}
+            "recording": view.recording_level}
 
 
-def register(app: web.Application, server: Any) -> None:
+def register(app: web.Application, server: ConsoleServer) -> None:
     routes = RunsRoutes(server)
     app.router.add_get("/runs/{rid}", routes.page)
     app.router.add_get("/runs/{rid}/shots/{shot}", routes.shot)
@@ -83,13 +91,13 @@ def register(app: web.Application, server: Any) -> None:
 
 
 class RunsRoutes:
-    def __init__(self, server: Any):
+    def __init__(self, server: ConsoleServer):
         self.server = server
         self.watched: set[tuple[str, str, str]] = set()   # (session, run, stage) audited once
 
     @property
-    def guard(self) -> Any:
-        return self.server.guard
+    def view(self) -> ConsoleView:
+        return self.server.view
 
     # -- lookups ------------------------------------------------------------------------------
     @staticmethod
@@ -107,23 +115,25 @@ class RunsRoutes:
             raise web.HTTPNotFound(text=f"no such {name}\n")
         return value
 
-    def _folder(self, rid: str) -> Any:
-        g = self.guard
-        return catalog.find(g.recorder.root, rid, _backend(g), g.recorder.root / catalog.SHARED_CACHE)
+    def _folder(self, rid: str) -> Path | None:
+        root = self.view.records_root
+        return catalog.find(root, rid, self.view.records_backend, root / catalog.SHARED_CACHE)
 
-    def _session(self, request: web.Request) -> Any:
+    def _session(self, request: web.Request) -> Session | None:
         return self.server.console_session(request)
 
-    async def _csrf(self, request: web.Request, sess: Any) -> bool:
+    async def _csrf(self, request: web.Request, sess: Session) -> bool:
         form = await request.post()
         token = form.get("csrf")
         return sess.csrf_ok(token if isinstance(token, str) else None)
 
-    async def _audited(self, event: str, sess: Any, **fields: Any) -> bool:
-        """The audit record of a console action, before it acts; False: not recorded (refuse)."""
+    async def _audited(self, event: str, sess: Session, **fields: Any) -> bool:
+        """The audit record of a console action, before it acts; False: not recorded (refuse).
+        Anything else the chain raises goes up: the action does not happen either."""
         try:
             await self.server.audit_event(event, by=sess.decider, **fields)
-        except Exception:   # a boundary: whatever the chain's failure, the action does not happen
+        except AUDIT_ERRORS as exc:
+            log.error("console: %s refused, the audit log could not record it (%s)", event, type(exc).__name__)
             return False
         return True
 
@@ -137,7 +147,7 @@ class RunsRoutes:
         stage, kind = q.get("stage", "")[:128], q.get("kind", "")[:30]
         only_refused = q.get("refused") in ("1", "on", "yes")
         folder = await asyncio.to_thread(self._folder, rid)
-        run = self.guard.runs.get(rid)
+        run = self.view.runs.get(rid)
         if folder is None and run is None:
             raise web.HTTPNotFound(text="no such run (and no record of it)\n")
         index: dict[str, Any] = {}
@@ -146,12 +156,12 @@ class RunsRoutes:
         if folder is not None:
             entries, _head, problems = await asyncio.to_thread(files.read_entries, folder)
             index = files.read_index(folder) or {}
-            rows = view.rows(entries, stage=stage or None, kind=kind or None, only_refused=only_refused)
-        at = view.nearest(rows, q.get("at", "")[:40])
+            rows = record_view.rows(entries, stage=stage or None, kind=kind or None, only_refused=only_refused)
+        at = record_view.nearest(rows, q.get("at", "")[:40])
         stages = sorted({r["stage"] for r in rows if r["stage"]} | set(index.get("stages") or []))
         return self.server.render_page("run.html", page="runs", session=sess, rid=rid, index=index, run=_live(run),
                                        rows=rows[:SHOWN], more=max(0, len(rows) - SHOWN), problems=problems,
-                                       stage=stage, kind=kind, refused=only_refused, kinds=view.KINDS, at=at,
+                                       stage=stage, kind=kind, refused=only_refused, kinds=record_view.KINDS, at=at,
                                        stages=stages,
                                        record_name=folder.name if folder is not None else None)
 
@@ -167,8 +177,8 @@ class RunsRoutes:
         return web.Response(body=data, content_type="image/png" if name.endswith(".png") else "image/jpeg")
 
     # -- the read-only watch ------------------------------------------------------------------
-    def _ready_stage(self, rid: str, sid: str) -> tuple[Any, Any]:
-        run = self.guard.runs.get(rid)
+    def _ready_stage(self, rid: str, sid: str) -> tuple[RunView, StageView]:
+        run = self.view.runs.get(rid)
         stage = run.stages.get(sid) if run is not None else None
         if run is None or stage is None:
             raise web.HTTPNotFound(text="no such stage\n")
@@ -188,7 +198,7 @@ class RunsRoutes:
             return self.server.audit_down()
         return self.server.render_page("watch.html", page="runs", session=sess, rid=rid, sid=sid)
 
-    async def _watched(self, sess: Any, rid: str, sid: str) -> bool:
+    async def _watched(self, sess: Session, rid: str, sid: str) -> bool:
         """Audit the first watch of a stage by a session (its page or its socket); False: the
         audit chain could not record it (the watch is refused)."""
         key = (sess.public_id, rid, sid)
@@ -198,16 +208,15 @@ class RunsRoutes:
             self.watched.add(key)
         return True
 
-    def _tab(self, run: Any, stage: Any) -> tuple[Any, str] | None:
+    def _tab(self, run: RunView, stage: StageView) -> tuple[CdpPipe, str] | None:
         browser = run.browsers.get(stage.browser_key or "")
-        pipe = getattr(browser.anchor, "pipe", None) if browser is not None and browser.anchor else None
+        pipe = browser.anchor.pipe if browser is not None and browser.anchor else None
         if pipe is None or not stage.gate_key:
             return None
-        rec = self.guard.recorder.runs.get(run.run_id)
-        st = rec.stages.get(stage.stage_id) if rec is not None else None
-        tabs = self.guard.gate.stage_targets(stage.gate_key)
+        last = self.view.last_tab(run.run_id, stage.stage_id)
+        tabs = self.view.stage_tabs(stage.gate_key)
         pages = [t for t in sorted(tabs) if (pipe.targets.get(t) or {}).get("type") == "page"]
-        tab = st.last_tab if st is not None and st.last_tab in tabs else (pages[0] if pages else None)
+        tab = last if last in tabs else (pages[0] if pages else None)
         return (pipe, tab) if tab else None
 
     async def watch_ws(self, request: web.Request) -> web.StreamResponse:
@@ -224,7 +233,8 @@ class RunsRoutes:
         view_ = WatchView(found[0], found[1], name=f"watch:{rid}/{sid}")
         try:
             await view_.start()
-        except Exception:   # a boundary: a tab that cannot be watched is said, never raised
+        except TAB_ERRORS as exc:   # a tab that cannot be watched is said, never raised
+            log.info("console: the tab of stage %s/%s cannot be watched (%s)", rid, sid, type(exc).__name__)
             await view_.close()
             return web.Response(status=503, text="the stage's tab cannot be watched now\n")
         ws = web.WebSocketResponse(heartbeat=20, max_msg_size=4096)
@@ -236,7 +246,8 @@ class RunsRoutes:
             await ws.close()
         return ws
 
-    async def _pump(self, ws: web.WebSocketResponse, view_: WatchView, sess: Any, run: Any, stage: Any) -> None:
+    async def _pump(self, ws: web.WebSocketResponse, view_: WatchView, sess: Session, run: RunView,
+                    stage: StageView) -> None:
         q = view_.add_viewer()
 
         async def send() -> None:
@@ -266,7 +277,7 @@ class RunsRoutes:
                 await ws.send_str(json.dumps({"t": "ended", "state": str(stage.state)}))
 
     # -- controls -----------------------------------------------------------------------------
-    async def _control(self, request: web.Request) -> tuple[Any, str] | web.StreamResponse:
+    async def _control(self, request: web.Request) -> tuple[Session, str] | web.StreamResponse:
         sess = self._session(request)
         if sess is None:
             return self.server.unauthorized(request)
@@ -278,7 +289,7 @@ class RunsRoutes:
         self.server.notify()
         raise web.HTTPSeeOther(f"/runs/{rid}")
 
-    def _refused(self, sess: Any, text: str, status: int = 409) -> web.StreamResponse:
+    def _refused(self, sess: Session, text: str, status: int = 409) -> web.StreamResponse:
         return self.server.render_page("message.html", status, page="runs", title="Not done", session=sess,
                                            message=text)
 
@@ -287,12 +298,12 @@ class RunsRoutes:
         if not isinstance(got, tuple):
             return got
         sess, rid = got
-        run = self.guard.runs.get(rid)
+        run = self.view.runs.get(rid)
         if run is None or run.state != RunState.ACTIVE:
             return self._refused(sess, f"Run {rid} is not running. Nothing was changed.")
         if not await self._audited("console_run_ended", sess, run=rid):
             return self.server.audit_down()
-        await self.guard.end_run(rid, models.RunEnd(outcome="cancelled"))
+        await self.view.end_run(rid, models.RunEnd(outcome="cancelled"))
         return self._done(rid)
 
     async def cancel_stage(self, request: web.Request) -> web.StreamResponse:
@@ -301,7 +312,7 @@ class RunsRoutes:
             return got
         sess, rid = got
         sid = self._part(request, "sid", STAGE_RE)
-        run = self.guard.runs.get(rid)
+        run = self.view.runs.get(rid)
         stage = run.stages.get(sid) if run is not None and run.state == RunState.ACTIVE else None
         if stage is None or stage.state in (StageState.ENDED, StageState.FAILED):
             return self._refused(sess, f"Stage {sid} of run {rid} is not running. Nothing was changed.")
@@ -309,9 +320,9 @@ class RunsRoutes:
             return self.server.audit_down()
         try:
             if stage.state in WAITING_STATES and stage.state != StageState.RELAUNCHING:
-                await self.guard.cancel_stage(rid, sid)
+                await self.view.cancel_stage(rid, sid)
             else:
-                await self.guard.end_stage(rid, sid, models.StageEnd(outcome="cancelled"))
+                await self.view.end_stage(rid, sid, models.StageEnd(outcome="cancelled"))
         except GuardError as exc:
             return self._refused(sess, f"{exc.message}. Nothing was changed.")
         return self._done(rid)
@@ -322,18 +333,18 @@ class RunsRoutes:
             return got
         sess, rid = got
         bkey = self._part(request, "bkey", BROWSER_RE)
-        run = self.guard.runs.get(rid)
+        run = self.view.runs.get(rid)
         browser = run.browsers.get(bkey) if run is not None and run.state == RunState.ACTIVE else None
         if browser is None or browser.anchor is None or browser.closing:
             return self._refused(sess, f"Run {rid} has no running browser {bkey}. Nothing was changed.")
         fields = {"profile": browser.profile.name} if browser.profile is not None else {}
         if not await self._audited("console_browser_restarted", sess, run=rid, **fields):
             return self.server.audit_down()
-        await self.guard.watchdog.restart_browser(run, browser, by=sess.decider)
+        await self.view.restart_browser(rid, bkey, by=sess.decider)
         return self._done(rid)
 
 
-def _live(run: Any) -> dict[str, Any] | None:
+def _live(run: RunView | None) -> dict[str, Any] | None:
     """What the run page shows of a run the guard still has: its state, stages, browsers."""
     if run is None:
         return None

@@ -31,12 +31,14 @@ from typing import Any
 
 import jinja2
 from aiohttp import WSMsgType, web
+from aiohttp.typedefs import Handler
 
 from sfguard.supervisor.console import approvals_page, pages, runs_page
 from sfguard.supervisor.console import handoff as live
 from sfguard.supervisor.console.auth import LINK_TTL, SESSION_TTL, ConsoleAuth, Session
 from sfguard.supervisor.console.listen import ConsoleConfig
 from sfguard.supervisor.console.reach import HSTS, Reach
+from sfguard.supervisor.console.view import AUDIT_ERRORS, ConsoleView
 from sfguard.supervisor.states import HandoffPhase
 
 log = logging.getLogger("sfguard.console")
@@ -67,8 +69,8 @@ def _fmt_ts(ts: Any) -> str:
 
 
 class ConsoleServer:
-    def __init__(self, guard, config: ConsoleConfig | None = None):
-        self.guard = guard
+    def __init__(self, view: ConsoleView, config: ConsoleConfig | None = None):
+        self.view = view          # all it reaches of the guard (console/view.py)
         self.cfg = config or ConsoleConfig()
         self.reach = Reach(self.cfg)             # where it listens, who may reach it
         self.session_ttl = min(float(self.cfg.session_ttl), SESSION_TTL)
@@ -87,11 +89,11 @@ class ConsoleServer:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> str:
         app = self.app()
-        self.guard.approvals.listeners.append(self.notify)   # a write held or decided: pages update
+        self.view.approvals.listeners.append(self.notify)   # a write held or decided: pages update
         # open SSE streams and live-view sockets must not hold up the guard's stop
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
-        return await self.reach.listen(self._runner, getattr(self.guard, "home", None))
+        return await self.reach.listen(self._runner, self.view.home)
 
     @property
     def base_url(self) -> str:
@@ -114,12 +116,12 @@ class ConsoleServer:
     async def stop(self) -> None:
         self.end_sessions()
         self._audit_refused(flush=True)
-        await live.close_all(self.guard)
+        await live.close_all(self)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
-    def login_link(self, ttl: float = LINK_TTL, person: str | None = None) -> dict:
+    def login_link(self, ttl: float = LINK_TTL, person: str | None = None) -> dict[str, Any]:
         token = self.auth.new_link("console", ttl=float(ttl), session_ttl=self.session_ttl,
                                    person=person)
         return {"url": f"{self.base_url}/login?t={token}",
@@ -147,7 +149,7 @@ class ConsoleServer:
     async def audit_event(self, event: str, **fields: Any) -> None:
         """An audit record of a console session, written before the answer goes out (so the
         chain keeps the order things happened in)."""
-        await self.guard.store_call(self.guard.audit.record, event, **fields)
+        await self.view.record_audit(event, **fields)
 
     def _audit_refused(self, flush: bool = False) -> None:
         """Refused sign-in links are counted; one record a minute at most carries the count
@@ -156,17 +158,13 @@ class ConsoleServer:
         now = time.monotonic()
         if self._refused and (flush or now - self._refused_at >= REFUSED_PERIOD):
             count, self._refused, self._refused_at = self._refused, 0, now
-            try:
-                self.guard.calls.submit("the audit record of refused console links",
-                                        self.guard.audit.record, "console_sign_in_refused",
-                                        count=count, reason="link_not_valid")
-            except Exception as exc:   # a stopping guard: said in the log, never raised
-                log.warning("refused console links not audited: %s", type(exc).__name__)
+            self.view.record_audit_later("the audit record of refused console links",   # never raises
+                                         "console_sign_in_refused", count=count, reason="link_not_valid")
 
     # -- the app -----------------------------------------------------------------------------
     def app(self) -> web.Application:
         @web.middleware
-        async def guard_mw(request: web.Request, handler):
+        async def guard_mw(request: web.Request, handler: Handler) -> web.StreamResponse:
             if not self.reach.peer_ok(request):
                 return self._headers(web.Response(status=403, text=(
                     f"this console is reached through its proxy: open {self.base_url}\n")))
@@ -182,7 +180,7 @@ class ConsoleServer:
                 resp = await handler(request)
             except web.HTTPException as exc:
                 resp = exc
-            except Exception:
+            except Exception:   # every route's top: a bug answers 500, said in the log (the path, no query)
                 log.exception("console error on %s %s", request.method, request.rel_url.path)
                 resp = web.Response(status=500, text="internal error; see the guard's log\n")
             if isinstance(resp, web.StreamResponse) and not resp.prepared:
@@ -218,7 +216,7 @@ class ConsoleServer:
         resp.headers["Cache-Control"] = "no-store"
         return resp
 
-    def render_page(self, name: str, status: int = 200, **ctx) -> web.Response:
+    def render_page(self, name: str, status: int = 200, **ctx: Any) -> web.Response:
         html = self.env.get_template(name).render(**ctx)
         return web.Response(status=status, text=html, content_type="text/html", charset="utf-8")
 
@@ -262,15 +260,18 @@ class ConsoleServer:
 
     async def _audited_sign_in(self, cookie: str, sess: Session, **fields: Any) -> bool:
         """Audit a sign-in before its cookie is handed out; a session the audit log cannot
-        record is ended at once (fail closed)."""
+        record is ended at once, whatever went wrong (fail closed)."""
+        recorded = False
         try:
             await self.audit_event("console_signed_in", by=sess.public_id, **fields)
-        except Exception as exc:
+            recorded = True
+        except AUDIT_ERRORS as exc:
             log.error("console: sign-in refused, the audit log could not record it (%s)",
                       type(exc).__name__)
-            self.auth.end_session(cookie)
-            return False
-        return True
+        finally:
+            if not recorded:
+                self.auth.end_session(cookie)
+        return recorded
 
     def audit_down(self) -> web.Response:
         return self.render_page("message.html", 503, title="Sign-in not recorded", session=None,
@@ -287,7 +288,7 @@ class ConsoleServer:
         self.auth.end_session(request.cookies.get(CONSOLE_COOKIE))
         try:
             await self.audit_event("console_signed_out", by=sess.public_id, reason="logout")
-        except Exception as exc:      # signed out all the same; the log says what is missing
+        except AUDIT_ERRORS as exc:   # signed out all the same; the log says what is missing
             log.error("console: sign-out of %s not audited (%s)", sess.public_id, type(exc).__name__)
         log.info("console: session %s signed out", sess.public_id)
         resp = self.render_page("message.html", title="Signed out", session=None,
@@ -316,13 +317,12 @@ class ConsoleServer:
         as the control API serves them."""
         if self.console_session(request) is None:
             return web.Response(status=401, text="sign in with a link from `sfguard console`\n")
-        g = self.guard
-        body = await asyncio.to_thread(g.metrics.render, g.metrics.snapshot(g))
-        return web.Response(body=body, headers={"Content-Type": g.metrics.content_type})
+        body, content_type = await self.view.metrics()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def page_context(self, page: str, query: dict[str, str]) -> dict[str, Any]:
         """What a page shows (supervisor/console/pages.py)."""
-        return await pages.page_context(self.guard, self.handoffs, page, query)
+        return await pages.page_context(self.view, self.handoffs, page, query)
 
     # -- live updates ------------------------------------------------------------------------
     async def h_events(self, request: web.Request) -> web.StreamResponse:
@@ -406,7 +406,7 @@ class ConsoleServer:
             return self._live_gone() if (h is not None or sess is not None) else self.unauthorized(request)
         if sess is None:
             return self.unauthorized(request)
-        live.viewed(self.guard, h, sess.public_id)
+        live.viewed(self, h, sess.public_id)
         return self.render_page("live.html", page="live", session=sess, h=h,
                                 state=h.view.state(), csrf=sess.csrf)
 
@@ -483,6 +483,6 @@ class ConsoleServer:
             return self._live_gone()
         outcome = "done" if request.path.endswith("/done") else "cancelled"
         # a named console session decides as its person (console:NAME), else as its id
-        result = await live.finish(self.guard, h, outcome,
+        result = await live.finish(self, h, outcome,
                                    by=sess.decider if sess.person else sess.public_id)
         return self.render_page("live_result.html", title="Live view ended", session=None, result=result)

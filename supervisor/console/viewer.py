@@ -63,7 +63,7 @@ class Viewer:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def start(self) -> None:
@@ -130,7 +130,7 @@ class Viewer:
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
 
-    async def call(self, method: str, params: dict | None = None, timeout: float = 30) -> dict:
+    async def call(self, method: str, params: dict[str, Any] | None = None, timeout: float = 30) -> dict[str, Any]:
         return await self._cdp().call(method, params or {}, session=self.session, timeout=timeout)
 
     def _cdp(self) -> CdpSession:

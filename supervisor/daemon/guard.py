@@ -280,7 +280,7 @@ class Guard:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self.approvals.cancel(None, reason="the guard stopped")   # recorded; nothing held is sent
-        await live.close_all(self)
+        await live.close_all(self.console)
         await self.logins.windows.close_all()
         for run in list(self.runs.values()):
             if run.state == RunState.ACTIVE:
@@ -477,17 +477,17 @@ class Guard:
 
     async def handoff(self, run_id: str, body: models.HandoffRequest) -> dict[str, Any]:
         run = self.active_run(run_id)
-        if live.wants_live_view(self, body):   # no screen here: a live view in the console
-            return await live.open_live(self, run, body)
+        if live.wants_live_view(self.console, body):   # no screen here: a live view in the console
+            return await live.open_live(self.console, run, body)
         return await self.logins.window_handoff(run, body)
 
     async def handoff_state(self, run_id: str, wait: float = 0.0) -> dict[str, Any]:
         """The run's newest handoff, a live view's or a window's; with `wait`, held until it is
         no longer open."""
         self.run_of(run_id)
-        newest = live.newest(self, run_id)
+        newest = live.newest(self.console, run_id)
         window = await self.logins.window_state(run_id, wait, newest.created if newest else None)
-        return window if window is not None else await live.state(self, run_id, wait)
+        return window if window is not None else await live.state(self.console, run_id, wait)
 
     async def status(self) -> dict[str, Any]:
         return await guard_status(self)
