@@ -345,9 +345,9 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
         await web.UnixSite(app_runner, str(sock)).start()
     finally:
         os.umask(old_umask)
-    if guard.api_gid is not None:  # a runner under another user, in the API group
-        os.chown(sock, -1, guard.api_gid)
-        os.chown(guard.home, -1, guard.api_gid)
+    if guard.settings.api_gid is not None:  # a runner under another user, in the API group
+        os.chown(sock, -1, guard.settings.api_gid)
+        os.chown(guard.home, -1, guard.settings.api_gid)
         os.chmod(guard.home, 0o710)  # traverse only: everything in it stays 0600/0700
         os.chmod(sock, 0o660)
     else:
@@ -406,8 +406,9 @@ async def _serve_started(guard, report: dict, sock: Path, runners: list, token_p
 def _banner(guard, report: dict) -> list[str]:
     """The start banner after the listeners: tools, users, trust, store, policy, webhooks,
     sandbox, the sweep's report, warnings, and "ready" last."""
+    from sfguard.supervisor.browsers import tools
     from sfguard.supervisor.browsers.browser_user import describe as describe_browser_user
-    ab, br = guard.host_tool_report()
+    ab, br = tools.find_agent_browser().describe(), guard.stages.supply.browser_tool.describe()
     lines = [f"sfguard: home {guard.home} (runtime {guard.runtime})",
               f"sfguard: agent-browser {ab}", f"sfguard: browser {br}",
               f"sfguard: browsers run {describe_browser_user(guard.pool)}",
@@ -415,11 +416,11 @@ def _banner(guard, report: dict) -> list[str]:
               + (f" and --ca-file {guard.host.ca.describe()}" if getattr(guard.host, "ca", None) else ""),
               f"sfguard: version {guard.metrics.version}",
               f"sfguard: store {guard.stores.shown}",
-              f"sfguard: keys {guard.keys.describe()}",
+              f"sfguard: keys {guard.stores.keys.describe()}",
               f"sfguard: policy {guard.policy_path} (mode {guard.site_policy.mode})",
               f"sfguard: notifications {_notify_line(guard)}",
-              f"sfguard: stage sandbox (stage-exec): {'ok' if guard.sandbox_ok else 'UNAVAILABLE'}: "
-              f"{guard.sandbox_detail}",
+              f"sfguard: stage sandbox (stage-exec): {'ok' if guard.exec_service.sandbox.ok else 'UNAVAILABLE'}: "
+              f"{guard.exec_service.sandbox.detail}",
               f"sfguard: start-up sweep: {len(report['runs'])} dead run(s), {report['processes'] + report['orphans']} "
               f"process(es) ended, {len(report['resealed'])} profile(s) resealed, "
               f"{len(report['leases'])} lease(s) released"

@@ -32,6 +32,10 @@ class Tool:
     def found(self) -> bool:
         return self.path is not None
 
+    def describe(self) -> str:
+        """Its version and path, or MISSING with where it was looked for and what to do."""
+        return f"{self.version} at {self.path}" if self.found else f"MISSING ({self.source}; {self.hint})"
+
 
 def _native_binary_name() -> str:
     machine = platform.machine().lower()

@@ -16,10 +16,10 @@ from sfguard.supervisor.protocols import AuditSink
 from sfguard.supervisor.writes.approvals import Approvals
 
 if TYPE_CHECKING:
+    from sfguard.supervisor.daemon.browser_supply import BrowserSupply
     from sfguard.supervisor.daemon.guard import Guard
     from sfguard.supervisor.daemon.inventory import Inventory
     from sfguard.supervisor.daemon.metrics import GuardMetrics
-    from sfguard.supervisor.daemon.stages import Stages
     from sfguard.supervisor.daemon.watchdog import Watchdog
     from sfguard.supervisor.gate.cdp_gate import CdpGate
     from sfguard.supervisor.profiles.store_ops import StoreCalls
@@ -34,7 +34,7 @@ class GuardConsoleView:
 
     def __init__(self, *, scope: str, home: Path, runs: Mapping[str, Run], decisions_log: Path,
                  policy_path: Path, policy_watch: PolicyWatcher, audit: AuditSink, approvals: Approvals,
-                 recorder: Recorder, gate: CdpGate, stages: Stages, watchdog: Watchdog, inventory: Inventory,
+                 recorder: Recorder, gate: CdpGate, supply: BrowserSupply, watchdog: Watchdog, inventory: Inventory,
                  calls: StoreCalls, metrics: GuardMetrics, metrics_snapshot: Callable[[], dict[str, Any]],
                  notify: Callable[[str, dict[str, Any]], None], status: Callable[[], Awaitable[dict[str, Any]]],
                  end_run: Answer, cancel_stage: Answer, end_stage: Answer, login_check: Answer,
@@ -43,7 +43,7 @@ class GuardConsoleView:
         self.decisions_log, self.policy_path = decisions_log, policy_path
         self.audit, self.approvals = audit, approvals
         self._policy_watch, self._recorder, self._gate = policy_watch, recorder, gate
-        self._stages, self._watchdog, self._inventory, self._calls = stages, watchdog, inventory, calls
+        self._supply, self._watchdog, self._inventory, self._calls = supply, watchdog, inventory, calls
         self._metrics, self._metrics_snapshot, self._notify = metrics, metrics_snapshot, notify
         self._status, self._end_run, self._cancel_stage = status, end_run, cancel_stage
         self._end_stage, self._login_check, self._run_of = end_stage, login_check, run_of
@@ -112,13 +112,13 @@ class GuardConsoleView:
             await self._watchdog.restart_browser(run, browser, by=by)
 
     async def lease_browser(self, run_id: str, profile: str) -> Browser:
-        return await self._stages.leased_browser(self._run_of(run_id), profile, headed=False)
+        return await self._supply.leased_browser(self._run_of(run_id), profile, headed=False)
 
     async def allow_browser(self, run_id: str, browser_key: str, extra: Sequence[str] = ()) -> list[str]:
         run, browser = self._browser(run_id, browser_key)
         if run is None or browser is None:
             return sorted(set(extra))
-        allow = sorted(set(self._stages.browser_allow(run, browser)) | set(extra))
+        allow = sorted(set(run.browser_allow(browser)) | set(extra))
         if run.proxy is not None and browser.client in run.proxy.clients:
             await run.proxy.set_allow(browser.client, allow)
         return allow
@@ -132,9 +132,9 @@ def console_view(guard: Guard) -> ConsoleView:
     """The view `sfguard start` gives the console it attaches to `guard` (mypy checks here that
     it is a ConsoleView)."""
     return GuardConsoleView(
-        scope=guard.scope, home=guard.home, runs=guard.runs, decisions_log=guard.logs_dir / "decisions.log",
+        scope=guard.scope, home=guard.home, runs=guard.runs, decisions_log=guard.decision_log,
         policy_path=guard.policy_path, policy_watch=guard.policy_watch, audit=guard.audit,
-        approvals=guard.approvals, recorder=guard.recorder, gate=guard.gate, stages=guard.stages,
+        approvals=guard.approvals, recorder=guard.recorder, gate=guard.gate, supply=guard.stages.supply,
         watchdog=guard.watchdog, inventory=guard.inventory, calls=guard.calls, metrics=guard.metrics,
         metrics_snapshot=lambda: guard.metrics.snapshot(guard), notify=guard.notify, status=guard.status,
         end_run=guard.end_run, cancel_stage=guard.cancel_stage, end_stage=guard.end_stage,

@@ -211,8 +211,8 @@ def sweep(guard: Guard) -> dict:
         report["browser_users"] = _return_users(guard, pool, claimed)
         if pool is not guard.pool:
             pool.close()
-    for key, run_id in guard.lease.sweep_stale():
-        if not store_ops.audited(guard.lease):    # the shared store audits it as it drops it
+    for key, run_id in guard.stores.lease.sweep_stale():
+        if not store_ops.audited(guard.stores.lease):    # the shared store audits it as it drops it
             guard.audit.record("profile_released", scope=key.scope, profile=key.name,
                                run=run_id, outcome="abandoned")
         report["leases"].append(key.name)

@@ -1,18 +1,7 @@
-"""The guard daemon: one `Guard` per home, a small orchestrator over named services.
-
-  runs.py        Run, Stage and Browser records; the stage states and their transitions
-  stages.py      the stage state machine and the browsers behind it (lease, anchor, session)
-  run_proxy.py   each run's guard proxy child and its pool (and pace); shared_proxy.py: one for all
-  teardown.py    end_stage / close_browser / end_run: one path per level, a named outcome
-  watchdog.py    waiting stages, dead proxies and browsers (restart and reattach)
-  crash.py       crash records (`runs/<id>.json`, no secrets) and the sweep after a crash
-  logins.py      login check, envelope verification, human handoff
-  inventory.py   profiles, the lease table, store calls as the API answers them
-  keys_service.py  start-up checks of keys and seals, key rotation (POST /v1/keys/rotate)
-  status_view.py `GET /v1/status`: a read-only view of the whole guard
-The Guard's service methods (one per control API route, named as api.py's ROUTES name them)
-take validated models and return plain answers; they raise domain errors
-(supervisor/errors.py), never HTTP: api.py alone decides statuses.
+"""The guard daemon: one `Guard` per home, the composition root over the named services of
+supervisor/daemon/ (docs/design.md maps them). The Guard's service methods (one per control API
+route, named as api.py's ROUTES name them) take validated models and return plain answers; they
+raise domain errors (supervisor/errors.py), never HTTP: api.py alone decides statuses.
 
 The Guard is built with its collaborators: `stores` (keys, store, lease, audit: the local
 home or a shared store by default, supervisor/profiles/stores.py), `browser_host` (local
@@ -21,36 +10,37 @@ Chromium through agent-browser by default) and `handoff` (a local window by defa
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import fcntl
+import functools
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sfguard import policy
-from sfguard.errors import SfguardError
 from sfguard.supervisor import models
 from sfguard.supervisor.browsers import agent_browser, browser_pool, tools
 from sfguard.supervisor.browsers.handoff import Handoff, LocalWindowHandoff
 from sfguard.supervisor.browsers.host import BrowserHost, LocalBrowserHost
 from sfguard.supervisor.console import handoff as live
-from sfguard.supervisor.daemon import retention, stage_exec
 from sfguard.supervisor.daemon.approvals_api import ApprovalsApi
 from sfguard.supervisor.daemon.audit_watch import AuditWatch
+from sfguard.supervisor.daemon.browser_supply import BrowserSupply
 from sfguard.supervisor.daemon.crash import RunRecords, release_runtime, sweep
 from sfguard.supervisor.daemon.deferred import Deferred
+from sfguard.supervisor.daemon.gate_refusals import GateRefusals
 from sfguard.supervisor.daemon.health import Health
+from sfguard.supervisor.daemon.instance import GuardAlreadyRunning, Instance
 from sfguard.supervisor.daemon.inventory import Inventory
 from sfguard.supervisor.daemon.keys_service import KeysService
-from sfguard.supervisor.daemon.log_rotation import keep_rotated, write_decision
+from sfguard.supervisor.daemon.log_rotation import keep_rotated
 from sfguard.supervisor.daemon.logins import Logins
 from sfguard.supervisor.daemon.metrics import GuardMetrics, sfguard_version
 from sfguard.supervisor.daemon.notify import Notifier
+from sfguard.supervisor.daemon.pacing import PageLoads
 from sfguard.supervisor.daemon.policy_reload import check_policy
+from sfguard.supervisor.daemon.retention import Retention
 from sfguard.supervisor.daemon.run_proxy import RunProxy
 from sfguard.supervisor.daemon.runs import (
     WAITING_STATES,
@@ -63,13 +53,15 @@ from sfguard.supervisor.daemon.runs import (
 )
 from sfguard.supervisor.daemon.settings import GuardSettings
 from sfguard.supervisor.daemon.shared_proxy import pace_setting, proxy_pool
+from sfguard.supervisor.daemon.stage_attach import STAGE_ENV_KEYS, StageAttach
 from sfguard.supervisor.daemon.stage_browser import effective_headed
+from sfguard.supervisor.daemon.stage_exec import StageExecService
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
-from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS, Stages
+from sfguard.supervisor.daemon.stages import Stages
 from sfguard.supervisor.daemon.status_view import guard_status
 from sfguard.supervisor.daemon.teardown import Teardown
 from sfguard.supervisor.daemon.watchdog import Watchdog
-from sfguard.supervisor.errors import Conflict, Forbidden, NotFound, swallowed
+from sfguard.supervisor.errors import Conflict, Forbidden, swallowed
 from sfguard.supervisor.gate.cdp_gate import CdpGate
 from sfguard.supervisor.home import (
     ensure_home,
@@ -82,7 +74,7 @@ from sfguard.supervisor.home import (
 )
 from sfguard.supervisor.profiles.store_ops import StoreCalls
 from sfguard.supervisor.profiles.stores import Stores, open_stores
-from sfguard.supervisor.protocols import LOCAL_SCOPE, ProfileKey
+from sfguard.supervisor.protocols import LOCAL_SCOPE, AuditSink, ProfileStore
 from sfguard.supervisor.record.recorder import Recorder, recorded
 from sfguard.supervisor.record.tee import AuditTee
 from sfguard.supervisor.stage.stage_bridge import BridgeHost
@@ -91,7 +83,6 @@ from sfguard.supervisor.writes.modes import decision_recorder
 
 if TYPE_CHECKING:
     from sfguard.supervisor.console.server import ConsoleServer
-    from sfguard.supervisor.stage.sandbox import StageUser
 
 log = logging.getLogger("sfguard.guard")
 
@@ -100,18 +91,17 @@ LONG_POLL_STEP = 0.1
 __all__ = ["Guard", "GuardAlreadyRunning", "GuardSettings", "RunProxy", "release_runtime", "sweep"]
 
 
-class GuardAlreadyRunning(SfguardError):
-    pass
-
-
 class Guard:
+    """The composition root: `__init__` builds the parts and hands each service what it uses;
+    the methods are the control API's routes that need several parts, and the lifecycle."""
+
     def __init__(self, home: Path, policy_path: Path | str | None = None, *,
                  resolve: dict[str, str] | None = None, scope: str = LOCAL_SCOPE,
                  store: str | None = None, stores: Stores | None = None,
                  browser_host: BrowserHost | None = None,
                  handoff: Callable[[], Handoff] = LocalWindowHandoff,
                  settings: GuardSettings | None = None):
-        self.settings = settings = settings if settings is not None else GuardSettings()
+        self.settings = settings if settings is not None else GuardSettings()
         self.home = ensure_home(home)
         upgrade_format(self.home)   # an older home is migrated, a newer one refused
         # named here, created by start (a guard that is refused before it starts, or only
@@ -120,119 +110,179 @@ class Guard:
         self.scope = scope
         # the live policy: --policy FILE, else HOME/sites.yaml (made from the shipped template
         # on first start); `sfguard policy explain|validate|test --home` read it from status
-        self.policy_path = (Path(policy_path).absolute() if policy_path
-                            else ensure_home_policy(self.home))
-        self.policy_watch = policy.PolicyWatcher(self.policy_path)  # raises PolicyError if invalid
-        self.resolve = dict(resolve or {})
+        self.policy_watch = policy.PolicyWatcher(  # raises PolicyError if invalid
+            Path(policy_path).absolute() if policy_path else ensure_home_policy(self.home))
+        private_dir(self.runs_dir)
+        private_dir(self.logs_dir)
+        self._build_stores(store, stores)
+        self.host: BrowserHost = browser_host if browser_host is not None else LocalBrowserHost()
+        self.runs: dict[str, Run] = {}
+        refusals = GateRefusals(self.decision_log, self.calls, self.audit)
+        self.gate = self.recorder.gate = CdpGate(on_refusal=refusals.on_refusal)
+        self.gate.observer = self.recorder.command     # every command a stage sends
+        # stage sessions, and one started ahead per shared anchor (supervisor/daemon/stage_sessions.py)
+        sessions = StageSessions(self.gate, self.host, self.socket_dir, self.config_path, STAGE_ENV_KEYS)
+        # ended runs: kept in memory a while, then only on disk (supervisor/daemon/retention.py)
+        self.retention = Retention(runs=self.runs, records=RunRecords(self.runs_dir, self.scope, sessions),
+                                   keep_runs=self.settings.keep_ended_runs,
+                                   keep_seconds=self.settings.keep_ended_seconds)
+        self.proxies = proxy_pool(self.settings.proxies, self.policy_path, self.decision_log,
+                                  dict(resolve or {}), pace_setting(self.home, self.stores))
+        # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
+        self.metrics = GuardMetrics(self.decision_log, sfguard_version())
+        # webhooks (<home>/notify.yaml), the audit chain's checks, the probes (GET /v1/health/*)
+        self.notifier = Notifier.from_home(self.home, metrics=self.metrics, console=lambda: self.console)
+        self._build_approvals()
+        # stage-exec (layer 3): per-stage bridges, the stage user and the sandbox check
+        self.exec_service = StageExecService(home=self.home, runtime=self.runtime, gate=self.gate,
+                                             bridges=BridgeHost(self.runtime))
+        self.pool: browser_pool.BrowserPool | None = None   # layer 2: under root, a user per browser
+        self._build_services(handoff, refusals, sessions)
+        # the instance lock, the start time, what `sfguard start` opened beside the control socket
+        self.instance = Instance(self.home)
+        self._tasks: list[asyncio.Task[None]] = []      # the watchdog's loop, the log rotation
+
+    def _build_stores(self, store: str | None, stores: Stores | None) -> None:
+        """The seams (keys, store, lease, audit), the run records that tee the audit log, and
+        the calls that run the seams off the event loop."""
         # the local home, or a shared PostgreSQL (`--store` / $SFGUARD_STORE): supervisor/profiles/stores.py
         self.stores = stores if stores is not None else open_stores(self.home, self.runtime, store)
         # the run records (supervisor/record): every audit record naming a run is one of its entries
-        self.recorder = Recorder(self.home / "records", settings.record, policy=lambda: self.policy_watch.policy,
+        self.recorder = Recorder(self.home / "records", self.settings.record, policy=lambda: self.policy_watch.policy,
                                  backend=self.stores.backend)
         self.stores.audit = self.recorder.audit = AuditTee(self.stores.audit, self.recorder.audit_event)
-        self.keys, self.store = self.stores.keys, self.stores.store
-        self.lease, self.audit = self.stores.lease, self.stores.audit
         # seam calls run off the event loop (supervisor/profiles/store_ops.py)
         self.calls = StoreCalls(getattr(self.stores.backend, "pool_size", 1))
-        self.host: BrowserHost = browser_host if browser_host is not None else LocalBrowserHost()
-        self.new_handoff = handoff
-        self.browser_tool = tools.find_browser()
-        self.gate = self.recorder.gate = CdpGate(on_refusal=self._on_refusal)
-        self.gate.observer = self.recorder.command     # every command a stage sends
-        self.runs: dict[str, Run] = {}
-        # ended runs still in memory, oldest end first (run id -> end time); `retire` drops them
-        self.ended: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self.keep_ended_runs, self.keep_ended_seconds = settings.keep_ended_runs, settings.keep_ended_seconds
-        self.retired = 0
-        self.runs_dir = private_dir(self.home / "runs")
-        self.logs_dir = private_dir(self.home / "logs")
-        self.config_path = self.runtime / "ab-config.json"
-        self.socket_dir = self.runtime / "ab"
-        # stage sessions, and one started ahead per shared anchor (supervisor/daemon/stage_sessions.py)
-        self.sessions = StageSessions(self.gate, self.host, self.socket_dir, self.config_path,
-                                      STAGE_ENV_KEYS)
-        self.records = RunRecords(self.runs_dir, self.scope, self.sessions)
-        self.proxies = proxy_pool(settings.proxies, self.policy_path, self.logs_dir / "decisions.log",
-                                  self.resolve, pace_setting(self.home, self.stores))
-        # Prometheus metrics (GET /metrics): events counted by the services, state read at scrape
-        self.metrics = GuardMetrics(self.logs_dir / "decisions.log", sfguard_version())
-        # webhooks (<home>/notify.yaml), the audit chain's checks, the probes (GET /v1/health/*)
-        self.notifier = Notifier.from_home(self.home, metrics=self.metrics, console=lambda: self.console)
-        self.notify = self.notifier.emit
-        # the decision log rotates by size and age (supervisor/daemon/log_rotation.py)
-        self.log_retention = settings.log_retention
-        self._rotate: asyncio.Task[None] | None = None
         # reseals and lease releases a full disk put off (supervisor/daemon/deferred.py)
         self.deferred = Deferred(self.stores, self.calls)
-        # held writes wait here; decided ones are kept as long as the decision lines naming them
-        self.approvals = Approvals(lambda event, fields: self.audit.record(event, **fields), notify=self.notify,
-                                   folder=self.home / "approvals",
-                                   keep_seconds=self.log_retention.max_age_s * (self.log_retention.keep + 1))
-        self.approvals_api, self.write_approver = ApprovalsApi(self.approvals), self.approvals
-        self.approvals.observers.append(self.recorder.approval)
-        self.write_gate_timeout = settings.write_gate_timeout
-        self.write_record = recorded(decision_recorder(self.logs_dir / "decisions.log"), self.recorder.write_decision)
-        self._lock_fd: int | None = None
-        self._watch: asyncio.Task[None] | None = None
-        self._refusals: dict[str, int] = {}
-        self.started = time.time()
-        # stage-exec (layer 3): per-stage bridges, the stage user and the sandbox check
-        self.bridges = BridgeHost(self.runtime)
-        # the services, each given exactly what it uses
-        self.stages = Stages(runs=self.runs, scope=self.scope, stores=self.stores, calls=self.calls,
-                             store_call=self.store_call, records=self.records, metrics=self.metrics,
-                             policy_watch=self.policy_watch, host=self.host, browser_tool=self.browser_tool,
-                             pool=lambda: self.pool, gate=self.gate, sessions=self.sessions,
-                             bridges=self.bridges, proxies=self.proxies, runtime=self.runtime,
-                             socket_dir=self.socket_dir, config_path=self.config_path,
-                             write_approver=self.write_approver, write_gate_timeout=self.write_gate_timeout,
-                             write_record=self.write_record, recorder=self.recorder)
-        self.teardown = Teardown(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
-                                 sessions=self.sessions, gate=self.gate, bridges=self.bridges,
+
+    def _build_approvals(self) -> None:
+        """Held writes wait in `approvals` (answered through `approvals_api`'s routes); decided
+        ones are kept as long as the decision lines naming them (the decision log's retention)."""
+        kept = self.settings.log_retention
+        def audited(event: str, fields: dict[str, Any]) -> None:
+            self.audit.record(event, **fields)
+        approvals = Approvals(audited, notify=self.notify, folder=self.home / "approvals",
+                              keep_seconds=kept.max_age_s * (kept.keep + 1))
+        approvals.observers.append(self.recorder.approval)
+        self.approvals_api = ApprovalsApi(approvals)
+
+    def _build_services(self, handoff: Callable[[], Handoff], refusals: GateRefusals,
+                        sessions: StageSessions) -> None:
+        """The services, each given exactly what it uses."""
+        write_record = recorded(decision_recorder(self.decision_log), self.recorder.write_decision)
+        self.inventory = Inventory(stores=self.stores, calls=self.calls, scope=self.scope)
+        store_call = self.inventory.store_call
+        # HTTPS page loads, kept in the browser (the gate asks it; each pipe tells it)
+        page_loads = PageLoads(self.runs, lambda: self.site_policy, getattr(self.proxies, "pace", None), self.gate)
+        self.gate.pace = page_loads
+        supply = BrowserSupply(scope=self.scope, stores=self.stores, calls=self.calls, store_call=store_call,
+                               records=self.records, host=self.host, browser_tool=tools.find_browser(),
+                               pool=lambda: self.pool, proxies=self.proxies, runtime=self.runtime,
+                               socket_dir=self.socket_dir, config_path=self.config_path, page_loads=page_loads)
+        attaching = StageAttach(runs=self.runs, records=self.records, policy_watch=self.policy_watch, gate=self.gate,
+                                sessions=sessions, bridges=self.bridges, write_approver=self.approvals,
+                                write_gate_timeout=self.settings.write_gate_timeout, write_record=write_record,
+                                recorder=self.recorder, page_loads=page_loads)
+        self.stages = Stages(runs=self.runs, stores=self.stores, calls=self.calls, records=self.records,
+                             metrics=self.metrics, recorder=self.recorder, supply=supply, attaching=attaching)
+        self.teardown = Teardown(runs=self.runs, stages=self.stages, supply=supply, records=self.records,
+                                 host=self.host, sessions=sessions, gate=self.gate, bridges=self.bridges,
                                  approvals=self.approvals, stores=self.stores, calls=self.calls,
-                                 deferred=self.deferred, run_ended=self.run_ended,
-                                 flush_refusals=self.flush_refusals, notify=self.notify, recorder=self.recorder)
-        self.watchdog = Watchdog(runs=self.runs, stages=self.stages, records=self.records, host=self.host,
-                                 sessions=self.sessions, gate=self.gate, deferred=self.deferred,
-                                 check_policy=self.check_policy, metrics=self.metrics)
-        self.logins = Logins(runs=self.runs, run_of=self.run_of, active_run=self.active_run, stages=self.stages,
-                             watchdog=self.watchdog, host=self.host, stores=self.stores, scope=self.scope,
-                             store_call=self.store_call, metrics=self.metrics, policy_watch=self.policy_watch,
-                             new_handoff=self.new_handoff, notify=self.notify)
-        self.audit_watch = AuditWatch(self.audit.verify, self.calls.run, settings.audit_check_seconds, self.notify)
+                                 deferred=self.deferred, run_ended=self.retention.run_ended,
+                                 flush_refusals=refusals.flush, notify=self.notify, recorder=self.recorder)
+        check = functools.partial(check_policy, watch=self.policy_watch, path=self.policy_path, audit=self.audit,
+                                  calls=self.calls, policy_changed=attaching.policy_changed, notify=self.notify)
+        self.watchdog = Watchdog(runs=self.runs, stages=self.stages, supply=supply, attaching=attaching,
+                                 records=self.records, host=self.host, sessions=sessions, gate=self.gate,
+                                 deferred=self.deferred, check_policy=check, metrics=self.metrics)
+        self.logins = Logins(runs=self.runs, run_of=self.retention.run_of, active_run=self.retention.active_run,
+                             supply=supply, watchdog=self.watchdog, host=self.host, stores=self.stores,
+                             scope=self.scope, store_call=store_call, metrics=self.metrics,
+                             policy_watch=self.policy_watch, new_handoff=handoff, notify=self.notify)
+        self.audit_watch = AuditWatch(self.audit.verify, self.calls.run, self.settings.audit_check_seconds,
+                                      self.notify)
         self.health = Health(last_pass=lambda: self.watchdog.last_pass,
                              store_probe=lambda bound: self.calls.bounded(bound, self.inventory.lease_table))
-        self.inventory = Inventory(stores=self.stores, calls=self.calls, scope=self.scope)
         self.keys_service = KeysService(stores=self.stores, scope=self.scope)
-        self.stage_user: StageUser | None = None
-        self.agent_browser_path: str | None = None
-        self.api_gid = settings.api_gid
-        self.sandbox_ok, self.sandbox_detail = False, "not checked yet"
-        self.pool: browser_pool.BrowserPool | None = None   # layer 2: under root, a user per browser
-        # the loopback TCP port of the control API (`sfguard start --tcp`), once it listens
-        self.api_tcp_port: int | None = None
-        # the operator console (supervisor/console), attached by `sfguard start` unless --no-console
-        self.console: ConsoleServer | None = None
+
+    # -- the parts' own names, as the services and tools read them -----------------------------
+    @property
+    def records(self) -> RunRecords:
+        """The runs' crash records (`runs/<id>.json`), kept beside the retention's."""
+        return self.retention.records
+
+    @property
+    def sessions(self) -> StageSessions:
+        return self.stages.attaching.sessions
+
+    @property
+    def policy_path(self) -> Path:
+        return self.policy_watch.path
+
+    @property
+    def bridges(self) -> BridgeHost:
+        return self.exec_service.bridges
+
+    @property
+    def started(self) -> float:
+        return self.instance.started
+
+    @property
+    def console(self) -> ConsoleServer | None:
+        return self.instance.console
+
+    @property
+    def api_tcp_port(self) -> int | None:
+        return self.instance.api_tcp_port
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.home / "runs"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def decision_log(self) -> Path:
+        return self.logs_dir / "decisions.log"
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.runtime / "ab"
+
+    @property
+    def config_path(self) -> Path:
+        return self.runtime / "ab-config.json"
+
+    @property
+    def audit(self) -> AuditSink:
+        return self.stores.audit
+
+    @property
+    def store(self) -> ProfileStore:
+        return self.stores.store
+
+    @property
+    def notify(self) -> Callable[..., None]:
+        return self.notifier.emit
+
+    @property
+    def approvals(self) -> Approvals:
+        return self.approvals_api.approvals
 
     def listening(self, *, api_tcp_port: int | None = None, console: ConsoleServer | None = None) -> None:
         """What `sfguard start` opened beside the control socket: the API's TCP port, the console."""
         if api_tcp_port is not None:
-            self.api_tcp_port = api_tcp_port
+            self.instance.api_tcp_port = api_tcp_port
         if console is not None:
-            self.console = console
+            self.instance.console = console
 
     # -- lifecycle -------------------------------------------------------------------------
     def acquire_instance_lock(self) -> None:
-        fd = os.open(self.home / "guard.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise GuardAlreadyRunning(
-                f"another sfguard is already running on {self.home} (one guard per home)") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
+        """One guard per home (`sfguard sweep` takes it too): GuardAlreadyRunning otherwise."""
+        self.instance.acquire()
 
     async def start(self) -> dict[str, Any]:
         self.acquire_instance_lock()
@@ -258,14 +308,12 @@ class Guard:
         audit = self.keys_service.at_start(report)
         self.audit_watch.seen(audit)    # logs and notifies a broken chain; it is kept as it is
         agent_browser.write_pinned_config(self.config_path)
-        sandbox, report["sandbox"] = stage_exec.prepare(self.settings.stage_user_name, self.bridges, self.api_gid)
-        self.stage_user, self.agent_browser_path = sandbox.user, sandbox.agent_browser_path
-        self.sandbox_ok, self.sandbox_detail = sandbox.ok, sandbox.detail
+        report["sandbox"] = self.exec_service.prepare(self.settings.stage_user_name, self.settings.api_gid)
         await self.gate.start()
         report["records_sealed"] = await self.recorder.start(self.logs_dir / "decisions.log")
-        self._watch = asyncio.get_running_loop().create_task(self.watchdog.loop())
-        self._rotate = asyncio.get_running_loop().create_task(
-            keep_rotated([self.logs_dir / "decisions.log"], self.log_retention))
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self.watchdog.loop()),
+                       loop.create_task(keep_rotated([self.decision_log], self.settings.log_retention))]
         self.audit_watch.start()
         self.proxies.refill()
         return report
@@ -274,11 +322,11 @@ class Guard:
         """Tear every run down as `abandoned`, then stop the gate."""
         self.health.stopping = True
         await self.audit_watch.stop()
-        for task in (self._watch, self._rotate):
-            if task:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
         self.approvals.cancel(None, reason="the guard stopped")   # recorded; nothing held is sent
         await live.close_all(self.console)
         await self.logins.windows.close_all()
@@ -290,15 +338,13 @@ class Guard:
         await self.proxies.stop()
         await self.bridges.close_all()
         await self.gate.stop()
-        self.flush_refusals()
+        self.teardown.flush_refusals()
         await self.notifier.stop()
         self.calls.close()
         release_runtime(self)
         revoke_traverse(self.runtime)
         browser_pool.close(self.pool)    # a user not given back keeps its mark for the next sweep
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.instance.release()
         self.stores.close()
 
     @property
@@ -313,77 +359,23 @@ class Guard:
         return str(err).replace("\n", "; ") if err is not None else None
 
     def check_policy(self) -> None:
-        check_policy(watch=self.policy_watch, path=self.policy_path, audit=self.audit, calls=self.calls,
-                     policy_changed=self.stages.policy_changed, notify=self.notify)
-
-    def host_tool_report(self) -> tuple[str, str]:
-        ab = tools.find_agent_browser()
-
-        def fmt(t: tools.Tool) -> str:
-            return f"{t.version} at {t.path}" if t.found else f"MISSING ({t.source}; {t.hint})"
-        return fmt(ab), fmt(self.browser_tool)
-
-    # -- ended runs: kept for a while, then only on disk (supervisor/daemon/retention.py) ------
-    def retention_text(self) -> str:
-        return retention.text(self)
-
-    def run_ended(self, run: Run) -> None:
-        retention.run_ended(self, run)
-
-    def retire(self, now: float | None = None) -> None:
-        retention.retire(self, now)
-
-    def _retired_error(self, run_id: str) -> NotFound:
-        return retention.retired_error(self, run_id)
+        """Re-read the site policy file now (the watchdog does on every pass)."""
+        self.watchdog.check_policy()
 
     # -- helpers -----------------------------------------------------------------------------
     def run_of(self, run_id: str) -> Run:
-        run = self.runs.get(run_id)
-        if run is None:
-            if self.records.ended_record(run_id) is not None:
-                raise self._retired_error(run_id)
-            raise NotFound("run_not_found", f"no run {run_id!r} on this guard (or it ended "
-                           f"before the guard's last start, or {self.retention_text()} and its "
-                           "record is not kept)", "run_id")
-        return run
+        return self.retention.run_of(run_id)
 
     def active_run(self, run_id: str) -> Run:
-        if run_id not in self.runs and self.records.ended_record(run_id) is not None:
-            raise Conflict("run_ended", f"run {run_id!r} has ended (and left this guard's memory)",
-                           "run_id")
-        run = self.run_of(run_id)
-        if run.state != RunState.ACTIVE:
-            raise Conflict("run_ended", f"run {run_id!r} has ended ({run.outcome})", "run_id")
-        return run
+        return self.retention.active_run(run_id)
 
     def stage_of(self, run: Run, stage_id: str) -> Stage:
-        stage = run.stages.get(stage_id)
-        if stage is None:
-            raise NotFound("stage_not_found", f"no stage {stage_id!r} in run {run.run_id!r}", "stage_id")
-        return stage
+        return self.retention.stage_of(run, stage_id)
 
-    def profile_key(self, run: Run, name: str) -> ProfileKey:
-        return self.stages.profile_key(run, name)
-
-    async def store_call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """A seam call off the event loop; the database away is an error the caller can retry."""
-        return await self.inventory.store_call(fn, *args, **kw)
-
-    def _on_refusal(self, stage_key: str, method: str, reason: str) -> None:
-        self._refusals[method] = self._refusals.get(method, 0) + 1
-        write_decision(self.logs_dir / "decisions.log", stage=stage_key, method=method,
-                       decision="deny", reason=reason, source="cdp_gate")
-
-    def flush_refusals(self) -> None:
-        if self._refusals:
-            total = sum(self._refusals.values())
-            self.calls.submit("the audit record of aggregated denials", self.audit.record,
-                              "denials_aggregated", count=total, reason="cdp_gate")
-            self._refusals.clear()
 
     # -- services: runs ----------------------------------------------------------------------
     async def create_run(self, body: models.CreateRun) -> dict[str, Any]:
-        self.retire()
+        self.retention.retire()
         if body.run_id in self.runs:
             raise Conflict("run_exists", f"run {body.run_id!r} already exists", "run_id")
         run = Run(body.run_id, body.pipeline, time.time())
@@ -430,7 +422,7 @@ class Guard:
                 f"browser.allow_domains.{refused[0][0]}")
         headed = effective_headed(body.browser)
         if body.browser.profile is not None:
-            self.profile_key(run, body.browser.profile)  # validate now (bad input is refused)
+            self.stages.supply.profile_key(run, body.browser.profile)  # validate now (bad input is refused)
         stage = Stage(run_id, body.stage_id, body.attempt, body.browser, headed, replay_safe=body.replay_safe)
         run.stages[body.stage_id] = stage
         await self.stages.advance(run, stage)
@@ -448,14 +440,14 @@ class Guard:
     def _stage_answer(self, run: Run, stage: Stage) -> dict[str, Any]:
         answer = stage.answer()
         if answer.get("state") == "ready":
-            answer = {**answer, "exec_prefix": stage_exec.exec_prefix(self, run.run_id, stage.stage_id),
+            answer = {**answer, "exec_prefix": self.exec_service.exec_prefix(run.run_id, stage.stage_id),
                       "approvals": [a for a in self.approvals.pending_for(run.run_id)
                                     if a["stage_id"] == stage.stage_id]}
         return answer
 
     async def stage_exec(self, run_id: str, stage_id: str) -> dict[str, Any]:
         run = self.run_of(run_id)
-        return stage_exec.exec_answer(self, run, self.stage_of(run, stage_id))
+        return self.exec_service.exec_answer(run, self.stage_of(run, stage_id))
 
     async def cancel_stage(self, run_id: str, stage_id: str) -> dict[str, Any]:
         """DELETE of a waiting stage request: it leaves the profile's queue and ends cancelled."""

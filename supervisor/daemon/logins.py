@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from sfguard.policy.watch import PolicyWatcher
     from sfguard.supervisor.browsers.handoff import Handoff
     from sfguard.supervisor.browsers.host import BrowserHost
+    from sfguard.supervisor.daemon.browser_supply import BrowserSupply
     from sfguard.supervisor.daemon.metrics import GuardMetrics
-    from sfguard.supervisor.daemon.stages import Stages
     from sfguard.supervisor.daemon.watchdog import Watchdog
     from sfguard.supervisor.profiles.stores import Stores
 
@@ -60,16 +60,16 @@ async def open_in_titled_window(pipe: Any, url: str) -> None:
 
 class Logins:
     def __init__(self, *, runs: dict[str, Run], run_of: Callable[[str], Run], active_run: Callable[[str], Run],
-                 stages: Stages, watchdog: Watchdog, host: BrowserHost, stores: Stores, scope: str,
+                 supply: BrowserSupply, watchdog: Watchdog, host: BrowserHost, stores: Stores, scope: str,
                  store_call: Callable[..., Awaitable[Any]], metrics: GuardMetrics,
                  policy_watch: PolicyWatcher, new_handoff: Callable[[], Handoff],
                  notify: Callable[[str, dict[str, Any]], None] | None = None):
         """Given exactly what it uses: the runs (and the guard's lookups of one, with their
-        errors), the stage service and the watchdog (to relaunch and re-attach), the browser host,
+        errors), the browser supply and the watchdog (to relaunch and re-attach), the browser host,
         the profile store and audit, metrics, the policy in force, the handoff factory and the
         guard's webhooks (a window handoff waiting and ended)."""
         self.notify = notify
-        self.run_of, self.active_run, self.stages, self.watchdog = run_of, active_run, stages, watchdog
+        self.run_of, self.active_run, self.supply, self.watchdog = run_of, active_run, supply, watchdog
         self.host, self.store, self.audit, self.scope = host, stores.store, stores.audit, scope
         self.store_call, self.metrics, self.policy_watch, self.new_handoff = (
             store_call, metrics, policy_watch, new_handoff)
@@ -90,11 +90,11 @@ class Logins:
         if not decision.allowed:
             raise Forbidden("login_check_not_allowed", f"the check address's host is refused "
                             f"for this run: {decision.explanation}", "login_check.url")
-        browser = await self.stages.leased_browser(run, body.profile, headed=False)
+        browser = await self.supply.leased_browser(run, body.profile, headed=False)
         assert run.proxy is not None and browser.anchor is not None
         check_pattern = policy.allow_pattern_for_url(body.login_check.url)
         try:
-            await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser) + [check_pattern])
+            await run.proxy.set_allow(browser.client, run.browser_allow(browser) + [check_pattern])
             # its own tab and window, its own bound; a failed check leaves the anchor as it was
             result = await check_login(browser.anchor.pipe, body.login_check,
                                        timeout=LOGIN_CHECK_TIMEOUT)
@@ -105,7 +105,7 @@ class Logins:
             raise BadRequest("invalid_pattern", str(exc), "login_check") from None
         finally:
             if browser.client in run.proxy.clients:
-                await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser))
+                await run.proxy.set_allow(browser.client, run.browser_allow(browser))
         run.login_results[body.profile] = result
         self.metrics.login_checked("logged_in" if result.logged_in else "logged_out")
 
@@ -144,7 +144,7 @@ class Logins:
             await asyncio.to_thread(handoff.check_possible, profile=body.profile, url=body.url)
         except HandoffImpossible as exc:
             raise Conflict("handoff_impossible", str(exc), None) from None
-        browser = await self.stages.leased_browser(run, body.profile, headed=True)
+        browser = await self.supply.leased_browser(run, body.profile, headed=True)
         assert run.proxy is not None and browser.anchor is not None
         if not browser.headed or browser.site != body.site:
             # reopen the anchor headed, same profile, same proxy client, its window titled
@@ -156,7 +156,7 @@ class Logins:
                                f"possible: {exc}", None) from None
         if body.url:
             host = urlsplit(body.url).hostname or ""
-            await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser) + [host])
+            await run.proxy.set_allow(browser.client, run.browser_allow(browser) + [host])
             try:
                 await open_in_titled_window(browser.anchor.pipe, body.url)
             except (PipeClosed, CdpCallError, TimeoutError, KeyError) as exc:   # KeyError: an answer without its field
@@ -180,10 +180,10 @@ class Logins:
             before, profile_dir = (browser.headed, browser.site), browser.anchor.profile_dir
             browser.headed, browser.site = headed, site
             try:
-                browser.anchor = await self.stages.launch(run, browser, profile_dir)
+                browser.anchor = await self.supply.launch(run, browser, profile_dir)
             except BROWSER_ERRORS:
                 browser.headed, browser.site = before
-                browser.anchor = await self.stages.launch(run, browser, profile_dir)
+                browser.anchor = await self.supply.launch(run, browser, profile_dir)
                 await self.watchdog.reattach(run, browser)
                 raise
             await self.watchdog.reattach(run, browser)

@@ -169,3 +169,12 @@ class Run:
 
     def waiting_stages(self) -> list[Stage]:
         return [st for st in self.stages.values() if st.state == StageState.WAITING]
+
+    def browser_allow(self, browser: Browser) -> list[str]:
+        """What `browser` may reach: every allow_domains pattern of the stages it serves."""
+        out: set[str] = set()
+        for sid in browser.stages:
+            st = self.stages.get(sid)
+            if st is not None:
+                out.update(st.browser_req.allow_domains)
+        return sorted(out)

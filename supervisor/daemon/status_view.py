@@ -41,21 +41,19 @@ async def guard_status(g: Guard) -> dict[str, Any]:
         leases = await g.calls.bounded(STATUS_STORE_WAIT, g.inventory.lease_table)
     except (StoreUnavailable, StoreSlow) as exc:
         leases, store_error = [], str(exc)
-    g.retire()
+    g.retention.retire()
     active = [r for r in g.runs.values() if r.state != RunState.ENDED]
-    recent = [g.runs[i] for i in reversed(g.ended) if i in g.runs][:STATUS_ENDED_SHOWN]
+    recent = [g.runs[i] for i in reversed(g.retention.ended) if i in g.runs][:STATUS_ENDED_SHOWN]
     return {
         "guard": {"pid": os.getpid(), "since": now_iso(g.started), "home": str(g.home),
-                  "key_provider": g.keys.describe(), "scope": g.scope,
+                  "key_provider": g.stores.keys.describe(), "scope": g.scope,
                   "store": g.stores.shown, "store_error": store_error,
                   "tcp_port": g.api_tcp_port, "version": g.metrics.version},
         "policy": {"file": str(g.policy_path), "mode": g.site_policy.mode,
                    "state": "error" if g.policy_error else "ok", "error": g.policy_error},
         "runs": [r.public() for r in active + recent],
         "runs_summary": {"active": len(active), "ended_shown": len(recent),
-                         "ended_in_memory": len(g.ended), "retired": g.retired,
-                         "keep_ended_runs": g.keep_ended_runs,
-                         "keep_ended_hours": g.keep_ended_seconds / 3600},
+                         **g.retention.summary()},
         "leases": leases,
         "console": {"url": g.console.base_url} if g.console is not None else None,
         # authorities the browsers trust besides the system's (--ca-file, browsers/trust.py)

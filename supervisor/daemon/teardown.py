@@ -31,6 +31,7 @@ from sfguard.supervisor.writes.modes import stage_left
 
 if TYPE_CHECKING:
     from sfguard.supervisor.browsers.host import BrowserHost
+    from sfguard.supervisor.daemon.browser_supply import BrowserSupply
     from sfguard.supervisor.daemon.crash import RunRecords
     from sfguard.supervisor.daemon.deferred import Deferred
     from sfguard.supervisor.daemon.stage_sessions import StageSessions
@@ -46,18 +47,18 @@ log = logging.getLogger("sfguard.guard")
 
 
 class Teardown:
-    """Given what it ends and what it reports to: the guard's runs, the stage service (its
-    allowlists, advancing waiting stages), records, the browser host, stage sessions, the gate,
-    the stage bridges, held writes, the profile stores and their calls, what a full disk put
-    off; `run_ended` (retention), `flush_refusals` (the gate's aggregated denials) and `notify`
-    (the guard's webhooks: a run that ends as failed)."""
+    """Given what it ends and what it reports to: the guard's runs, the stage state machine
+    (advancing waiting stages), the browser supply (browser users given back), records, the
+    browser host, stage sessions, the gate, the stage bridges, held writes, the profile stores
+    and their calls, what a full disk put off; `run_ended` (retention), `flush_refusals` (the
+    gate's aggregated denials) and `notify` (the guard's webhooks: a run that ends as failed)."""
 
-    def __init__(self, *, runs: dict[str, Run], stages: Stages, records: RunRecords,
-                 host: BrowserHost, sessions: StageSessions, gate: CdpGate, bridges: BridgeHost,
+    def __init__(self, *, runs: dict[str, Run], stages: Stages, supply: BrowserSupply,
+                 records: RunRecords, host: BrowserHost, sessions: StageSessions, gate: CdpGate, bridges: BridgeHost,
                  approvals: Approvals, stores: Stores, calls: StoreCalls, deferred: Deferred,
                  run_ended: Callable[[Run], None], flush_refusals: Callable[[], None],
                  notify: Callable[[str, dict[str, Any]], None] | None = None, recorder: Recorder | None = None):
-        self.runs, self.stages, self.records, self.host = runs, stages, records, host
+        self.runs, self.stages, self.supply, self.records, self.host = runs, stages, supply, records, host
         self.sessions, self.gate, self.bridges, self.approvals = sessions, gate, bridges, approvals
         self.stores, self.calls, self.deferred = stores, calls, deferred
         self.run_ended, self.flush_refusals, self.notify = run_ended, flush_refusals, notify
@@ -100,7 +101,7 @@ class Teardown:
                 problems += await self.close_browser(run, browser)
             elif run.proxy is not None and browser.client in run.proxy.clients:
                 try:
-                    await run.proxy.set_allow(browser.client, self.stages.browser_allow(run, browser),
+                    await run.proxy.set_allow(browser.client, run.browser_allow(browser),
                                               browser_budgets(run, browser))   # the stage's budget goes
                 except BrowserStartError as exc:
                     problems.append(str(exc))
@@ -148,7 +149,7 @@ class Teardown:
         run.browsers.pop(browser.key, None)
         user, browser.user = browser.user, None
         if user is not None:   # every process of its user ended, its files gone or resealed (or root's)
-            await self.stages.release_user(user, owned)
+            await self.supply.release_user(user, owned)
         return problems
 
     async def end_run(self, run: Run, outcome: RunOutcome) -> None:

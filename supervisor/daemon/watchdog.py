@@ -15,9 +15,11 @@ from sfguard.supervisor.procs import terminate_recorded
 
 if TYPE_CHECKING:
     from sfguard.supervisor.browsers.host import BrowserHost
+    from sfguard.supervisor.daemon.browser_supply import BrowserSupply
     from sfguard.supervisor.daemon.crash import RunRecords
     from sfguard.supervisor.daemon.deferred import Deferred
     from sfguard.supervisor.daemon.metrics import GuardMetrics
+    from sfguard.supervisor.daemon.stage_attach import StageAttach
     from sfguard.supervisor.daemon.stage_sessions import StageSessions
     from sfguard.supervisor.daemon.stages import Stages
     from sfguard.supervisor.gate.cdp_gate import CdpGate
@@ -29,13 +31,14 @@ WATCH_INTERVAL = 0.25
 
 class Watchdog:
     """Given exactly what it watches and what it uses to repair: the guard's runs, the stage
-    service (advance, launch, attach), run records, the browser host, stage sessions, the
+    steps (advance; the supply's launch and users; attach), run records, the browser host, stage sessions, the
     gate, the work a full disk put off, the policy check, and the metrics (restarts counted)."""
 
-    def __init__(self, *, runs: dict[str, Run], stages: Stages, records: RunRecords,
-                 host: BrowserHost, sessions: StageSessions, gate: CdpGate, deferred: Deferred,
+    def __init__(self, *, runs: dict[str, Run], stages: Stages, supply: BrowserSupply, attaching: StageAttach,
+                 records: RunRecords, host: BrowserHost, sessions: StageSessions, gate: CdpGate, deferred: Deferred,
                  check_policy: Callable[[], object], metrics: GuardMetrics | None = None):
         self.runs, self.stages, self.records, self.host = runs, stages, records, host
+        self.supply, self.attaching = supply, attaching
         self.sessions, self.gate, self.deferred, self.check_policy = sessions, gate, deferred, check_policy
         self.metrics = metrics
         self.last_pass: float | None = None
@@ -52,7 +55,7 @@ class Watchdog:
 
     async def once(self) -> None:
         self.check_policy()
-        await self.stages.retry_users()      # a browser user a stuck process kept
+        await self.supply.retry_users()      # a browser user a stuck process kept
         if await self.deferred.retry():        # a release landed: hand the profiles on
             for run in list(self.runs.values()):
                 if run.state == RunState.ACTIVE:
@@ -102,7 +105,7 @@ class Watchdog:
                                   "URL changed; GET the stage for the new env"})
                 if st.state == StageState.READY:
                     st.move(StageState.RELAUNCHING)
-            browser.anchor = await self.stages.launch(run, browser,
+            browser.anchor = await self.supply.launch(run, browser,
                                                    dead.profile_dir if browser.profile else None)
             await self.reattach(run, browser)
 
@@ -121,5 +124,5 @@ class Watchdog:
                 await asyncio.to_thread(terminate_recorded, stage.processes, 3)
                 stage.move(StageState.PENDING)
                 async with run.lock:
-                    await self.stages.attach(run, browser, stage)
+                    await self.attaching.attach(run, browser, stage)
         self.records.save(run)

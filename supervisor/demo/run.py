@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import psutil
@@ -36,6 +37,9 @@ from sfguard.supervisor.client.ops import OpError, guard_running
 from sfguard.supervisor.demo.runner import DemoError, DemoRunner, RunReport
 from sfguard.supervisor.home import resolve_home, runtime_path
 from sfguard.supervisor.procs import end_popen, scan_orphans, terminate_recorded
+
+if TYPE_CHECKING:
+    from sfguard.supervisor.pipeline.report import PipelineReport
 
 # Package data: installed with the wheel, so the demo runs outside a checkout too.
 EXAMPLE_PIPELINE = Path(__file__).resolve().with_name("login-pipeline.yaml")
@@ -199,6 +203,86 @@ def _summarise(runs: list[RunReport], cookie: str = "sf_persist",
     return ok, lines
 
 
+def _start_site(children: list[Child], env: dict[str, str], workdir: Path,
+                say: Callable[[str], None]) -> tuple[str, int]:
+    """Step 1: the fixture login site on a free port; its origin and port."""
+    site = Child("fixture site", [sys.executable, "-m", "sfguard.fixtures.login_server", "--port", "0"],
+                 env, workdir / "fixture-site.log")
+    children.append(site)
+    line = site.wait_line(lambda l: l.startswith("ready "), STARTUP_S)
+    if line is None:
+        raise DemoError(f"the fixture site did not start; see {workdir / 'fixture-site.log'}")
+    origin = line.split()[1]
+    port = urlsplit(origin).port
+    if port is None:
+        raise DemoError(f"the fixture site named no port ({origin})")
+    say(f"sfguard demo: fixture login site on {origin} (pid {site.proc.pid})")
+    return origin, port
+
+
+def _prepare(workdir: Path, port: int, say: Callable[[str], None]) -> tuple[Path, PipelineReport]:
+    """Step 2: the demo site policy and the example pipeline, validated against it."""
+    pol = write_demo_policy(workdir / "demo-sites.yaml", port)
+    pipe = prepare_pipeline(EXAMPLE_PIPELINE, workdir / "login-pipeline.yaml", port)
+    from sfguard.supervisor.pipeline.spec import validate_pipeline
+    report = validate_pipeline(pipe, policy_path=pol)
+    if not report.ok:
+        raise DemoError("the example pipeline does not validate:\n" +
+                        "\n".join(str(i) for i in report.errors))
+    profiles = sorted({s.browser.profile for s in report.stages if s.browser and s.browser.profile})
+    say(f"sfguard demo: pipeline {EXAMPLE_PIPELINE.name} (fixture port "
+        f"{EXAMPLE_PORT} -> {port}), stages {[s.id for s in report.stages]}, "
+        f"profile {', '.join(profiles) or '-'} (the name the pipeline gives)")
+    return pol, report
+
+
+def _start_guard(children: list[Child], env: dict[str, str], workdir: Path, guard_home: Path, pol: Path,
+                 report: PipelineReport) -> Child:
+    """Step 3: `sfguard start` on the home with the demo policy, resolving the fixture hosts."""
+    argv = [sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(guard_home), "--policy", str(pol)]
+    for h in _fixture_hosts(report.stages):
+        argv += ["--resolve", f"{h}=127.0.0.1"]
+    guard = Child("guard", argv, env, workdir / "guard.log")
+    children.insert(0, guard)  # stopped first: it closes browsers and reseals
+    if guard.wait_line(lambda l: l.strip() == "sfguard: ready", STARTUP_S) is None:
+        code = guard.proc.poll()
+        tail = (workdir / "guard.log").read_text(errors="replace").strip().splitlines()[-3:]
+        if code == 3:
+            raise DemoError(f"a guard is already running on {guard_home}; stop it or pick another --home")
+        raise DemoError(f"the guard did not start (exit {code}): {' | '.join(tail)}")
+    return guard
+
+
+def _clean_up(children: list[Child], workdir: Path, guard_home: Path, *, failed: bool, keep: bool,
+              temp_home: bool, say: Callable[[str], None]) -> None:
+    """The last step on every path: stop every child, end what outlived the guard, keep or
+    remove the work folder."""
+    for child in children:
+        code = child.stop(STOP_S if child.name == "guard" else 10)
+        say(f"sfguard demo: stopped the {child.name} (pid {child.proc.pid}, exit {code})")
+        for left in child.leftovers:
+            say(f"sfguard demo: the {child.name} left process {left} running after it exited; "
+                "ended it (a bug to report)")
+    # what no child list shows: an agent-browser daemon a stage command started carries
+    # the guard's runtime folder only in its env; the sweep's own scan finds it
+    # (under root the guard's browsers ran as its browser users: their processes count too)
+    busers = existing_uids() if os.geteuid() == 0 else ()
+    for orphan in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))], busers), 5):
+        say(f"sfguard demo: process {orphan.pid} ({orphan.kind}) of the guard's runtime "
+            "folder outlived the guard; ended it (a bug to report)")
+    log_file = workdir / "guard.log"
+    if failed and log_file.exists():  # the guard's own log is redacted by its filter
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-8:]
+        say("sfguard demo: the guard's last log lines:\n  " + "\n  ".join(tail))
+    if keep:
+        say(f"sfguard demo: kept {workdir} (demo policy, logs)"
+            + (f" and the guard home {guard_home}" if temp_home else ""))
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if temp_home:  # the temporary home's runtime folder goes with it
+            shutil.rmtree(runtime_path(resolve_home(guard_home)), ignore_errors=True)
+
+
 def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
              interactive: bool = False, auto_login: bool = False) -> DemoResult:
     """`sfguard demo`: see the module docstring. `home` None: a temp guard home. Raises
@@ -219,39 +303,9 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
         signal.signal(signal.SIGTERM, on_term)
     try:
         env = _child_env()
-        site = Child("fixture site", [sys.executable, "-m", "sfguard.fixtures.login_server", "--port", "0"],
-                     env, workdir / "fixture-site.log")
-        children.append(site)
-        line = site.wait_line(lambda l: l.startswith("ready "), STARTUP_S)
-        if line is None:
-            raise DemoError(f"the fixture site did not start; see {workdir / 'fixture-site.log'}")
-        origin = line.split()[1]
-        port = urlsplit(origin).port
-        if port is None:
-            raise DemoError(f"the fixture site named no port ({origin})")
-        say(f"sfguard demo: fixture login site on {origin} (pid {site.proc.pid})")
-        pol = write_demo_policy(workdir / "demo-sites.yaml", port)
-        pipe = prepare_pipeline(EXAMPLE_PIPELINE, workdir / "login-pipeline.yaml", port)
-        from sfguard.supervisor.pipeline.spec import validate_pipeline
-        report = validate_pipeline(pipe, policy_path=pol)
-        if not report.ok:
-            raise DemoError("the example pipeline does not validate:\n" +
-                            "\n".join(str(i) for i in report.errors))
-        profiles = sorted({s.browser.profile for s in report.stages if s.browser and s.browser.profile})
-        say(f"sfguard demo: pipeline {EXAMPLE_PIPELINE.name} (fixture port "
-            f"{EXAMPLE_PORT} -> {port}), stages {[s.id for s in report.stages]}, "
-            f"profile {', '.join(profiles) or '-'} (the name the pipeline gives)")
-        argv = [sys.executable, "-m", "sfguard.cli.main", "start", "--home", str(guard_home), "--policy", str(pol)]
-        for h in _fixture_hosts(report.stages):
-            argv += ["--resolve", f"{h}=127.0.0.1"]
-        guard = Child("guard", argv, env, workdir / "guard.log")
-        children.insert(0, guard)  # stopped first: it closes browsers and reseals
-        if guard.wait_line(lambda l: l.strip() == "sfguard: ready", STARTUP_S) is None:
-            code = guard.proc.poll()
-            tail = (workdir / "guard.log").read_text(errors="replace").strip().splitlines()[-3:]
-            if code == 3:
-                raise DemoError(f"a guard is already running on {guard_home}; stop it or pick another --home")
-            raise DemoError(f"the guard did not start (exit {code}): {' | '.join(tail)}")
+        origin, port = _start_site(children, env, workdir, say)
+        pol, report = _prepare(workdir, port, say)
+        guard = _start_guard(children, env, workdir, guard_home, pol, report)
         say(f"sfguard demo: guard started (pid {guard.proc.pid}), home {guard_home}"
             f"{' (temporary)' if home is None and not keep else ''}, policy {pol}")
         stage_home = workdir / "stage-home"
@@ -273,29 +327,6 @@ def run_demo(home: Path | None, keep: bool, say: Callable[[str], None],
         failed = True
         raise
     finally:
-        for child in children:
-            code = child.stop(STOP_S if child.name == "guard" else 10)
-            say(f"sfguard demo: stopped the {child.name} (pid {child.proc.pid}, exit {code})")
-            for left in child.leftovers:
-                say(f"sfguard demo: the {child.name} left process {left} running after it exited; "
-                    "ended it (a bug to report)")
-        # what no child list shows: an agent-browser daemon a stage command started carries
-        # the guard's runtime folder only in its env; the sweep's own scan finds it
-        # (under root the guard's browsers ran as its browser users: their processes count too)
-        busers = existing_uids() if os.geteuid() == 0 else ()
-        for orphan in terminate_recorded(scan_orphans([runtime_path(resolve_home(guard_home))], busers), 5):
-            say(f"sfguard demo: process {orphan.pid} ({orphan.kind}) of the guard's runtime "
-                "folder outlived the guard; ended it (a bug to report)")
-        log_file = workdir / "guard.log"
-        if failed and log_file.exists():  # the guard's own log is redacted by its filter
-            tail = log_file.read_text(errors="replace").strip().splitlines()[-8:]
-            say("sfguard demo: the guard's last log lines:\n  " + "\n  ".join(tail))
+        _clean_up(children, workdir, guard_home, failed=failed, keep=keep, temp_home=home is None, say=say)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, old_term)
-        if keep:
-            say(f"sfguard demo: kept {workdir} (demo policy, logs)"
-                + (f" and the guard home {guard_home}" if home is None else ""))
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-            if home is None:  # the temporary home's runtime folder goes with it
-                shutil.rmtree(runtime_path(resolve_home(guard_home)), ignore_errors=True)

@@ -3,7 +3,7 @@ person approves or denies it, once; identical writes pending at once are one app
 timeout or the stage's end denies it; password-like form values are masked; every transition
 is in the audit chain with who decided. The guard is built in this process with the in-memory
 seams and driven through the real aiohttp app; held writes come through the guard's own
-approver (`guard.write_approver`), as the browser's write gate hands them over."""
+approver (`guard.approvals`), as the browser's write gate hands them over."""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +23,7 @@ def held(n: int = 1, form=(("title", "hello"), ("password", "hunter2")), stage="
 async def test_approve_releases_exactly_once_and_is_audited(api):  # noqa: F811
     g = api.guard
     assert (await api.call("POST", "/v1/runs", {"run_id": "r1"}))[0] == 201
-    waiter = asyncio.create_task(g.write_approver.decide(held(), 30))
+    waiter = asyncio.create_task(g.approvals.decide(held(), 30))
     await asyncio.sleep(0.05)
     status, body = await api.call("GET", "/v1/approvals?state=pending")
     assert status == 200 and len(body["approvals"]) == 1
@@ -49,8 +49,8 @@ async def test_approve_releases_exactly_once_and_is_audited(api):  # noqa: F811
 
 async def test_deny_timeout_cancel_and_one_approval_per_request(api):  # noqa: F811
     g = api.guard
-    a = asyncio.create_task(g.write_approver.decide(held(2), 30))
-    b = asyncio.create_task(g.write_approver.decide(held(2), 30))            # identical: still two requests
+    a = asyncio.create_task(g.approvals.decide(held(2), 30))
+    b = asyncio.create_task(g.approvals.decide(held(2), 30))            # identical: still two requests
     await asyncio.sleep(0.05)
     pending = (await api.call("GET", "/v1/approvals?state=pending"))[1]["approvals"]
     assert len(pending) == 2 and pending[0]["id"] != pending[1]["id"]
@@ -60,10 +60,10 @@ async def test_deny_timeout_cancel_and_one_approval_per_request(api):  # noqa: F
     await api.call("POST", f"/v1/approvals/{pending[1]['id']}", {"decision": "approve"})
     assert (await asyncio.wait_for(b, 5)).approved
     # a timeout is a denial
-    out = await g.write_approver.decide(held(3), 0.2)
+    out = await g.approvals.decide(held(3), 0.2)
     assert not out.approved and out.by == "timeout"
     # the stage's end denies what it still holds
-    c = asyncio.create_task(g.write_approver.decide(held(4, stage="s2"), 30))
+    c = asyncio.create_task(g.approvals.decide(held(4, stage="s2"), 30))
     await asyncio.sleep(0.05)
     assert g.approvals.cancel("r1", "s2") == 1
     assert not (await c).approved
@@ -81,7 +81,7 @@ async def test_long_poll_answers_when_a_write_is_held(api):  # noqa: F811
     poll = asyncio.create_task(api.call("GET", "/v1/approvals?state=pending&wait=5"))
     await asyncio.sleep(0.2)
     assert not poll.done()
-    waiter = asyncio.create_task(g.write_approver.decide(held(5), 30))
+    waiter = asyncio.create_task(g.approvals.decide(held(5), 30))
     status, body = await asyncio.wait_for(poll, 3)
     assert status == 200 and len(body["approvals"]) == 1
     g.approvals.cancel("r1")
@@ -108,8 +108,8 @@ async def test_decided_approvals_outlive_the_guard_and_pending_ones_end_cancelle
     from sfguard.supervisor.daemon.api import build_app
     from sfguard.supervisor.daemon.guard import Guard
     g = api.guard
-    w = asyncio.create_task(g.write_approver.decide(held(7), 30))
-    pending_w = asyncio.create_task(g.write_approver.decide(held(8), 30))
+    w = asyncio.create_task(g.approvals.decide(held(7), 30))
+    pending_w = asyncio.create_task(g.approvals.decide(held(8), 30))
     await asyncio.sleep(0.05)
     first, second = (await api.call("GET", "/v1/approvals?state=pending"))[1]["approvals"]
     await api.call("POST", f"/v1/approvals/{first['id']}", {"decision": "approve", "reason": "checked the cart"})

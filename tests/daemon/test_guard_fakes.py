@@ -304,7 +304,7 @@ async def test_a_bug_of_the_guard_is_an_internal_error_not_a_browser_failure(api
                "browser_start": BrowserStartError("the run's guard proxy did not start"),
                "os_error": OSError(5, "Input/output error")}[fault]
 
-    api.guard.stages.throwaway = broken
+    api.guard.stages.supply.throwaway = broken
     assert (await api.call("POST", "/v1/runs", {"run_id": "r1"}))[0] == 201
     with caplog.at_level("ERROR", logger="sfguard"):
         got, body = await api.call("POST", "/v1/runs/r1/stages", stage("s1"))

@@ -14,8 +14,8 @@ from sfguard.supervisor.browsers.host import AnchorError, AnchorSpec
 from sfguard.supervisor.daemon.crash import RunRecords
 from sfguard.supervisor.daemon.deferred import Deferred
 from sfguard.supervisor.daemon.runs import Browser, Run, RunOutcome, RunState
+from sfguard.supervisor.daemon.stage_attach import STAGE_ENV_KEYS
 from sfguard.supervisor.daemon.stage_sessions import StageSessions
-from sfguard.supervisor.daemon.stages import STAGE_ENV_KEYS
 from sfguard.supervisor.daemon.teardown import Teardown
 from sfguard.supervisor.gate.cdp_gate import CdpGate
 from sfguard.supervisor.profiles import store_ops
@@ -57,7 +57,7 @@ class Rig:
         sessions = StageSessions(CdpGate(), host, tmp_path / "ab", tmp_path / "cfg.json", STAGE_ENV_KEYS)
         self.deferred = Deferred(self.stores, self.calls)
         self.teardown = Teardown(
-            runs=self.runs, stages=None,   # no stage here: ending stages is not what this tests
+            runs=self.runs, stages=None, supply=None,   # no stage here: ending stages is not what this tests
             records=RunRecords(tmp_path / "runs", LOCAL_SCOPE, sessions), host=host,
             sessions=sessions, gate=CdpGate(), bridges=BridgeHost(tmp_path / "rt"),
             approvals=Approvals(), stores=self.stores, calls=self.calls, deferred=self.deferred,
