@@ -4,6 +4,9 @@
 * `liveview` a live view of one login tab: CDP screencast frames out, the person's input in
 * `handoff`  the guard's side of a `live_view` login handoff (open, state, done, cancel)
 * `server`   the aiohttp app: overview, decisions, profiles, audit, live view, SSE updates
+* `pages`, `approvals_page`, `runs_page`  what each page shows; held writes (approve, deny);
+             the runs, a run's record, its read-only watch and controls
+* `view`     ConsoleView: all the console reads of the guard and the few actions it may take
 * `listen`   `sfguard start`'s console options checked; `reach` where it listens and who may
              reach it (Host, Origin, peer, TLS, a trusted proxy)
 
