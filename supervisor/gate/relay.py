@@ -76,7 +76,9 @@ class Relay:
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for ended in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(ended, Exception):   # the connection ends (fail closed); say by what
+                    log.info("stage %s conn %d: ended by %s", self.stage.key, self.n, type(ended).__name__)
             self.stage.creating -= self.creating   # unanswered (browser gone, or timed out)
             self.creating = 0
 

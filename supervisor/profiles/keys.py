@@ -45,6 +45,11 @@ class KeyVersionMissing(KeyMissing):
     """This host has not got a key version's material (it was never given, or was retired)."""
 
 
+class KeyringRefused(ProfileError):
+    """The system keyring would not answer (locked, its service away): the seam's own error, so
+    that every caller that handles a key provider's failures handles this one too."""
+
+
 def decode_key(raw: bytes | str, damaged: str) -> bytes:
     """A stored key (base64 of KEY_BYTES bytes) back to bytes; KeyMissing(`damaged`) if it is not."""
     try:
@@ -183,13 +188,26 @@ class KeyringKeyProvider(LocalVersions):
         except KeyStateError as exc:
             raise KeyVersionMissing(f"{exc} ({self.describe()})") from None
 
+    def _get(self, user: str, what: str) -> str | None:
+        import keyring.errors
+        try:
+            stored: str | None = self._kr.get_password(KEYRING_SERVICE, user)
+        except keyring.errors.KeyringError as exc:   # its type only: a message may carry more
+            raise KeyringRefused(f"the system keyring refused to read {what} ({type(exc).__name__})") from None
+        return stored
+
     def _entry(self, user: str, what: str, create: bool) -> bytes | None:
-        stored = self._kr.get_password(KEYRING_SERVICE, user)
+        import keyring.errors
+        stored = self._get(user, what)
         if stored is None:
             if not create:
                 return None
             key = secrets.token_bytes(KEY_BYTES)
-            self._kr.set_password(KEYRING_SERVICE, user, base64.b64encode(key).decode())
+            try:
+                self._kr.set_password(KEYRING_SERVICE, user, base64.b64encode(key).decode())
+            except keyring.errors.KeyringError as exc:
+                raise KeyringRefused(f"the system keyring refused to store {what} "
+                                     f"({type(exc).__name__})") from None
             return key
         return decode_key(stored, f"{what} is damaged")
 
@@ -232,8 +250,8 @@ class KeyringKeyProvider(LocalVersions):
         return f"keyring entries {self._user('*', version)} ({self.describe()})"
 
     def _has_material(self, version: int) -> bool:
-        return version == 1 or self._kr.get_password(
-            KEYRING_SERVICE, self._user(AUDIT_KEYRING_USER, version)) is not None
+        return version == 1 or self._get(self._user(AUDIT_KEYRING_USER, version),
+                                         "the keyring entry of the audit key") is not None
 
     def _make_material(self, version: int, scopes: list[str]) -> None:
         for name in (AUDIT_KEYRING_USER, *scopes):

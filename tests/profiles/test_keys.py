@@ -91,3 +91,37 @@ def test_the_file_provider_names_a_folder_of_key_files(tmp_path):
     from sfguard.supervisor.profiles.keys import FileKeyProvider
     text = FileKeyProvider(tmp_path).describe()
     assert text.startswith(f"key files in {tmp_path / 'keys'} (folder 0700, one 0600 file per scope")
+
+
+class LockedKeyring(MemoryKeyring):
+    """A keyring that refuses: locked for reads, or for writes only."""
+
+    def __init__(self, reads: bool):
+        super().__init__()
+        self.reads = reads
+
+    def get_password(self, service, username):
+        import keyring.errors
+        if self.reads:
+            raise keyring.errors.KeyringLocked("locked; secret=" + "s3cr3t-token")
+        return super().get_password(service, username)
+
+    def set_password(self, service, username, password):
+        import keyring.errors
+        raise keyring.errors.PasswordSetError("cannot store " + password)
+
+
+@pytest.mark.parametrize("reads", [True, False], ids=["read-locked", "write-refused"])
+@pytest.mark.parametrize("ask", ["scope key", "audit key", "current key"])
+def test_a_refusing_keyring_is_the_providers_own_error(tmp_path, reads, ask):
+    """Every caller that handles a key provider's failures (ProfileError) handles a keyring that
+    refuses too; the error names the entry and the keyring error's type, never its message."""
+    from sfguard.supervisor.protocols import ProfileError
+    kp = KeyringKeyProvider(tmp_path / "home", backend=LockedKeyring(reads))
+    call = {"scope key": lambda: kp.get_key("alpha"), "audit key": lambda: kp.get_audit_key(),
+            "current key": lambda: kp.current_key("alpha")}[ask]
+    with pytest.raises(ProfileError) as err:
+        call()
+    text = str(err.value)
+    assert "keyring refused" in text and ("KeyringLocked" if reads else "PasswordSetError") in text
+    assert "s3cr3t" not in text and "cannot store" not in text
