@@ -186,7 +186,7 @@ def test_changes_of_two_guards_interleaved_keep_one_valid_chain(pg_url, host, tm
                 key = keys[i % 3]
                 run = f"{tag}-{i}"
                 deadline = time.monotonic() + 30
-                while not isinstance(g.stores.lease.try_acquire(key, run), Granted):
+                while not isinstance(g.lease.try_acquire(key, run), Granted):
                     assert time.monotonic() < deadline, "no grant within 30 s"
                     time.sleep(0.01)
                 (g.store.open(key) / "Cookies").write_bytes(run.encode())
@@ -194,7 +194,7 @@ def test_changes_of_two_guards_interleaved_keep_one_valid_chain(pg_url, host, tm
                 if i == 7:                     # delete and make anew while holding it
                     g.store.delete(key, note={"by": "api"})
                     g.store.create(key, note={"run": run})
-                g.stores.lease.release_all(run, outcome="succeeded")
+                g.lease.release_all(run, outcome="succeeded")
         except BaseException as exc:           # reported by the test thread
             errors.append(exc)
 
