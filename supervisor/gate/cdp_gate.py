@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import hmac
 import logging
@@ -85,6 +86,18 @@ class _Stage:
     def fp(self) -> str:
         return fingerprint(self.token)
 
+    def forget(self, tid: str) -> None:
+        """A tab of the browser ended: no longer the stage's. Keeps whether the guard had given
+        it, so that every connection of the stage decides alike whether it is told."""
+        if tid not in self.targets:
+            return
+        if tid not in self.destroyed:
+            self.destroyed[tid] = tid in self.assigned
+            while len(self.destroyed) > 256:
+                self.destroyed.popitem(last=False)
+        self.targets.discard(tid)
+        self.assigned.discard(tid)
+
 
 class CdpGate:
     """The gate server. One per guard daemon; serves every stage of every anchor.
@@ -105,6 +118,7 @@ class CdpGate:
         #: sees every command a stage sends, forwarded or refused (`Observer`)
         self.observer: Observer | None = None
         self._stages: dict[str, _Stage] = {}
+        self._watched: set[int] = set()   # id() of the pipes whose ended tabs the gate hears of
         self._runner: web.AppRunner | None = None
         #: the page-load pace of HTTPS sites (supervisor/daemon/pacing.py PageLoads): asked before
         #: a stage's navigation commands and its commands to a tab over the pace (relay.py)
@@ -155,6 +169,9 @@ class CdpGate:
         stage = _Stage(stage_key, token, pipe, Path(artifacts_dir) if artifacts_dir else None,
                        tab_quota, set(own_target_ids or ()), set(own_target_ids or ()))
         self._stages[stage_key] = stage
+        if id(pipe) not in self._watched:
+            self._watched.add(id(pipe))
+            pipe.watch_tabs(functools.partial(self._tab_event, pipe))
         log.info("stage %s added (token %s, quota %d)", stage_key, stage.fp, tab_quota)
         return f"ws://{join_host_port(self._host, self._port)}/devtools/browser/{token}"
 
@@ -247,6 +264,16 @@ class CdpGate:
             if st.pipe is pipe and target_id in st.targets:
                 return key
         return None
+
+    def _tab_event(self, pipe: CdpPipe, kind: str, target_id: str) -> None:
+        for st in self._stages.values():
+            if st.pipe is not pipe:
+                continue
+            if kind == "gone":
+                st.forget(target_id)
+            elif kind == "held":
+                for relay in st.relays:
+                    relay.navigation_held(target_id)
 
     def _stage(self, stage_key: str) -> _Stage:
         try:

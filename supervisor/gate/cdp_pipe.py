@@ -36,6 +36,7 @@ import json
 import logging
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from sfguard.supervisor.gate.cdp_session import CdpCallError, CdpSession, PipeClosed
@@ -120,6 +121,19 @@ class CdpPipe:
         #: closes pages nobody opened (supervisor/gate/warden.py), once the start tab is known
         self.warden = TargetWarden(lambda tid, _why: self._fire("Target.closeTarget", {"targetId": tid}))
         self.websockets: Any = None   # its WebSocket part (supervisor/writes/websockets.py)
+        self._tab_watchers: list[Callable[[str, str], None]] = []
+
+    def watch_tabs(self, watcher: Callable[[str, str], None]) -> None:
+        """Call `watcher(kind, target_id)` when a tab of this browser ends (`gone`, before any
+        client is told) or the write gate holds its navigation (`held`): the CDP gate keeps its
+        stages' tabs true even when no connection of the stage is open, and answers a stage's
+        navigation command to a held tab at once."""
+        self._tab_watchers.append(watcher)
+
+    def tell_tab_watchers(self, kind: str, target_id: str) -> None:
+        """`kind` (gone, held) happened to tab `target_id` (see `watch_tabs`)."""
+        for watcher in self._tab_watchers:
+            watcher(kind, target_id)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, *, proxy_auth: tuple[str, str] | None = None, timeout: float = 60.0) -> dict:
@@ -367,6 +381,8 @@ class CdpPipe:
             if method == "Target.targetDestroyed":
                 self.targets.pop(str(params.get("targetId")), None)
                 self.warden.gone(params.get("targetId"))
+                if isinstance(params.get("targetId"), str):
+                    self.tell_tab_watchers("gone", params["targetId"])
             elif isinstance(info.get("targetId"), str):
                 self.targets[info["targetId"]] = info
                 if method == "Target.targetCreated":

@@ -38,6 +38,9 @@ _INSPECTED_REPLIES = frozenset({"Target.createTarget", "Target.getTargets",
 #: commands to a tab whose navigation the write gate holds that the browser answers itself
 #: (the rest wait in Chromium until the navigation commits: the gate answers them at once)
 WHILE_HELD = frozenset({"Page.captureScreenshot"})
+#: navigation commands whose answer Chromium keeps until the navigation commits: when the write
+#: gate holds that navigation, the gate answers them itself (`navigation_held`)
+_NAVIGATIONS = frozenset({"Page.navigate", "Page.reload", "Page.navigateToHistoryEntry"})
 
 
 class Relay:
@@ -61,6 +64,8 @@ class Relay:
         # getTargets cover every tab of the stage.
         self.mine: set[str] = set()
         self.creating = 0                  # this connection's createTarget calls in flight
+        self.answered: set[tuple[Any, Any]] = set()   # navigations the gate answered (held writes)
+        self._tasks: set[asyncio.Task] = set()
         self.no_creates = asyncio.Event()
         self.no_creates.set()
 
@@ -119,7 +124,7 @@ class Relay:
                                                                   if data.get("sessionId") else {}),
                                             "error": {"code": -32000, "message": waiting}}))
                 continue
-            if method in _INSPECTED_REPLIES:
+            if method in _INSPECTED_REPLIES or (method in _NAVIGATIONS and data.get("sessionId")):
                 self.pending[key] = method
                 self.pending_ids[data["id"]] += 1
                 if method == "Target.createTarget":
@@ -239,6 +244,23 @@ class Relay:
         except ConnectionError:
             pass
 
+    def navigation_held(self, target_id: str) -> None:
+        """The write gate holds tab `target_id`'s navigation: this connection's navigation
+        commands to it in flight are answered now with the held write's text, as later commands
+        are (`_held`); Chromium's own answer, once the write is decided, is dropped."""
+        writes = self.upstream.pipe.writes
+        answer = writes.held_navigation(target_id) if writes is not None else None
+        if not isinstance(answer, str):
+            return
+        for key, method in list(self.pending.items()):
+            if method in _NAVIGATIONS and key not in self.answered \
+                    and self.ctx.own_sessions.get(key[0]) == target_id:
+                self.answered.add(key)
+                task = asyncio.get_running_loop().create_task(self._send(
+                    {"id": key[1], "sessionId": key[0], "error": {"code": -32000, "message": answer}}))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
     async def _reply(self, data: dict) -> None:
         key = (data.get("sessionId"), data.get("id"))
         method = self.pending.pop(key, None)
@@ -248,6 +270,9 @@ class Relay:
         self.pending_ids[key[1]] -= 1
         if self.pending_ids[key[1]] <= 0:
             del self.pending_ids[key[1]]
+        if key in self.answered:   # the gate answered it when its write was held
+            self.answered.discard(key)
+            return
         result = data.get("result")
         if method == "Target.createTarget":
             self.creating -= 1
@@ -309,14 +334,8 @@ class Relay:
             else:
                 visible = self._announced(tid)
             if name == "Target.targetDestroyed":
-                if tid not in gone and tid in targets:
-                    # the stage's sets are shared by its connections: keep whether the tab was
-                    # the guard's (announced to all), so that the others still decide alike
-                    gone[tid] = tid in self.stage.assigned
-                    while len(gone) > 256:
-                        gone.popitem(last=False)
-                targets.discard(tid)
-                self.stage.assigned.discard(tid)
+                if isinstance(tid, str):
+                    self.stage.forget(tid)   # the gate has heard it from the pipe already, as a rule
                 self.mine.discard(tid)
             return visible
         return False

@@ -312,6 +312,7 @@ class WriteInterceptor:
             # the tab's own page is on its way out: the gate answers commands to it (see held_tabs)
             self.held_tabs[target] = {"approval": approval, "request": f"{method} {hidden_query(url)}",
                                       "page": hidden_query(str(tab.get("url") or ""))}
+            self.pipe.tell_tab_watchers("held", target)   # a navigation command in flight: answered now
         self._holding += 1
         try:
             await self._hold_until_decided(rid, params, method, url, host, port, path, verdict, who, tab,

@@ -334,3 +334,34 @@ async def test_tabs_asked_for_on_a_connection_closed_at_once_are_the_stages(anch
     assert len(made) <= 2 and made == gate.stage_targets("S"), (made, gate.stage_targets("S"))
     closed = await gate.close_stage_tabs("S")
     assert set(closed) == made and not (await raw_page_ids(anchor)) - before
+
+
+@pytest.mark.parametrize("closer", ["the browser", "the stage, leaving at once"])
+async def test_a_tab_that_ends_while_no_connection_is_open_is_no_longer_the_stages(anchor, gate, closer):
+    """The gate hears of every tab that ends from the browser's pipe, not only through a stage's
+    open connection: a tab closed from the browser's side, or by a stage that leaves before the
+    end is announced, no longer counts against the stage's tabs or its quota."""
+    url = gate.add_stage("S", anchor.pipe, tab_quota=2)
+    tabs = [await gate.create_stage_tab("S") for _ in range(2)]
+    if closer == "the browser":
+        for tid in tabs:
+            await raw_call(anchor, "Target.closeTarget", {"targetId": tid})
+    else:
+        async with aiohttp.ClientSession() as s:
+            ws = await s.ws_connect(url)
+            for n, tid in enumerate(tabs, 1):
+                await ws.send_str(json.dumps({"id": n, "method": "Target.closeTarget",
+                                              "params": {"targetId": tid}}))
+            await ws.receive(timeout=10)
+            await ws.close()
+    deadline = asyncio.get_running_loop().time() + 10
+    while asyncio.get_running_loop().time() < deadline and gate.stage_targets("S"):
+        await asyncio.sleep(0.05)
+    assert gate.stage_targets("S") == set()
+    assert not set(tabs) & await raw_page_ids(anchor)
+    async with aiohttp.ClientSession() as s:   # the quota is whole again
+        c = CdpClient(await s.ws_connect(url))
+        made = [await c.call("Target.createTarget", {"url": "about:blank"}) for _ in range(2)]
+        assert all("result" in m for m in made), made
+    assert len(gate.stage_targets("S")) == 2
+    await gate.close_stage_tabs("S")

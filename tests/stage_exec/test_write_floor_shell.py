@@ -74,6 +74,12 @@ def pending(d, bound: int = 20) -> list[dict]:
     return body["approvals"]
 
 
+def timed(env: dict, *args: str):
+    started = time.monotonic()
+    done = as_stage(env, *args, timeout=60)
+    return time.monotonic() - started, done
+
+
 def shell(d, ws, script: str):
     r = stage_exec(d.home, ws, "r1", "s1", "sh", "-c", script, timeout=120)
     assert r.returncode == 0, (r.stdout, r.stderr)
@@ -116,16 +122,38 @@ def test_a_floor_holds_the_browser_and_shuts_the_shell_and_follows_live_edits(gu
                     f"s.textContent = JSON.stringify({rules}); document.head.append(s); 'added'").returncode == 0
     time.sleep(3.0)
     assert hits(site, "site-a.test", "/logout") == 0
-    # a GET the policy names a write is held too, and sent once when approved
-    as_stage(env, "open", f"{a}/logout", timeout=60)
+    # a GET the policy names a write is held too, and sent once when approved; the stage's
+    # `open` is answered at once with the held write (Chromium would keep it until the decision,
+    # and agent-browser gives up after 30 s)
+    took, opened = timed(env, "open", f"{a}/logout")
     held = pending(d)
     assert [(x["method"], x["path"]) for x in held] == [("GET", "/logout")], held
+    assert took < 10 and opened.returncode != 0, (took, opened)
+    assert f"write_held: approval {held[0]['id']}" in opened.stderr + opened.stdout, opened
     assert hits(site, "site-a.test", "/logout") == 0
     assert d.call("POST", f"/v1/approvals/{held[0]['id']}", {"decision": "approve"})[0] == 200
     deadline = time.monotonic() + 20
     while hits(site, "site-a.test", "/logout") == 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert hits(site, "site-a.test", "/logout") == 1
+    # denied, the tab shows the refusal at that address; a reload of it is held again (Chromium
+    # answers Page.reload itself; agent-browser then waits for the page's load, 10 s at most)
+    for decision, command in (("deny", ("open", f"{a}/logout")), ("approve", ("reload",))):
+        took, done = timed(env, *command)
+        held = pending(d)
+        assert [(x["method"], x["path"]) for x in held] == [("GET", "/logout")], (command, held)
+        assert took < 20, (command, took, done)
+        if command[0] == "open":
+            assert f"write_held: approval {held[0]['id']}" in done.stderr + done.stdout, done
+        assert d.call("POST", f"/v1/approvals/{held[0]['id']}", {"decision": decision})[0] == 200
+        assert as_stage(env, "wait", "--load", "load").returncode == 0
+        if decision == "deny":
+            assert "refused" in as_stage(env, "get", "text", "body").stdout
+            assert as_stage(env, "get", "url").stdout.strip() == f"{a}/logout"
+    deadline = time.monotonic() + 20
+    while hits(site, "site-a.test", "/logout") == 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hits(site, "site-a.test", "/logout") == 2       # the approved reload, once
 
     # the reviewers move the floor to site-b.test, as deny: in force without a restart
     d.policy_file.write_text(POLICY.format(port=site, floored="site-b.test", mode="deny"))
