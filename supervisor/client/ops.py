@@ -163,7 +163,8 @@ class GuardRun:
         """Long-poll the run's live_view handoff until it is no longer open (or `limit` s)."""
         deadline = time.monotonic() + limit
         while True:
-            status, answer = self._call("GET", f"/v1/runs/{self.run_id}/handoff?wait=30")
+            left = min(30.0, max(0.0, deadline - time.monotonic()))   # never past `limit`
+            status, answer = self._call("GET", f"/v1/runs/{self.run_id}/handoff?wait={left:.2f}")
             if status != 200:
                 raise _error_of(status, answer)
             if answer["state"] != "open" or time.monotonic() >= deadline:
