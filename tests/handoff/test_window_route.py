@@ -23,7 +23,7 @@ from tests.handoff.test_window import (  # noqa: F401  (xserver is a fixture)
     _x,
     find_window,
     grab,
-    person_logs_in,
+    person_logs_in_until,
     save_png,
     xserver,
 )
@@ -53,13 +53,6 @@ def _check(d, run, a):
     return res["logged_in"]
 
 
-def _until_logged_in(d, run, a, bound: float = 30) -> None:
-    deadline = time.monotonic() + bound
-    while not _check(d, run, a):
-        assert time.monotonic() < deadline, "the guard's login check never said logged in"
-        time.sleep(0.5)
-
-
 def _stage(d, run, headed):
     body = {"stage_id": "login", "attempt": 1,
             "browser": {"profile": "acct", "headed": headed, "allow_domains": ["site-a.test"]}}
@@ -87,8 +80,7 @@ def test_local_window_handoff_through_the_guard(x_daemon, site, xserver):  # noq
     # the stage keeps waiting: the run and its stage are still there
     status, stage = d.call("GET", "/v1/runs/login1/stages/login")
     assert status == 200 and stage["state"] == "ready", stage
-    person_logs_in(wid, env, "operator", "correct-horse", "route")
-    _until_logged_in(d, "login1", a)
+    person_logs_in_until(lambda: _check(d, "login1", a), wid, env, "operator", "correct-horse", "route")
     w, h, rows = grab(wid, env)
     save_png("route-logged-in", w, h, rows)
     assert time.monotonic() - started < 120
@@ -163,8 +155,7 @@ def test_a_person_logs_in_through_a_headed_stages_window(x_daemon, site, xserver
     title = xdisplay.window_title("acct")
     wid = find_window(title, env)
     assert "IsViewable" in _x("xwininfo", "-id", wid, env=env)
-    person_logs_in(wid, env, "operator", "correct-horse", "headed-stage")
-    _until_logged_in(d, "hs1", a)
+    person_logs_in_until(lambda: _check(d, "hs1", a), wid, env, "operator", "correct-horse", "headed-stage")
     w, h, rows = grab(wid, env)
     save_png("headed-stage-logged-in", w, h, rows)
     assert d.call("POST", "/v1/runs/hs1/end", {"outcome": "succeeded"})[0] == 200
