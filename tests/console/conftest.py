@@ -15,13 +15,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import pytest
 
 from sfguard.supervisor.home import runtime_dir, runtime_path
+from sfguard.supervisor.procs import scan_orphans
 from tests.conftest import free_port
 from tests.daemon.conftest import (
     FAKE_AB,
     Daemon,
+    browser_uids,
     fake_browser_for,
     fake_cdp,  # noqa: F401  (a fixture fake_guard uses)
     start_real_guard,
@@ -95,6 +98,8 @@ def _start(tmp_path: Path, site: int) -> Daemon:
 def _stop(d: Daemon) -> None:
     d.stop()
     assert leftovers(str(d.home), str(runtime_path(d.home))) == []
+    # nor one that names its runtime folder only in its environment (an agent-browser daemon)
+    assert scan_orphans([runtime_path(d.home)], browser_uids()) == []
 
 
 @pytest.fixture
@@ -112,6 +117,19 @@ def shared_guard(tmp_path_factory):
     d = _start(tmp_path_factory.mktemp("console"), 9)
     yield d
     _stop(d)
+
+
+def end_session_daemons(env: dict) -> None:
+    """End the agent-browser daemons a test's own command started for a stage's session (one
+    sent after the run ended starts a daemon that never idles out), by pid."""
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if "agent-browser" in (proc.info["name"] or "") and \
+                    proc.environ().get("AGENT_BROWSER_SESSION") == env["AGENT_BROWSER_SESSION"]:
+                proc.kill()
+                proc.wait(5)
+        except (psutil.Error, psutil.TimeoutExpired):
+            pass
 
 
 def link(d: Daemon, ttl: int = 600) -> str:

@@ -16,7 +16,7 @@ import pytest
 from sfguard.supervisor.console.server import CONSOLE_COOKIE
 from sfguard.supervisor.console.viewer import Viewer
 from sfguard.supervisor.profiles.audit import LocalAuditSink
-from tests.console.conftest import ARTIFACTS, connect
+from tests.console.conftest import ARTIFACTS, connect, end_session_daemons
 from tests.daemon.test_real_browser import as_stage
 
 pytestmark = pytest.mark.browser
@@ -113,6 +113,8 @@ def test_a_console_session_watches_a_running_stage_read_only_and_ends_its_run(gu
     ended = d.call("GET", f"/v1/runs/{run}")[1]
     assert ended["state"] == "ended" and ended["outcome"] == "cancelled", ended
     assert as_stage(env, "get", "url").returncode != 0          # its gate token is gone
+    # that command started a session daemon of its own (as a stage's would): the test ends it
+    end_session_daemons(env)
     records = [(r["event"], r["fields"]) for r in LocalAuditSink(d.home, read_only=True).records(run=run)]
     watched = [f["by"] for e, f in records if e == "console_stage_watched"]
     assert set(watched) == {"console:ana", "console:bo"}, records
