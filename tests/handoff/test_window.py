@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".ci-artifacts" / "handoff"
 X_TOOLS = ("Xvfb", "xdotool", "xauth", "xwd", "xwininfo", "xdpyinfo")
 WAIT = 20.0   # bound for every wait on the window or the page
+GRAB_TRIES = 10   # xwd refusals taken as a window mid-change before the test gives up
 
 
 @dataclass
@@ -178,9 +179,19 @@ def find_window(title: str, env: dict[str, str], present: bool = True) -> str | 
 
 
 def grab(wid: str, env: dict[str, str]) -> tuple[int, int, list[bytes]]:
-    """The window's pixels from the X server (xwd): width, height, rows of RGB bytes."""
-    raw = subprocess.run(["xwd", "-silent", "-id", wid], env=env, capture_output=True,
-                         timeout=15, check=True).stdout
+    """The window's pixels from the X server (xwd): width, height, rows of RGB bytes. A
+    window caught while Chromium maps or resizes it refuses the picture (xwd exits 1: seen in
+    CI right after a tab closed); asked again, a bounded number of times."""
+    for _ in range(GRAB_TRIES):
+        done = subprocess.run(["xwd", "-silent", "-id", wid], env=env, capture_output=True,
+                              timeout=15, check=False)
+        if done.returncode == 0:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"xwd never took a picture of window {wid}: "
+                             f"{done.stderr.decode(errors='replace')[-300:]}")
+    raw = done.stdout
     h = struct.unpack(">25I", raw[:100])
     header_size, width, height, byte_order = h[0], h[4], h[5], h[7]
     bpp, bpl, masks, ncolors = h[11], h[12], h[14:17], h[19]
@@ -257,13 +268,14 @@ def person_logs_in_until(done, wid: str, env: dict[str, str], user: str, passwor
                          attempts: int = 3, bound: float = 15) -> None:
     """A person who tries again when the page did not take it (keys lost under load): at
     most `attempts` times, each given `bound` seconds for `done()` to say logged in."""
-    for _ in range(attempts):
+    for attempt in range(attempts):
         person_logs_in(wid, env, user, password, shot)
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
             if done():
                 return
             time.sleep(0.5)
+        save_png(f"{shot}-attempt-{attempt + 1}-not-taken", *grab(wid, env))
     raise AssertionError("the guard's login check never said logged in")
 
 
