@@ -6,6 +6,7 @@ import http.cookiejar
 import os
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from http.cookies import SimpleCookie
@@ -133,6 +134,17 @@ async def test_hits_count_requests_per_host_and_path(client):
     assert hits[("site-a.test", "/")] == 2
     assert hits[("site-b.test", "/account")] == 1
     assert ("site-b.test", "/") not in hits
+
+
+async def test_hits_say_when_the_first_and_latest_request_came(client):
+    start = time.time()
+    await client.get("/", headers={"Host": "site-a.test"})
+    between = time.time()
+    await client.get("/", headers={"Host": "site-a.test"})
+    end = time.time()
+    (row,) = [h for h in (await (await client.get("/hits.json")).json())["hits"]
+              if (h["host"], h["path"]) == ("site-a.test", "/")]
+    assert start <= row["first"] <= between <= row["last"] <= end
 
 
 async def test_start_login_server_serves_on_a_free_port():

@@ -2,10 +2,12 @@
 mitmproxy and the fixture login site. Slow (tens of seconds each): run with `-m slow`."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -63,21 +65,44 @@ def test_kill9_daemon_mid_stage_keeps_the_login(real_guard, site):
     d.call("POST", "/v1/runs/after/end", {"outcome": "succeeded"})
 
 
+def proxy_record(d, run: str) -> dict:
+    rec = json.loads((d.home / "runs" / f"{run}.json").read_text())
+    (proxy,) = [p for p in rec["processes"] if p["kind"] == "proxy"]
+    return proxy
+
+
+def first_hit(port: int, host: str, path: str) -> float | None:
+    """Wall-clock time of the first request for (host, path) at the fixture site, or None."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/hits.json", timeout=10) as r:
+        rows = json.load(r)["hits"]
+    times = [r["first"] for r in rows if r["host"].split(":")[0] == host and r["path"] == path]
+    return min(times, default=None)
+
+
 def test_kill9_proxy_browser_gets_errors_never_a_direct_route(real_guard, site):
+    """With the run's proxy killed, the browser's request fails, or (when the guard's restart
+    came first, under load) goes through the restarted proxy: nothing reaches the site between
+    the kill and the new proxy's start."""
     d, a = real_guard, f"http://site-a.test:{site}"
     d.call("POST", "/v1/runs", {"run_id": "r1"})
     env = env_of(d, "r1", "s1")
     assert as_stage(env, "open", f"{a}/").returncode == 0
-    import json
-    rec = json.loads((d.home / "runs" / "r1.json").read_text())
-    (proxy,) = [p for p in rec["processes"] if p["kind"] == "proxy"]
+    old = proxy_record(d, "r1")
     before = hits(site, "site-a.test", "/account")
-    os.kill(proxy["pid"], signal.SIGKILL)
+    assert before == 0   # so the first /account request is the one after the kill
+    os.kill(old["pid"], signal.SIGKILL)
     r = as_stage(env, "open", f"{a}/account", timeout=60)
     url = as_stage(env, "get", "url").stdout.strip()
-    assert hits(site, "site-a.test", "/account") == before, "reached the site while the proxy was down"
-    assert r.returncode != 0 or not url.endswith("/account") or "chrome-error" in url, (r.stdout, url)
     wait_for(lambda: d.call("GET", "/v1/runs/r1")[1]["proxy"]["restarts"] >= 1, 30, 0.2, "proxy restart")
+    # (the restart is counted before the new process starts; the run record names it after)
+    wait_for(lambda: proxy_record(d, "r1")["pid"] != old["pid"], 30, 0.2, "the new proxy in the record")
+    new = proxy_record(d, "r1")
+    assert new["create_time"] >= old["create_time"]
+    if hits(site, "site-a.test", "/account") == before:   # the proxy was still down: an error
+        assert r.returncode != 0 or not url.endswith("/account") or "chrome-error" in url, (r.stdout, url)
+    else:   # the request came after the restart, so through the new proxy
+        at = first_hit(site, "site-a.test", "/account")
+        assert at is not None and at >= new["create_time"], "reached the site while the proxy was down"
     ok = wait_for(lambda: as_stage(env, "open", f"{a}/account").returncode == 0
                   and hits(site, "site-a.test", "/account") > before, 30, 1, "browsing to work again")
     assert ok
